@@ -1,0 +1,32 @@
+# deltackpt: `make demo` and `make test` work on a fresh machine (they create .venv first).
+PY ?= python3
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.deltackpt-installed
+DEMO_STORE ?= demo-store
+BENCH_OUT ?= bench-out
+
+.PHONY: install test test-fast demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet "setuptools>=64" wheel
+	$(PYTHON) -m pip install --quiet torch==2.13.0
+	$(PYTHON) -m pip install --quiet --no-build-isolation -e '.[dev,bench]'
+	$(PYTHON) -c "import deltackpt.kernels as k; print('deltackpt kernels:', k.BACKEND)"
+	touch $(STAMP)
+
+test: install
+	$(PYTHON) -m pytest -q
+
+demo: install
+	$(PYTHON) examples/store_demo.py --store $(DEMO_STORE)
+
+bench: install
+	mkdir -p $(BENCH_OUT)
+	$(PYTHON) benchmarks/bench_kernels.py --json $(BENCH_OUT)/kernels.json
+
+clean:
+	rm -rf build *.egg-info deltackpt/_native*.so $(DEMO_STORE) $(BENCH_OUT)

@@ -1,0 +1,142 @@
+"""Throughput of deltackpt.kernels on both backends (single thread).
+
+Prints one JSON object to stdout:
+    {"backend_native_available": bool, "live_backend": str, "results": [...],
+     "targets": {...}, "targets_met": bool}
+
+Each result: {"kernel", "backend", "elem_size", "bytes", "seconds", "gb_per_s"}, where
+bytes is the logical buffer size (one input), gb_per_s = bytes / best time / 1e9.
+Shuffle-family kernels write into a preallocated ``out`` (the hot-path usage), so
+page-faulting a fresh output is not measured. The numpy backend is measured on a
+smaller buffer for FastCDC (it is slow); targets apply to the native backend.
+
+Usage: python benchmarks/bench_kernels.py [--size-mib 64] [--repeat 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deltackpt import kernels  # noqa: E402
+
+SHUFFLE_KERNELS = ("shuffle", "unshuffle", "xor_shuffle", "unshuffle_xor")
+SHUFFLE_TARGET_GBPS = 4.0
+FASTCDC_TARGET_GBPS = 1.0
+FASTCDC_PARAMS = (16 << 10, 64 << 10, 256 << 10)
+TARGET_ELEM_SIZES = (2, 4)
+
+
+def best_time(fn, repeat: int) -> float:
+    fn()  # warm-up (page faults, caches)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=float, default=64, help="buffer size in MiB (default 64)")
+    ap.add_argument("--repeat", type=int, default=5, help="repetitions, best is kept (default 5)")
+    ap.add_argument("--numpy-fastcdc-mib", type=float, default=8, help="buffer size for numpy FastCDC (default 8)")
+    ap.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
+    args = ap.parse_args(argv)
+
+    nbytes = int(args.size_mib * (1 << 20))
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    # b: a "previous checkpoint" differing in low mantissa bytes, as in real deltas
+    b = a.copy()
+    b[::4] ^= rng.integers(0, 256, b[::4].size, dtype=np.uint8)
+    out = np.empty(nbytes, dtype=np.uint8)
+    out[...] = 0
+
+    impls = [("numpy", kernels.numpy_impl)]
+    if kernels.native_impl is not None:
+        impls.insert(0, ("native", kernels.native_impl))
+
+    results = []
+    for backend, im in impls:
+        for kernel in SHUFFLE_KERNELS:
+            fn = getattr(im, kernel)
+            for k in (1, 2, 4, 8):
+                if kernel in ("shuffle", "unshuffle"):
+                    call = lambda fn=fn, k=k: fn(a, k, out=out)  # noqa: E731
+                else:
+                    call = lambda fn=fn, k=k: fn(a, b, k, out=out)  # noqa: E731
+                rep = args.repeat if backend == "native" else max(1, min(args.repeat, 3))
+                t = best_time(call, rep)
+                results.append(
+                    {
+                        "kernel": kernel,
+                        "backend": backend,
+                        "elem_size": k,
+                        "bytes": nbytes,
+                        "seconds": round(t, 6),
+                        "gb_per_s": round(nbytes / t / 1e9, 3),
+                    }
+                )
+        size = nbytes if backend == "native" else min(nbytes, int(args.numpy_fastcdc_mib * (1 << 20)))
+        data = a[:size]
+        rep = args.repeat if backend == "native" else max(1, min(args.repeat, 2))
+        t = best_time(lambda im=im, data=data: im.fastcdc_cuts(data, *FASTCDC_PARAMS), rep)
+        n_chunks = len(im.fastcdc_cuts(data, *FASTCDC_PARAMS))
+        results.append(
+            {
+                "kernel": "fastcdc_cuts",
+                "backend": backend,
+                "elem_size": None,
+                "bytes": size,
+                "params": {"min_size": FASTCDC_PARAMS[0], "avg_size": FASTCDC_PARAMS[1], "max_size": FASTCDC_PARAMS[2]},
+                "chunks": n_chunks,
+                "seconds": round(t, 6),
+                "gb_per_s": round(size / t / 1e9, 3),
+            }
+        )
+
+    checks = {}
+    if kernels.native_impl is not None:
+        for r in results:
+            if r["backend"] != "native":
+                continue
+            if r["kernel"] in SHUFFLE_KERNELS and r["elem_size"] in TARGET_ELEM_SIZES:
+                checks[f"{r['kernel']}[{r['elem_size']}]"] = r["gb_per_s"] >= SHUFFLE_TARGET_GBPS
+            elif r["kernel"] == "fastcdc_cuts":
+                checks["fastcdc_cuts"] = r["gb_per_s"] >= FASTCDC_TARGET_GBPS
+    report = {
+        "backend_native_available": kernels.native_impl is not None,
+        "live_backend": kernels.BACKEND,
+        "machine": {"python": platform.python_version(), "arch": platform.machine(), "numpy": np.__version__},
+        "size_mib": args.size_mib,
+        "repeat": args.repeat,
+        "out_preallocated": True,
+        "results": results,
+        "targets": {
+            "backend": "native",
+            "shuffle_family_gb_per_s": SHUFFLE_TARGET_GBPS,
+            "shuffle_family_elem_sizes": list(TARGET_ELEM_SIZES),
+            "fastcdc_cuts_gb_per_s": FASTCDC_TARGET_GBPS,
+            "checks": checks,
+        },
+        "targets_met": bool(checks) and all(checks.values()),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

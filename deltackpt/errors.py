@@ -1,0 +1,134 @@
+"""The exception hierarchy of deltackpt. Imports nothing of ours.
+
+Every error deltackpt raises on purpose derives from :class:`DeltackptError`, so callers can catch the
+whole family; each one also derives from the builtin that best describes it (``KeyError`` for a missing
+checkpoint, ``ValueError`` for a malformed manifest), so generic code keeps working.
+"""
+
+from __future__ import annotations
+
+
+class DeltackptError(Exception):
+    """Base class of every error deltackpt raises on purpose."""
+
+
+class NativeKernelUnavailable(DeltackptError, ImportError):
+    """The C kernels were required (DELTACKPT_KERNELS=native) but ``deltackpt._native`` cannot be imported."""
+
+
+class StoreNotFoundError(DeltackptError, FileNotFoundError):
+    """The path is not a deltackpt store (no ``config`` object)."""
+
+
+class StoreExistsError(DeltackptError, FileExistsError):
+    """``Store.init`` on a path that already holds a store or other files."""
+
+
+class UnsupportedFormatError(DeltackptError):
+    """The store or an object in it was written by a newer, incompatible format version."""
+
+
+class StoreLockedError(DeltackptError):
+    """Another process holds a lock that conflicts with the requested operation."""
+
+
+class CheckpointNotFoundError(DeltackptError, KeyError):
+    """No committed checkpoint has this name."""
+
+    def __init__(self, name: str, nearby: list[str] | None = None):
+        self.name = name
+        self.nearby = list(nearby or [])
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        msg = f"no checkpoint named {self.name!r}"
+        if self.nearby:
+            msg += f"; nearby names: {', '.join(self.nearby)}"
+        return msg
+
+
+class CheckpointExistsError(DeltackptError, FileExistsError):
+    """A checkpoint with this name is already committed (pass overwrite=True to replace it)."""
+
+
+class InvalidNameError(DeltackptError, ValueError):
+    """A checkpoint name that is empty, too long, reserved or could escape the store (``/``, ``..``)."""
+
+
+class ManifestFormatError(DeltackptError, ValueError):
+    """A stored metadata object (config, manifest, pack header, index record) does not match its schema."""
+
+
+class CorruptChunkError(DeltackptError):
+    """A chunk's bytes do not hash to its id, or its pack entry is damaged.
+
+    Carries the chunk id, the pack, and the checkpoint / item when known, so the damage can be traced.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        chunk_id: str | None = None,
+        pack: str | None = None,
+        checkpoint: str | None = None,
+        item: str | None = None,
+        base_chunk_id: str | None = None,
+    ):
+        self.chunk_id = chunk_id
+        self.pack = pack
+        self.checkpoint = checkpoint
+        self.item = item
+        self.base_chunk_id = base_chunk_id
+        parts = [message]
+        for label, value in (
+            ("chunk", chunk_id),
+            ("base chunk", base_chunk_id),
+            ("pack", pack),
+            ("checkpoint", checkpoint),
+            ("item", item),
+        ):
+            if value:
+                parts.append(f"{label} {value}")
+        super().__init__("; ".join(parts))
+
+    def __reduce__(self):
+        kw = dict(chunk_id=self.chunk_id, pack=self.pack, checkpoint=self.checkpoint, item=self.item,
+                  base_chunk_id=self.base_chunk_id)
+        return (_rebuild_corrupt, (self.args[0], kw))
+
+
+def _rebuild_corrupt(message, kw):
+    err = CorruptChunkError.__new__(CorruptChunkError)
+    Exception.__init__(err, message)
+    err.__dict__.update(kw)
+    return err
+
+
+class MissingChunkError(DeltackptError, KeyError):
+    """A manifest references a chunk that no pack holds."""
+
+    def __init__(self, chunk_id: str, *, checkpoint: str | None = None, item: str | None = None):
+        self.chunk_id = chunk_id
+        self.checkpoint = checkpoint
+        self.item = item
+        super().__init__(chunk_id)
+
+    def __str__(self) -> str:
+        msg = f"chunk {self.chunk_id} is not in any pack"
+        if self.checkpoint:
+            msg += f"; checkpoint {self.checkpoint}"
+        if self.item:
+            msg += f"; item {self.item}"
+        return msg
+
+    def __reduce__(self):
+        return (_rebuild_missing, (self.chunk_id, self.checkpoint, self.item))
+
+
+def _rebuild_missing(chunk_id, checkpoint, item):
+    return MissingChunkError(chunk_id, checkpoint=checkpoint, item=item)
+
+
+class SilentDataCorruptionError(DeltackptError):
+    """Replicas of the same data disagree across ranks: a bit flipped in memory or compute."""

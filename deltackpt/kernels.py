@@ -1,0 +1,366 @@
+"""Byte-plane shuffle, fused XOR delta, and FastCDC chunking.
+
+Public API (all inputs are any C-contiguous buffer, read as raw bytes)::
+
+    shuffle(src, elem_size, out=None)          -> uint8 array (byte planes)
+    unshuffle(src, elem_size, out=None)        -> uint8 array (inverse)
+    xor_shuffle(a, b, elem_size, out=None)     -> shuffle(a XOR b)
+    unshuffle_xor(planes, base, elem_size, out=None) -> unshuffle(planes) XOR base
+    fastcdc_cuts(data, min_size, avg_size, max_size) -> int64 chunk end offsets
+
+Byte planes: with ``n = len // k`` full elements, ``out[j*n + i] = src[i*k + j]``;
+the trailing ``len % k`` bytes are copied unchanged to the end.
+
+Two interchangeable implementations exist: the C extension ``deltackpt._native``
+(:data:`native_impl`, ``None`` when it cannot be imported) and a numpy fallback
+(:data:`numpy_impl`). They produce byte-identical results. The live one is
+chosen once, at import, from the environment:
+
+* ``DELTACKPT_KERNELS=auto`` (default): native if it imports, else numpy.
+* ``DELTACKPT_KERNELS=native`` or ``DELTACKPT_REQUIRE_NATIVE=1``: native, raising
+  :class:`~deltackpt.errors.NativeKernelUnavailable` if the extension is missing.
+* ``DELTACKPT_KERNELS=numpy``: numpy.
+
+:data:`BACKEND` names the live backend (``"native"`` or ``"numpy"``).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+import numpy as np
+
+from deltackpt.errors import NativeKernelUnavailable
+
+__all__ = [
+    "BACKEND",
+    "ELEM_SIZES",
+    "fastcdc_cuts",
+    "native_impl",
+    "numpy_impl",
+    "shuffle",
+    "unshuffle",
+    "unshuffle_xor",
+    "xor_shuffle",
+]
+
+ELEM_SIZES = (1, 2, 4, 8)
+_BACKEND_CHOICES = ("auto", "native", "numpy")
+_U64 = (1 << 64) - 1
+
+# --------------------------------------------------------------------------
+# argument normalisation (shared by both implementations)
+# --------------------------------------------------------------------------
+
+
+def _as_u8(obj, name: str) -> np.ndarray:
+    """A 1-D uint8 view (no copy) of a C-contiguous buffer-protocol object."""
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        if obj.dtype.hasobject:
+            raise TypeError(f"{name} must not be an object array")
+        return obj.reshape(-1).view(np.uint8)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a buffer-protocol object (bytes, bytearray, memoryview, numpy array), "
+            f"got {type(obj).__name__}"
+        ) from None
+    if not mv.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    if mv.nbytes == 0:
+        return np.empty(0, dtype=np.uint8)
+    return np.frombuffer(mv, dtype=np.uint8)
+
+
+def _elem_size(elem_size) -> int:
+    try:
+        k = operator.index(elem_size)
+    except TypeError:
+        raise ValueError(f"elem_size must be one of 1, 2, 4 or 8, got {elem_size!r}") from None
+    if k not in ELEM_SIZES:
+        raise ValueError(f"elem_size must be one of 1, 2, 4 or 8, got {elem_size!r}")
+    return k
+
+
+def _prep_out(out, nbytes: int) -> np.ndarray:
+    if out is None:
+        return np.empty(nbytes, dtype=np.uint8)
+    if not isinstance(out, np.ndarray):
+        raise ValueError("out must be a numpy uint8 array")
+    if out.dtype != np.uint8:
+        raise ValueError(f"out must have dtype uint8, got {out.dtype}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be a writable C-contiguous array")
+    if out.nbytes != nbytes:
+        raise ValueError(f"out has {out.nbytes} bytes, expected {nbytes}")
+    return out
+
+
+def _fastcdc_params(min_size, avg_size, max_size) -> tuple[int, int, int]:
+    try:
+        mn, avg, mx = (operator.index(v) for v in (min_size, avg_size, max_size))
+    except TypeError:
+        raise ValueError("min_size, avg_size and max_size must be integers") from None
+    if not (64 <= mn <= avg <= mx):
+        raise ValueError(
+            f"FastCDC sizes must satisfy 64 <= min_size <= avg_size <= max_size, "
+            f"got min={mn} avg={avg} max={mx}"
+        )
+    if avg & (avg - 1):
+        raise ValueError(f"avg_size must be a power of two, got {avg}")
+    if mx >= 1 << 62:
+        raise ValueError(f"max_size must be < 2**62, got {mx}")
+    return mn, avg, mx
+
+
+def _top_bits(nbits: int) -> int:
+    if nbits <= 0:
+        return 0
+    return ((1 << nbits) - 1) << (64 - nbits)
+
+
+def _gear_table() -> np.ndarray:
+    state = 0x64656C7461636B70
+    vals = []
+    for _ in range(256):
+        state = (state + 0x9E3779B97F4A7C15) & _U64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+        vals.append(z ^ (z >> 31))
+    table = np.array(vals, dtype=np.uint64)
+    table.flags.writeable = False
+    return table
+
+
+GEAR = _gear_table()
+
+# --------------------------------------------------------------------------
+# implementations
+# --------------------------------------------------------------------------
+
+
+class _Impl:
+    """Public, validating wrapper around one backend's raw kernels.
+
+    The raw kernels take 1-D uint8 arrays and a preallocated, non-overlapping
+    ``out``; this class normalises inputs, allocates/validates ``out`` and routes
+    an ``out`` that aliases an input through a temporary.
+    """
+
+    def __init__(self, name: str, raw):
+        self.name = name
+        self._raw = raw
+
+    def __repr__(self) -> str:
+        return f"<deltackpt.kernels {self.name} implementation>"
+
+    def _run(self, fn, inputs, k, out):
+        n = inputs[0].nbytes
+        res = _prep_out(out, n)
+        if n == 0:
+            return res
+        if out is not None and any(np.may_share_memory(res, x) for x in inputs):
+            tmp = np.empty(n, dtype=np.uint8)
+            fn(*inputs, k, tmp)
+            res[...] = tmp
+        else:
+            fn(*inputs, k, res.reshape(-1))
+        return res
+
+    def shuffle(self, src, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Split ``src`` into ``elem_size`` byte planes (trailing partial element kept as is)."""
+        k = _elem_size(elem_size)
+        return self._run(self._raw.shuffle, (_as_u8(src, "src"),), k, out)
+
+    def unshuffle(self, src, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Inverse of :meth:`shuffle`."""
+        k = _elem_size(elem_size)
+        return self._run(self._raw.unshuffle, (_as_u8(src, "src"),), k, out)
+
+    def xor_shuffle(self, a, b, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """``shuffle(a XOR b)`` in one pass; ``a`` and ``b`` must have equal byte length."""
+        k = _elem_size(elem_size)
+        a8, b8 = _as_u8(a, "a"), _as_u8(b, "b")
+        if a8.nbytes != b8.nbytes:
+            raise ValueError(f"a and b must have equal byte length ({a8.nbytes} != {b8.nbytes})")
+        return self._run(self._raw.xor_shuffle, (a8, b8), k, out)
+
+    def unshuffle_xor(self, planes, base, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """``unshuffle(planes) XOR base`` in one pass (inverse of :meth:`xor_shuffle` given ``base``)."""
+        k = _elem_size(elem_size)
+        p8, b8 = _as_u8(planes, "planes"), _as_u8(base, "base")
+        if p8.nbytes != b8.nbytes:
+            raise ValueError(f"planes and base must have equal byte length ({p8.nbytes} != {b8.nbytes})")
+        return self._run(self._raw.unshuffle_xor, (p8, b8), k, out)
+
+    def fastcdc_cuts(self, data, min_size: int, avg_size: int, max_size: int) -> np.ndarray:
+        """FastCDC chunk END offsets (int64, ascending, last == len(data)); empty input gives []."""
+        mn, avg, mx = _fastcdc_params(min_size, avg_size, max_size)
+        d = _as_u8(data, "data")
+        if d.nbytes == 0:
+            return np.empty(0, dtype=np.int64)
+        return self._raw.fastcdc_cuts(d, mn, avg, mx)
+
+
+class _NumpyRaw:
+    """Pure numpy kernels (byte-identical to the C ones)."""
+
+    # hash block: positions per vectorised pass (bounds memory to ~3 x 8 B x this)
+    _HASH_BLOCK = 1 << 21
+
+    @staticmethod
+    def shuffle(src, k, out):
+        n = src.nbytes // k
+        m = n * k
+        if k == 1 or n == 0:
+            out[...] = src
+            return
+        out[:m].reshape(k, n)[...] = src[:m].reshape(n, k).T
+        out[m:] = src[m:]
+
+    @staticmethod
+    def unshuffle(src, k, out):
+        n = src.nbytes // k
+        m = n * k
+        if k == 1 or n == 0:
+            out[...] = src
+            return
+        out[:m].reshape(n, k)[...] = src[:m].reshape(k, n).T
+        out[m:] = src[m:]
+
+    @classmethod
+    def xor_shuffle(cls, a, b, k, out):
+        cls.shuffle(np.bitwise_xor(a, b), k, out)
+
+    @classmethod
+    def unshuffle_xor(cls, planes, base, k, out):
+        cls.unshuffle(planes, k, out)
+        np.bitwise_xor(out, base, out=out)
+
+    @classmethod
+    def _candidates(cls, d: np.ndarray, mask_s: int, mask_l: int):
+        """Positions i whose windowed gear hash h_i satisfies (h_i & mask) == 0."""
+        ms, ml = np.uint64(mask_s), np.uint64(mask_l)
+        zero = np.uint64(0)
+        out_s, out_l = [], []
+        n = d.size
+        step = cls._HASH_BLOCK
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            # g covers positions [a - 63, b); positions before 0 contribute 0
+            ctx = min(a, 63)
+            g = np.zeros(b - a + 63, dtype=np.uint64)
+            g[63 - ctx:] = GEAR[d[a - ctx:b]]
+            # doubling: S_{2m}[t] = S_m[t] + (S_m[t - m] << m); S_1 = g; S_64 = h
+            tmp = np.empty_like(g)
+            m = 1
+            while m < 64:
+                np.left_shift(g[:-m], np.uint64(m), out=tmp[m:])
+                g[m:] += tmp[m:]
+                m <<= 1
+            h = g[63:]
+            # mask_l's bits are a subset of mask_s's, so s-candidates are l-candidates
+            idx_l = np.flatnonzero((h & ml) == zero)
+            idx_s = idx_l[(h[idx_l] & ms) == zero]
+            out_l.append(idx_l + a)
+            out_s.append(idx_s + a)
+        cand_s = np.concatenate(out_s) if out_s else np.empty(0, np.int64)
+        cand_l = np.concatenate(out_l) if out_l else np.empty(0, np.int64)
+        return cand_s.astype(np.int64, copy=False), cand_l.astype(np.int64, copy=False)
+
+    @classmethod
+    def fastcdc_cuts(cls, d, mn, avg, mx):
+        n = d.size
+        bits = avg.bit_length() - 1
+        mask_s, mask_l = _top_bits(bits + 2), _top_bits(bits - 2)
+        cand_s, cand_l = cls._candidates(d, mask_s, mask_l)
+        ls = cand_s.tolist()
+        ll = cand_l.tolist()
+        ns, nl = len(ls), len(ll)
+        from bisect import bisect_left
+
+        cuts = []
+        s = 0
+        while s < n:
+            rem = n - s
+            if rem <= mn:
+                cut = n
+            else:
+                end = s + min(rem, mx)
+                i = s + mn - 1
+                mid = min(s + avg - 1, end)
+                cut = end
+                j = bisect_left(ls, i)
+                if j < ns and ls[j] < mid:
+                    cut = ls[j] + 1
+                else:
+                    j = bisect_left(ll, mid)
+                    if j < nl and ll[j] < end:
+                        cut = ll[j] + 1
+            cuts.append(cut)
+            s = cut
+        return np.array(cuts, dtype=np.int64)
+
+
+class _NativeRaw:
+    """Thin adapter over deltackpt._native."""
+
+    def __init__(self, mod):
+        self._mod = mod
+        self.shuffle = mod.shuffle
+        self.unshuffle = mod.unshuffle
+        self.xor_shuffle = mod.xor_shuffle
+        self.unshuffle_xor = mod.unshuffle_xor
+
+    def fastcdc_cuts(self, d, mn, avg, mx):
+        buf = np.empty(d.nbytes // mn + 2, dtype=np.int64)
+        count = self._mod.fastcdc_cuts(d, mn, avg, mx, buf)
+        return buf[:count].copy()
+
+
+numpy_impl = _Impl("numpy", _NumpyRaw)
+
+try:
+    from deltackpt import _native  # type: ignore[attr-defined]
+except ImportError as exc:  # pragma: no cover - depends on the build
+    _native = None
+    _native_error: ImportError | None = exc
+else:
+    _native_error = None
+
+native_impl = _Impl("native", _NativeRaw(_native)) if _native is not None else None
+
+
+def _select_backend() -> str:
+    choice = os.environ.get("DELTACKPT_KERNELS", "auto").strip().lower() or "auto"
+    if choice not in _BACKEND_CHOICES:
+        raise ValueError(
+            f"DELTACKPT_KERNELS={os.environ.get('DELTACKPT_KERNELS')!r} is not valid; "
+            f"allowed values: {', '.join(_BACKEND_CHOICES)}"
+        )
+    require = os.environ.get("DELTACKPT_REQUIRE_NATIVE", "").strip() == "1"
+    if choice == "native" or require:
+        if native_impl is None:
+            raise NativeKernelUnavailable(
+                "native kernels required (DELTACKPT_KERNELS=native or DELTACKPT_REQUIRE_NATIVE=1) "
+                f"but deltackpt._native cannot be imported: {_native_error}; "
+                "build it with `pip install -e .` or `python setup.py build_ext --inplace`"
+            ) from _native_error
+    if choice == "numpy":
+        return "numpy"
+    return "native" if native_impl is not None else "numpy"
+
+
+BACKEND: str = _select_backend()
+_impl = native_impl if BACKEND == "native" else numpy_impl
+
+shuffle = _impl.shuffle
+unshuffle = _impl.unshuffle
+xor_shuffle = _impl.xor_shuffle
+unshuffle_xor = _impl.unshuffle_xor
+fastcdc_cuts = _impl.fastcdc_cuts

@@ -1,0 +1,70 @@
+"""deltackpt's storage engine: a torch-free, content-addressed store of checkpoints.
+
+Terms
+-----
+store
+    A directory (or any :class:`Backend`) of immutable objects, described by its ``config`` object.
+item
+    One named array (a tensor shard, with dtype, element size, shape and a place in its *group*, the global
+    tensor) or one opaque byte string (a pickled Python value) of a checkpoint.
+chunk
+    A piece of an item's raw bytes, identified by the xxh3-128 of those bytes (the *chunk id*). Array items
+    are cut on a fixed grid of ``chunk_size_bytes`` in their group's global byte space; byte items with
+    FastCDC. A chunk is stored once per store, however many items and checkpoints use it.
+codec
+    How a chunk is stored: ``raw``, ``zstd`` over byte planes, or ``delta`` (XOR against a *base* chunk,
+    then byte planes and zstd). See :mod:`deltackpt.store.codec`.
+keyframe / base
+    A chunk coded without reference to another (raw or zstd) is a keyframe. A delta's base is always a
+    keyframe, so restoring a chunk reads at most two chunks.
+pack
+    An immutable object of many coded chunks plus a table of them, named by the hash of its bytes.
+index
+    An LMDB cache, chunk id -> (pack, offset, lengths, codec, base), rebuilt from pack tables at will.
+manifest
+    One object per checkpoint listing its items and their chunk refs. Writing it is the commit point: a
+    checkpoint exists if and only if its manifest does.
+
+On-disk format, version 1 (``FORMAT_VERSION``)
+-------------------------------------------------
+::
+
+    config                     JSON StoreConfig: format_version, store_id, chunk/CDC/pack sizes, zstd level
+    packs/<h[:2]>/<h>          pack, h = xxh3-128 hex of its bytes (layout in deltackpt.store.pack)
+    manifests/<name>           b"DCMF" version:u8 zstd(msgpack(Manifest))  (schema in deltackpt.store.manifest)
+    cache/index.lmdb/          index cache (local stores only; not part of the format, safe to delete)
+
+All stored metadata is parsed with strict schemas and bounds checks (msgspec Structs, struct layouts with
+checksums); nothing is ever unpickled. A store whose ``format_version`` is newer than this code's is refused
+with :class:`~deltackpt.errors.UnsupportedFormatError`.
+
+This package never imports torch; the DCP layer (``deltackpt.dcp``) sits on top of it.
+"""
+
+from .backend import Backend, LocalBackend, MemoryBackend, ObjectInfo
+from .config import FORMAT_VERSION, StoreConfig
+from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
+from .reader import CheckpointReader
+from .repository import CheckpointInfo, Store, StoreUsage
+from .writer import ChunkWriter, WriteSummary
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LATEST",
+    "Backend",
+    "CheckpointInfo",
+    "CheckpointReader",
+    "ChunkRef",
+    "ChunkWriter",
+    "Item",
+    "LocalBackend",
+    "Manifest",
+    "MemoryBackend",
+    "ObjectInfo",
+    "Stats",
+    "Store",
+    "StoreConfig",
+    "StoreUsage",
+    "WriteSummary",
+    "validate_name",
+]

@@ -1,0 +1,222 @@
+"""Object backends: where the store's immutable objects live.
+
+The engine sees a flat namespace of keys (``config``, ``packs/ab/ab12...``, ``manifests/step-100``) mapped
+to whole, immutable byte objects. The interface has no append and no in-place edit, so an object-store
+backend (S3 through fsspec) can be added without touching the engine.
+
+``LocalBackend`` makes each ``put`` atomic and durable: write a temp file in the same directory, fsync it,
+rename it over the key, fsync the directory. A crash therefore leaves either the old object, the new one,
+or a stray ``*.tmp-*`` file that ``list`` ignores and ``gc`` removes.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+_TMP_MARK = ".tmp-"
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size_bytes: int
+
+
+def check_key(key: str) -> str:
+    """Keys are relative, '/'-separated, with no empty, '.' or '..' segment."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"object key must be a non-empty string, got {key!r}")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts) or "\\" in key or "\0" in key or _TMP_MARK in key:
+        raise ValueError(f"invalid object key {key!r}")
+    return key
+
+
+class Backend(abc.ABC):
+    """Whole-object storage. Every method is safe to call from several threads."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` under ``key`` atomically; replaces an existing object."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object; ``FileNotFoundError`` when absent."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes from ``offset``; fewer only when the object ends first."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Objects whose key starts with ``prefix`` (a '/'-terminated prefix lists a folder)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds an object."""
+
+    def size(self, key: str) -> int:
+        for info in self.list(key):
+            if info.key == key:
+                return info.size_bytes
+        raise FileNotFoundError(key)
+
+    def local_path(self) -> Path | None:
+        """A directory on this machine the store may use for caches, or None."""
+        return None
+
+
+class MemoryBackend(Backend):
+    """A dict of bytes, for tests and scratch stores."""
+
+    def __init__(self) -> None:
+        self._objects: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key, data):
+        check_key(key)
+        with self._lock:
+            self._objects[key] = bytes(data)
+
+    def get(self, key):
+        with self._lock:
+            try:
+                return self._objects[key]
+            except KeyError:
+                raise FileNotFoundError(key) from None
+
+    def get_range(self, key, offset, length):
+        if offset < 0 or length < 0:
+            raise ValueError("offset and length must be >= 0")
+        return self.get(key)[offset : offset + length]
+
+    def list(self, prefix=""):
+        with self._lock:
+            items = sorted((k, len(v)) for k, v in self._objects.items() if k.startswith(prefix))
+        return iter([ObjectInfo(k, n) for k, n in items])
+
+    def delete(self, key):
+        with self._lock:
+            self._objects.pop(key, None)
+
+    def exists(self, key):
+        with self._lock:
+            return key in self._objects
+
+    def size(self, key):
+        return len(self.get(key))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalBackend(Backend):
+    """Objects as files under a root directory; puts are temp file + fsync + rename + fsync(dir)."""
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.fsync = fsync
+        self._made_dirs: set[Path] = set()
+        self._dirs_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"LocalBackend({str(self.root)!r})"
+
+    def local_path(self) -> Path:
+        return self.root
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _ensure_dir(self, d: Path) -> None:
+        if d in self._made_dirs:
+            return
+        created = not d.exists()
+        d.mkdir(parents=True, exist_ok=True)
+        if created and self.fsync:
+            _fsync_dir(d.parent)
+        with self._dirs_lock:
+            self._made_dirs.add(d)
+
+    def put(self, key, data):
+        path = self._path(key)
+        self._ensure_dir(path.parent)
+        tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            _fsync_dir(path.parent)
+
+    def get(self, key):
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def get_range(self, key, offset, length):
+        if offset < 0 or length < 0:
+            raise ValueError("offset and length must be >= 0")
+        with open(self._path(key), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def list(self, prefix=""):
+        # Walk only the directory the prefix points into.
+        base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base_dir if base_dir else self.root
+        if not start.is_dir():
+            return iter(())
+        out = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self.root)
+            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            for name in sorted(filenames):
+                key = rel_dir + name
+                if _TMP_MARK in name or not key.startswith(prefix):
+                    continue
+                try:
+                    size = os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    continue
+                out.append(ObjectInfo(key, size))
+        return iter(out)
+
+    def list_temp(self) -> list[str]:
+        """Stray temp files left by a crash mid-put (relative paths); gc removes them."""
+        out = []
+        for dirpath, _dirnames, filenames in os.walk(self.root):
+            for name in filenames:
+                if _TMP_MARK in name:
+                    out.append(os.path.relpath(os.path.join(dirpath, name), self.root))
+        return sorted(out)
+
+    def delete(self, key):
+        self._path(key).unlink(missing_ok=True)
+
+    def exists(self, key):
+        return self._path(key).is_file()
+
+    def size(self, key):
+        return self._path(key).stat().st_size

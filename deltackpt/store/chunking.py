@@ -1,0 +1,37 @@
+"""Where items are cut into chunks.
+
+Array items are cut on a fixed grid of ``chunk_size`` bytes in the *global* byte space of their group
+(a tensor shard at global offset 3 MiB + 100 bytes gets a first, short chunk up to 4 MiB, then whole
+chunks), so the same content at the same place of a tensor gives the same chunk whatever shard it came
+from. Opaque byte items (pickled Python objects) have no coordinates; they are cut with FastCDC so an
+insertion only changes the chunks around it.
+"""
+
+from __future__ import annotations
+
+from .. import kernels
+
+
+def grid_spans(global_offset: int, nbytes: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Item-relative (start, end) spans cut where ``global_offset + pos`` is a multiple of ``chunk_size``."""
+    if nbytes == 0:
+        return []
+    spans = []
+    pos = 0
+    first_end = chunk_size - (global_offset % chunk_size)
+    end = min(first_end, nbytes)
+    while True:
+        spans.append((pos, end))
+        if end >= nbytes:
+            return spans
+        pos = end
+        end = min(pos + chunk_size, nbytes)
+
+
+def cdc_spans(data, min_size: int, avg_size: int, max_size: int) -> list[tuple[int, int]]:
+    """Content-defined (start, end) spans of ``data``."""
+    if len(data) == 0:
+        return []
+    cuts = kernels.fastcdc_cuts(data, min_size, avg_size, max_size).tolist()
+    starts = [0] + cuts[:-1]
+    return list(zip(starts, cuts))

@@ -1,0 +1,83 @@
+"""The store's ``config`` object: format version, store id, chunking and codec defaults.
+
+It is written once by ``Store.init`` and read on every open. Its presence is what makes a path a store.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+
+from ..errors import ManifestFormatError, UnsupportedFormatError
+
+FORMAT_VERSION = 1
+CONFIG_KEY = "config"
+
+MiB = 1 << 20
+
+
+class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Defaults of one store. Sizes are bytes."""
+
+    format_version: int = FORMAT_VERSION
+    store_id: str = ""
+    # Array items: fixed chunks aligned to the item's global byte offset.
+    chunk_size_bytes: int = 1 * MiB
+    # Opaque byte items: FastCDC.
+    cdc_min_bytes: int = 16 * 1024
+    cdc_avg_bytes: int = 64 * 1024
+    cdc_max_bytes: int = 256 * 1024
+    # Packs are sealed once they reach this size.
+    pack_target_bytes: int = 32 * MiB
+    zstd_level: int = 1
+    # A coded chunk is kept only if it is at least this fraction smaller than raw.
+    min_gain: float = 0.03
+
+    def validate(self) -> "StoreConfig":
+        def bad(msg: str):
+            raise ValueError(f"invalid store config: {msg}")
+
+        if self.chunk_size_bytes < 4096 or self.chunk_size_bytes % 8:
+            bad(f"chunk_size_bytes must be >= 4096 and a multiple of 8, got {self.chunk_size_bytes}")
+        if not (64 <= self.cdc_min_bytes <= self.cdc_avg_bytes <= self.cdc_max_bytes):
+            bad("need 64 <= cdc_min_bytes <= cdc_avg_bytes <= cdc_max_bytes")
+        if self.cdc_avg_bytes & (self.cdc_avg_bytes - 1):
+            bad("cdc_avg_bytes must be a power of two")
+        if self.pack_target_bytes < self.chunk_size_bytes:
+            bad("pack_target_bytes must be >= chunk_size_bytes")
+        if not (-7 <= self.zstd_level <= 22):
+            bad("zstd_level must be in [-7, 22]")
+        if not (0.0 <= self.min_gain < 1.0):
+            bad("min_gain must be in [0, 1)")
+        return self
+
+
+def new_config(**overrides) -> StoreConfig:
+    return StoreConfig(store_id=uuid.uuid4().hex, **overrides).validate()
+
+
+def encode_config(cfg: StoreConfig) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(cfg), indent=2) + b"\n"
+
+
+def decode_config(data: bytes) -> StoreConfig:
+    # Check the version first so a newer store is reported as such, not as a schema mismatch.
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as e:
+        raise ManifestFormatError(f"store config is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ManifestFormatError("store config must be a JSON object")
+    version = raw.get("format_version")
+    if not isinstance(version, int):
+        raise ManifestFormatError("store config has no integer format_version")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"store format version {version} is newer than this deltackpt supports ({FORMAT_VERSION}); "
+            "upgrade deltackpt"
+        )
+    try:
+        return msgspec.convert(raw, StoreConfig).validate()
+    except (msgspec.ValidationError, ValueError) as e:
+        raise ManifestFormatError(f"store config: {e}") from None

@@ -1,0 +1,231 @@
+"""The chunk index: an LMDB cache of what the packs say.
+
+Packs are the truth. The index maps chunk id -> (pack, offset, lengths, codec, element size, base) so that
+dedup and reads need no pack scan, and records which packs it has seen. It is a cache: ``refresh`` indexes
+packs it has not seen (a crash between pack upload and index update leaves such packs) and rebuilds from
+scratch when a pack it knows has disappeared, when the cache is unreadable, or when it belongs to another
+store. ``deltackpt index rebuild`` forces a rebuild.
+
+LMDB allows one open environment per path per process, so environments are shared through a small
+process-level registry and never pickled or inherited across ``fork``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import threading
+from pathlib import Path
+
+import lmdb
+
+from ..errors import ManifestFormatError
+from .pack import PackEntry, pack_name_from_key, read_pack_entries
+
+_RECORD = struct.Struct("<16sQQQBB16s")
+_NO_BASE = bytes(16)
+_MAP_SIZE = 1 << 36  # virtual; the file grows as needed
+INDEX_VERSION = b"1"
+
+_DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts")
+_envs: dict[str, tuple] = {}
+_envs_lock = threading.Lock()
+
+
+def _open_env(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]]:
+    """The process's environment for ``path`` and its named databases, opened once."""
+    key = str(path.resolve())
+    with _envs_lock:
+        hit = _envs.get(key)
+        if hit is not None and hit[0] == os.getpid():
+            return hit[1], hit[2]
+        path.mkdir(parents=True, exist_ok=True)
+        env = lmdb.open(str(path), map_size=_MAP_SIZE, max_dbs=8, subdir=True, lock=True, readahead=False)
+        try:
+            dbs = {name: env.open_db(name) for name in _DB_NAMES}
+        except lmdb.Error:
+            env.close()
+            raise
+        _envs[key] = (os.getpid(), env, dbs)
+        return env, dbs
+
+
+def _close_env(path: Path) -> None:
+    key = str(path.resolve())
+    with _envs_lock:
+        hit = _envs.pop(key, None)
+    if hit is not None and hit[0] == os.getpid():
+        hit[1].close()
+
+
+def encode_record(e: PackEntry) -> bytes:
+    return _RECORD.pack(bytes.fromhex(e.pack), e.offset, e.stored_len, e.raw_len, e.codec, e.elem_size,
+                        e.base_id or _NO_BASE)
+
+
+def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
+    if len(rec) != _RECORD.size:
+        raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} has {len(rec)} bytes")
+    pack, off, slen, rlen, codec, es, base = _RECORD.unpack(rec)
+    return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base)
+
+
+class ChunkIndex:
+    """Chunk id -> PackEntry, cached in LMDB under ``cache_dir``."""
+
+    def __init__(self, backend, cache_dir: Path, store_id: str) -> None:
+        self.backend = backend
+        self.path = Path(cache_dir) / "index.lmdb"
+        self.store_id = store_id.encode()
+        self._env: lmdb.Environment | None = None
+        self._db: dict[bytes, object] = {}
+        self._pid = None
+
+    def __getstate__(self):
+        raise TypeError("ChunkIndex holds an LMDB environment and is not picklable; reopen the store")
+
+    @property
+    def env(self) -> lmdb.Environment:
+        if self._env is None or self._pid != os.getpid():
+            try:
+                self._env, self._db = _open_env(self.path)
+            except lmdb.Error:
+                # An unreadable cache is rebuilt, never trusted.
+                _close_env(self.path)
+                shutil.rmtree(self.path, ignore_errors=True)
+                self._env, self._db = _open_env(self.path)
+            self._pid = os.getpid()
+        return self._env
+
+    def _dbs(self):
+        self.env
+        return self._db[b"chunks"], self._db[b"packs"], self._db[b"meta"]
+
+    # -- checkpoint summaries (a cache of what ``ls`` needs, keyed by manifest name) ------------------------
+    def get_summaries(self) -> dict[str, bytes]:
+        self.env
+        with self.env.begin(db=self._db[b"ckpts"]) as txn:
+            return {bytes(k).decode(): bytes(v) for k, v in txn.cursor()}
+
+    def put_summaries(self, summaries: dict[str, bytes], drop=()) -> None:
+        self.env
+        with self.env.begin(write=True, db=self._db[b"ckpts"]) as txn:
+            for name in drop:
+                txn.delete(name.encode())
+            for name, value in summaries.items():
+                txn.put(name.encode(), value)
+
+    # -- reads -------------------------------------------------------------------------------------------
+    def lookup(self, chunk_id: bytes) -> PackEntry | None:
+        chunks, _, _ = self._dbs()
+        with self.env.begin(db=chunks) as txn:
+            rec = txn.get(chunk_id)
+        return None if rec is None else decode_record(chunk_id, rec)
+
+    def lookup_many(self, chunk_ids) -> dict[bytes, PackEntry]:
+        chunks, _, _ = self._dbs()
+        out = {}
+        with self.env.begin(db=chunks) as txn:
+            for cid in chunk_ids:
+                rec = txn.get(cid)
+                if rec is not None:
+                    out[cid] = decode_record(cid, rec)
+        return out
+
+    def known_packs(self) -> set[str]:
+        _, packs, _ = self._dbs()
+        with self.env.begin(db=packs) as txn:
+            return {k.hex() for k in txn.cursor().iternext(keys=True, values=False)}
+
+    def num_chunks(self) -> int:
+        chunks, _, _ = self._dbs()
+        with self.env.begin(db=chunks) as txn:
+            return txn.stat(chunks)["entries"]
+
+    def iter_entries(self):
+        chunks, _, _ = self._dbs()
+        with self.env.begin(db=chunks) as txn:
+            for k, v in txn.cursor():
+                yield decode_record(bytes(k), bytes(v))
+
+    # -- writes ------------------------------------------------------------------------------------------
+    def add(self, entries, packs: dict[str, int]) -> None:
+        """Record ``entries`` and mark ``packs`` (name -> size) as indexed, in one transaction.
+
+        An id already indexed keeps its first location, so repeated chunks never move.
+        """
+        chunks, packs_db, meta = self._dbs()
+        with self.env.begin(write=True) as txn:
+            if txn.get(b"store_id", db=meta) != self.store_id:
+                txn.put(b"store_id", self.store_id, db=meta)
+                txn.put(b"version", INDEX_VERSION, db=meta)
+            for e in entries:
+                txn.put(e.chunk_id, encode_record(e), db=chunks, overwrite=False)
+            for name, size in packs.items():
+                txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
+
+    def remove_packs(self, names) -> None:
+        """Forget ``names`` and every chunk located in them (used by gc after deleting packs)."""
+        names = set(names)
+        raw_names = {bytes.fromhex(n) for n in names}
+        chunks, packs_db, _ = self._dbs()
+        with self.env.begin(write=True) as txn:
+            cur = txn.cursor(db=chunks)
+            for k, v in list(cur):
+                if bytes(v[:16]) in raw_names:
+                    txn.delete(k, db=chunks)
+            for rn in raw_names:
+                txn.delete(rn, db=packs_db)
+
+    def _is_foreign(self) -> bool:
+        _, _, meta = self._dbs()
+        with self.env.begin(db=meta) as txn:
+            sid = txn.get(b"store_id")
+            ver = txn.get(b"version")
+        return (sid is not None and sid != self.store_id) or (ver is not None and ver != INDEX_VERSION)
+
+    def refresh(self) -> tuple[int, int]:
+        """Bring the cache in line with the packs in the backend. Returns (packs added, packs removed)."""
+        present = {}
+        for info in self.backend.list("packs/"):
+            name = pack_name_from_key(info.key)
+            if name is not None:
+                present[name] = info.size_bytes
+        known = self.known_packs()
+        gone = known - present.keys()
+        if gone or self._is_foreign():
+            return self.rebuild(present)
+        new = [n for n in present if n not in known]
+        for name in new:
+            self._index_pack(name, present[name])
+        return len(new), 0
+
+    def rebuild(self, present: dict[str, int] | None = None) -> tuple[int, int]:
+        """Drop the cache and index every pack again. Returns (packs indexed, packs dropped)."""
+        if present is None:
+            present = {}
+            for info in self.backend.list("packs/"):
+                name = pack_name_from_key(info.key)
+                if name is not None:
+                    present[name] = info.size_bytes
+        before = len(self.known_packs()) if self.path.exists() else 0
+        chunks, packs_db, meta = self._dbs()
+        with self.env.begin(write=True) as txn:
+            txn.drop(chunks, delete=False)
+            txn.drop(packs_db, delete=False)
+            txn.drop(meta, delete=False)
+            txn.drop(self._db[b"ckpts"], delete=False)
+        for name in sorted(present):
+            self._index_pack(name, present[name])
+        # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
+        self.add([], {})
+        return len(present), max(0, before - len(present))
+
+    def _index_pack(self, name: str, size: int) -> None:
+        try:
+            entries = read_pack_entries(self.backend, name, size)
+        except (ManifestFormatError, FileNotFoundError):
+            # A damaged pack contributes nothing; verify reports it.
+            entries = []
+        self.add(entries, {name: size})

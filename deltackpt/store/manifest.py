@@ -1,0 +1,132 @@
+"""Manifests: one immutable object per checkpoint, the only commit point.
+
+A checkpoint exists if and only if ``manifests/<name>`` exists. The object is ``b"DCMF"``, a format
+version byte, then a zstd frame of msgpack decoded against the strict schema below (never pickle).
+
+An *item* is one named array or byte string (for DCP: one saved tensor shard or one pickled value). Its raw
+bytes are the concatenation of its chunk refs; a ref is ``(chunk id, length, skip)``: ``length`` bytes taken
+from the chunk's raw bytes starting at ``skip``. ``group`` and ``global_offset`` place an array item in the
+flattened byte space of a larger array (a shard in its global tensor) so chunk boundaries, dedup and delta
+bases line up across shardings.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+import zstandard
+
+from ..errors import InvalidNameError, ManifestFormatError, UnsupportedFormatError
+from .codec import VALID_ELEM_SIZES
+
+MANIFEST_MAGIC = b"DCMF"
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 31
+LATEST = "latest"
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,127}")
+
+
+class ChunkRef(msgspec.Struct, array_like=True, frozen=True):
+    id: bytes
+    length: int
+    skip: int = 0
+
+
+class Item(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    key: str
+    kind: Literal["array", "bytes"]
+    nbytes: int
+    chunks: list[ChunkRef]
+    dtype: str = "uint8"
+    elem_size: int = 1
+    shape: list[int] = []
+    group: str = ""
+    global_offset: int = 0
+
+    @property
+    def group_name(self) -> str:
+        return self.group or self.key
+
+
+class Stats(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    logical_bytes: int = 0
+    stored_bytes: int = 0  # bytes this checkpoint added to packs (coded, incl. entry headers)
+    num_chunks: int = 0
+    new_chunks: int = 0
+
+
+class Manifest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    store_id: str
+    created_ns: int
+    items: list[Item]
+    stats: Stats
+    parent: str | None = None
+    metadata: dict[str, Any] = {}
+    layer_data: dict[str, Any] = {}
+    format_version: int = MANIFEST_VERSION
+
+    def item_map(self) -> dict[str, Item]:
+        return {it.key: it for it in self.items}
+
+
+def validate_name(name: str) -> str:
+    """Checkpoint names: 1-128 of ``[A-Za-z0-9._+=@-]``, not starting with '.', '-', not 'latest'."""
+    if not isinstance(name, str):
+        raise InvalidNameError(f"checkpoint name must be a string, got {type(name).__name__}")
+    if name == LATEST:
+        raise InvalidNameError(f"{LATEST!r} is reserved: it always means the newest checkpoint")
+    if not _NAME_RE.fullmatch(name):
+        raise InvalidNameError(
+            f"invalid checkpoint name {name!r}: use 1-128 letters, digits and . _ + = @ -, "
+            "starting with a letter, digit or _ (no '/' or '..')"
+        )
+    return name
+
+
+def manifest_key(name: str) -> str:
+    return f"manifests/{validate_name(name)}"
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    body = msgspec.msgpack.encode(m)
+    return MANIFEST_MAGIC + bytes([MANIFEST_VERSION]) + zstandard.ZstdCompressor(level=3).compress(body)
+
+
+def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
+    if len(data) < 5 or data[:4] != MANIFEST_MAGIC:
+        raise ManifestFormatError(f"{where}: not a deltackpt manifest (bad magic)")
+    if data[4] > MANIFEST_VERSION:
+        raise UnsupportedFormatError(f"{where}: manifest version {data[4]} is newer than supported")
+    try:
+        body = zstandard.ZstdDecompressor().decompress(data[5:], max_output_size=MAX_MANIFEST_BYTES)
+    except zstandard.ZstdError as e:
+        raise ManifestFormatError(f"{where}: damaged manifest ({e})") from None
+    try:
+        m = msgspec.msgpack.decode(body, type=Manifest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ManifestFormatError(f"{where}: {e}") from None
+    _check_manifest(m, where)
+    return m
+
+
+def _check_manifest(m: Manifest, where: str) -> None:
+    try:
+        validate_name(m.name)
+    except InvalidNameError as e:
+        raise ManifestFormatError(f"{where}: {e}") from None
+    for it in m.items:
+        at = f"{where}: item {it.key!r}"
+        if it.elem_size not in VALID_ELEM_SIZES:
+            raise ManifestFormatError(f"{at}: invalid element size {it.elem_size}")
+        if it.nbytes < 0 or it.global_offset < 0 or any(d < 0 for d in it.shape):
+            raise ManifestFormatError(f"{at}: negative size or offset")
+        total = 0
+        for ref in it.chunks:
+            if len(ref.id) != 16 or ref.length < 0 or ref.skip < 0:
+                raise ManifestFormatError(f"{at}: malformed chunk ref")
+            total += ref.length
+        if total != it.nbytes:
+            raise ManifestFormatError(f"{at}: chunk lengths sum to {total}, expected {it.nbytes}")

@@ -1,0 +1,194 @@
+"""Packs: immutable objects holding many coded chunks, named by the hash of their bytes.
+
+Layout (all integers little-endian)::
+
+    pack    := MAGIC(8) entry* table footer
+    entry   := header(64) payload(stored_len)
+    header  := b"DCE1" codec:u8 elem_size:u8 flags:u16 raw_len:u64 stored_len:u64
+               chunk_id:16B base_id:16B header_hash:u64        (xxh3-64 of the 56 bytes before it)
+    table   := row(64) * num_entries
+    row     := chunk_id:16B base_id:16B offset:u64 stored_len:u64 raw_len:u64 codec:u8 elem_size:u8 pad:6
+    footer  := table_offset:u64 num_entries:u64 table_hash:u64 version:u16 pad:u16 b"DCPK"
+
+``offset`` is where the entry header starts. ``base_id`` is all zeros unless the chunk is a delta. The
+header makes each entry self-describing (a damaged table can be rebuilt by walking entries); the table lets
+the index be rebuilt from the pack's tail with one ranged read. The pack is stored under
+``packs/<name[:2]>/<name>`` where ``name`` is the xxh3-128 of all its bytes, so a pack's integrity can be
+checked without any other object.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from ..errors import ManifestFormatError
+from .codec import CODEC_NAMES, VALID_ELEM_SIZES
+
+PACK_MAGIC = b"DCPACK\x00\x01"
+ENTRY_MAGIC = b"DCE1"
+FOOTER_MAGIC = b"DCPK"
+PACK_VERSION = 1
+NO_BASE = bytes(16)
+# Upper bound for one chunk's raw length; a forged length beyond it is rejected before any allocation.
+MAX_CHUNK_BYTES = 1 << 30
+
+_HEADER = struct.Struct("<4sBBHQQ16s16s")  # 56 bytes, followed by the u64 header hash
+HEADER_SIZE = _HEADER.size + 8
+_ROW = struct.Struct("<16s16sQQQBB6x")
+ROW_SIZE = _ROW.size
+_FOOTER = struct.Struct("<QQQHH4s")
+FOOTER_SIZE = _FOOTER.size
+assert HEADER_SIZE == 64 and ROW_SIZE == 64 and FOOTER_SIZE == 32
+
+
+@dataclass(frozen=True, slots=True)
+class PackEntry:
+    """Where one chunk lives: pack name and the byte offset of its entry header."""
+
+    chunk_id: bytes
+    pack: str
+    offset: int
+    stored_len: int
+    raw_len: int
+    codec: int
+    elem_size: int
+    base_id: bytes | None = None
+
+    @property
+    def span(self) -> int:
+        return HEADER_SIZE + self.stored_len
+
+
+def pack_key(name: str) -> str:
+    return f"packs/{name[:2]}/{name}"
+
+
+def pack_name_from_key(key: str) -> str | None:
+    parts = key.split("/")
+    if len(parts) == 3 and parts[0] == "packs" and _is_hex_name(parts[2]) and parts[1] == parts[2][:2]:
+        return parts[2]
+    return None
+
+
+def _is_hex_name(s: str) -> bool:
+    return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
+
+
+def _check_fields(codec: int, elem_size: int, raw_len: int, stored_len: int, where: str) -> None:
+    if codec not in CODEC_NAMES:
+        raise ManifestFormatError(f"{where}: unknown codec id {codec}")
+    if elem_size not in VALID_ELEM_SIZES:
+        raise ManifestFormatError(f"{where}: invalid element size {elem_size}")
+    if raw_len > MAX_CHUNK_BYTES or stored_len > MAX_CHUNK_BYTES + (1 << 20):
+        raise ManifestFormatError(f"{where}: chunk length out of bounds")
+
+
+def encode_header(chunk_id: bytes, codec: int, elem_size: int, raw_len: int, stored_len: int, base_id) -> bytes:
+    head = _HEADER.pack(ENTRY_MAGIC, codec, elem_size, 0, raw_len, stored_len, chunk_id, base_id or NO_BASE)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+def decode_header(buf, where: str) -> tuple[bytes, int, int, int, int, bytes | None]:
+    """(chunk_id, codec, elem_size, raw_len, stored_len, base_id) of an entry header."""
+    if len(buf) < HEADER_SIZE:
+        raise ManifestFormatError(f"{where}: entry header truncated")
+    head = bytes(buf[: _HEADER.size])
+    (digest,) = struct.unpack_from("<Q", buf, _HEADER.size)
+    if xxhash.xxh3_64_intdigest(head) != digest:
+        raise ManifestFormatError(f"{where}: entry header checksum mismatch")
+    magic, codec, elem_size, _flags, raw_len, stored_len, chunk_id, base = _HEADER.unpack(head)
+    if magic != ENTRY_MAGIC:
+        raise ManifestFormatError(f"{where}: bad entry magic")
+    _check_fields(codec, elem_size, raw_len, stored_len, where)
+    return chunk_id, codec, elem_size, raw_len, stored_len, (None if base == NO_BASE else base)
+
+
+class PackBuilder:
+    """Accumulates coded chunks in memory; ``seal`` returns the finished pack. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray(PACK_MAGIC)
+        self._rows: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self._buf)
+
+    def add(self, chunk_id: bytes, codec: int, elem_size: int, raw_len: int, stored, base_id=None) -> int:
+        offset = len(self._buf)
+        self._buf += encode_header(chunk_id, codec, elem_size, raw_len, len(stored), base_id)
+        self._buf += stored
+        self._rows.append((chunk_id, base_id or NO_BASE, offset, len(stored), raw_len, codec, elem_size))
+        return offset
+
+    def seal(self) -> tuple[str, bytearray, list[PackEntry]]:
+        """(name, pack bytes, entries). The builder must not be used afterwards."""
+        table_offset = len(self._buf)
+        table = b"".join(_ROW.pack(*row) for row in self._rows)
+        self._buf += table
+        self._buf += _FOOTER.pack(
+            table_offset, len(self._rows), xxhash.xxh3_64_intdigest(table), PACK_VERSION, 0, FOOTER_MAGIC
+        )
+        data, self._buf = self._buf, bytearray()
+        name = xxhash.xxh3_128_hexdigest(data)
+        entries = [
+            PackEntry(cid, name, off, slen, rlen, codec, es, None if base == NO_BASE else base)
+            for cid, base, off, slen, rlen, codec, es in self._rows
+        ]
+        return name, data, entries
+
+
+def parse_footer(tail: bytes, pack_size: int, name: str) -> tuple[int, int]:
+    """(table_offset, num_entries) from the last FOOTER_SIZE bytes of a pack, bounds-checked."""
+    if pack_size < len(PACK_MAGIC) + FOOTER_SIZE or len(tail) != FOOTER_SIZE:
+        raise ManifestFormatError(f"pack {name}: too short ({pack_size} bytes)")
+    table_offset, num, _table_hash, version, _pad, magic = _FOOTER.unpack(tail)
+    if magic != FOOTER_MAGIC:
+        raise ManifestFormatError(f"pack {name}: bad footer magic (truncated or not a pack)")
+    if version > PACK_VERSION:
+        raise ManifestFormatError(f"pack {name}: pack version {version} is newer than supported")
+    if table_offset < len(PACK_MAGIC) or table_offset + num * ROW_SIZE + FOOTER_SIZE != pack_size:
+        raise ManifestFormatError(f"pack {name}: table bounds do not match the pack size")
+    return table_offset, num
+
+
+def parse_table(table: bytes, tail: bytes, name: str) -> list[PackEntry]:
+    """Entries of a pack from its table bytes and footer, with every row bounds-checked."""
+    table_offset, num, table_hash, _v, _p, _m = _FOOTER.unpack(tail)
+    if len(table) != num * ROW_SIZE:
+        raise ManifestFormatError(f"pack {name}: table truncated")
+    if xxhash.xxh3_64_intdigest(table) != table_hash:
+        raise ManifestFormatError(f"pack {name}: table checksum mismatch")
+    entries = []
+    prev_end = len(PACK_MAGIC)
+    for i in range(num):
+        cid, base, off, slen, rlen, codec, es = _ROW.unpack_from(table, i * ROW_SIZE)
+        where = f"pack {name} row {i}"
+        _check_fields(codec, es, rlen, slen, where)
+        if off < prev_end or off + HEADER_SIZE + slen > table_offset:
+            raise ManifestFormatError(f"{where}: entry out of bounds")
+        prev_end = off + HEADER_SIZE + slen
+        entries.append(PackEntry(cid, name, off, slen, rlen, codec, es, None if base == NO_BASE else base))
+    return entries
+
+
+def read_pack_entries(backend, name: str, size: int | None = None) -> list[PackEntry]:
+    """The table of pack ``name`` via two ranged reads."""
+    key = pack_key(name)
+    if size is None:
+        size = backend.size(key)
+    tail = backend.get_range(key, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
+    table_offset, num = parse_footer(tail, size, name)
+    table = backend.get_range(key, table_offset, num * ROW_SIZE) if num else b""
+    return parse_table(table, tail, name)
+
+
+def pack_bytes_ok(name: str, data: bytes) -> bool:
+    """Whether a pack's bytes still hash to its name."""
+    return xxhash.xxh3_128_hexdigest(data) == name

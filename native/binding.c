@@ -1,0 +1,260 @@
+/*
+ * CPython binding for the deltackpt native kernels (module deltackpt._native).
+ *
+ * Low-level entry points; deltackpt/kernels.py is the public API and does
+ * the argument normalisation (dtype views, output allocation, aliasing).
+ * Every function takes buffer-protocol objects; outputs are caller-provided
+ * writable C-contiguous buffers. The GIL is released for inputs >= 64 KiB.
+ * Outputs must not overlap inputs.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "dc_kernels.h"
+
+#define DC_GIL_THRESHOLD ((Py_ssize_t)64 * 1024)
+
+#if defined(__SSE2__)
+#define DC_SIMD_NAME "sse2"
+#else
+#define DC_SIMD_NAME "scalar"
+#endif
+
+enum { OP_SHUFFLE, OP_UNSHUFFLE, OP_XOR_SHUFFLE, OP_UNSHUFFLE_XOR };
+
+static int get_in(PyObject *obj, Py_buffer *view, const char *name)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a C-contiguous buffer-protocol object", name);
+        return -1;
+    }
+    return 0;
+}
+
+static int get_out(PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "out must be a writable C-contiguous buffer");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *run_plane_op(PyObject *args, int op, const char *fmt)
+{
+    PyObject *a_obj = NULL, *b_obj = NULL, *out_obj = NULL;
+    Py_ssize_t k;
+    Py_buffer a, b, out;
+    int two = (op == OP_XOR_SHUFFLE || op == OP_UNSHUFFLE_XOR);
+    int have_b = 0;
+
+    if (two) {
+        if (!PyArg_ParseTuple(args, fmt, &a_obj, &b_obj, &k, &out_obj))
+            return NULL;
+    } else {
+        if (!PyArg_ParseTuple(args, fmt, &a_obj, &k, &out_obj))
+            return NULL;
+    }
+    if (k < 0 || !dc_valid_elem_size((size_t)k)) {
+        PyErr_Format(PyExc_ValueError,
+                     "elem_size must be 1, 2, 4 or 8, got %zd", k);
+        return NULL;
+    }
+    if (get_in(a_obj, &a, two ? (op == OP_XOR_SHUFFLE ? "a" : "planes") : "src") < 0)
+        return NULL;
+    if (two) {
+        if (get_in(b_obj, &b, op == OP_XOR_SHUFFLE ? "b" : "base") < 0)
+            goto fail_a;
+        have_b = 1;
+        if (b.len != a.len) {
+            PyErr_Format(PyExc_ValueError,
+                         "inputs must have equal byte length (%zd != %zd)",
+                         a.len, b.len);
+            goto fail_b;
+        }
+    }
+    if (get_out(out_obj, &out) < 0)
+        goto fail_b;
+    if (out.len != a.len) {
+        PyErr_Format(PyExc_ValueError,
+                     "out has %zd bytes, expected %zd", out.len, a.len);
+        PyBuffer_Release(&out);
+        goto fail_b;
+    }
+
+    {
+        const uint8_t *pa = (const uint8_t *)a.buf;
+        const uint8_t *pb = have_b ? (const uint8_t *)b.buf : NULL;
+        uint8_t *po = (uint8_t *)out.buf;
+        size_t len = (size_t)a.len;
+        int release = a.len >= DC_GIL_THRESHOLD;
+        PyThreadState *ts = NULL;
+        if (release)
+            ts = PyEval_SaveThread();
+        switch (op) {
+        case OP_SHUFFLE: dc_shuffle(pa, po, len, (size_t)k); break;
+        case OP_UNSHUFFLE: dc_unshuffle(pa, po, len, (size_t)k); break;
+        case OP_XOR_SHUFFLE: dc_xor_shuffle(pa, pb, po, len, (size_t)k); break;
+        default: dc_unshuffle_xor(pa, pb, po, len, (size_t)k); break;
+        }
+        if (release)
+            PyEval_RestoreThread(ts);
+    }
+
+    PyBuffer_Release(&out);
+    if (have_b)
+        PyBuffer_Release(&b);
+    PyBuffer_Release(&a);
+    Py_RETURN_NONE;
+
+fail_b:
+    if (have_b)
+        PyBuffer_Release(&b);
+fail_a:
+    PyBuffer_Release(&a);
+    return NULL;
+}
+
+PyDoc_STRVAR(shuffle_doc,
+"shuffle(src, elem_size, out) -> None\n\n"
+"Write the byte planes of src into out (same byte length, no overlap).");
+static PyObject *py_shuffle(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plane_op(args, OP_SHUFFLE, "OnO:shuffle");
+}
+
+PyDoc_STRVAR(unshuffle_doc,
+"unshuffle(src, elem_size, out) -> None\n\n"
+"Inverse of shuffle.");
+static PyObject *py_unshuffle(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plane_op(args, OP_UNSHUFFLE, "OnO:unshuffle");
+}
+
+PyDoc_STRVAR(xor_shuffle_doc,
+"xor_shuffle(a, b, elem_size, out) -> None\n\n"
+"out = shuffle(a XOR b).");
+static PyObject *py_xor_shuffle(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plane_op(args, OP_XOR_SHUFFLE, "OOnO:xor_shuffle");
+}
+
+PyDoc_STRVAR(unshuffle_xor_doc,
+"unshuffle_xor(planes, base, elem_size, out) -> None\n\n"
+"out = unshuffle(planes) XOR base.");
+static PyObject *py_unshuffle_xor(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plane_op(args, OP_UNSHUFFLE_XOR, "OOnO:unshuffle_xor");
+}
+
+PyDoc_STRVAR(fastcdc_cuts_doc,
+"fastcdc_cuts(data, min_size, avg_size, max_size, cuts) -> int\n\n"
+"Write FastCDC chunk end offsets into the writable int64 buffer cuts\n"
+"(at least len(data) // min_size + 2 entries) and return their count.");
+static PyObject *py_fastcdc_cuts(PyObject *self, PyObject *args)
+{
+    PyObject *data_obj, *cuts_obj;
+    unsigned long long mn, avg, mx;
+    Py_buffer data, cuts;
+    size_t need, count;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OKKKO:fastcdc_cuts", &data_obj, &mn, &avg, &mx,
+                          &cuts_obj))
+        return NULL;
+    if (dc_fastcdc_check_params(mn, avg, mx) != 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "invalid FastCDC parameters: need 64 <= min_size <= "
+                        "avg_size <= max_size < 2**62 and avg_size a power of two");
+        return NULL;
+    }
+    if (get_in(data_obj, &data, "data") < 0)
+        return NULL;
+    if (PyObject_GetBuffer(cuts_obj, &cuts, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError,
+                        "cuts must be a writable C-contiguous int64 buffer");
+        return NULL;
+    }
+    need = dc_fastcdc_max_cuts((size_t)data.len, (size_t)mn);
+    if ((size_t)cuts.len / sizeof(int64_t) < need) {
+        PyErr_Format(PyExc_ValueError,
+                     "cuts buffer too small: need %zu int64 entries", need);
+        PyBuffer_Release(&cuts);
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    {
+        int release = data.len >= DC_GIL_THRESHOLD;
+        PyThreadState *ts = NULL;
+        if (release)
+            ts = PyEval_SaveThread();
+        /* cuts.buf comes from a numpy int64 array / Python allocator, so it
+         * is suitably aligned for int64_t. */
+        count = dc_fastcdc_cuts((const uint8_t *)data.buf, (size_t)data.len,
+                                (size_t)mn, (size_t)avg, (size_t)mx,
+                                (int64_t *)cuts.buf,
+                                (size_t)cuts.len / sizeof(int64_t));
+        if (release)
+            PyEval_RestoreThread(ts);
+    }
+    PyBuffer_Release(&cuts);
+    PyBuffer_Release(&data);
+    if (count == (size_t)-1) {
+        PyErr_SetString(PyExc_ValueError, "fastcdc_cuts failed (invalid arguments)");
+        return NULL;
+    }
+    return PyLong_FromSize_t(count);
+}
+
+PyDoc_STRVAR(gear_table_doc,
+"gear_table() -> bytes\n\n"
+"The 256 uint64 gear values as 2048 native-endian bytes.");
+static PyObject *py_gear_table(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return PyBytes_FromStringAndSize((const char *)dc_gear_table(),
+                                     256 * (Py_ssize_t)sizeof(uint64_t));
+}
+
+static PyMethodDef native_methods[] = {
+    {"shuffle", py_shuffle, METH_VARARGS, shuffle_doc},
+    {"unshuffle", py_unshuffle, METH_VARARGS, unshuffle_doc},
+    {"xor_shuffle", py_xor_shuffle, METH_VARARGS, xor_shuffle_doc},
+    {"unshuffle_xor", py_unshuffle_xor, METH_VARARGS, unshuffle_xor_doc},
+    {"fastcdc_cuts", py_fastcdc_cuts, METH_VARARGS, fastcdc_cuts_doc},
+    {"gear_table", py_gear_table, METH_NOARGS, gear_table_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT,
+    "deltackpt._native",
+    "Native kernels for deltackpt (byte-plane shuffle, XOR delta, FastCDC).",
+    -1,
+    native_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    PyObject *m = PyModule_Create(&native_module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "GIL_RELEASE_THRESHOLD", (long)DC_GIL_THRESHOLD) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddStringConstant(m, "SIMD", DC_SIMD_NAME) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,65 @@
+/*
+ * deltackpt native kernels: byte-plane shuffle (optionally fused with XOR
+ * delta) and FastCDC content-defined chunking.
+ *
+ * Pure C99, no Python dependency. All exported symbols are prefixed dc_.
+ * Buffers passed to one call must not overlap (the Python layer guarantees
+ * this by routing aliased outputs through a temporary).
+ */
+#ifndef DC_KERNELS_H
+#define DC_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Returns 1 if elem_size is one of 1, 2, 4, 8; 0 otherwise. */
+int dc_valid_elem_size(size_t elem_size);
+
+/*
+ * Byte-plane layout: with n = len / k full elements,
+ *   dst[j*n + i] = src[i*k + j]   for j < k, i < n,
+ * and the trailing len % k bytes are copied unchanged to the end.
+ * elem_size must satisfy dc_valid_elem_size (otherwise nothing is written).
+ */
+void dc_shuffle(const uint8_t *src, uint8_t *dst, size_t len, size_t elem_size);
+void dc_unshuffle(const uint8_t *src, uint8_t *dst, size_t len, size_t elem_size);
+
+/* dst = shuffle(a XOR b); a, b and dst all hold len bytes. */
+void dc_xor_shuffle(const uint8_t *a, const uint8_t *b, uint8_t *dst,
+                    size_t len, size_t elem_size);
+
+/* dst = unshuffle(planes) XOR base; all hold len bytes. */
+void dc_unshuffle_xor(const uint8_t *planes, const uint8_t *base, uint8_t *dst,
+                      size_t len, size_t elem_size);
+
+/* The 256-entry gear table (splitmix64 from state 0x64656C7461636B70). */
+const uint64_t *dc_gear_table(void);
+
+/*
+ * Validate FastCDC parameters: 64 <= min <= avg <= max < 2^62 and avg a
+ * power of two. Returns 0 if valid, -1 otherwise.
+ */
+int dc_fastcdc_check_params(uint64_t min_size, uint64_t avg_size, uint64_t max_size);
+
+/* Capacity of the cuts array sufficient for any input: len / min + 2. */
+size_t dc_fastcdc_max_cuts(size_t len, size_t min_size);
+
+/*
+ * FastCDC (gear hash, normalized chunking level 2). Writes the chunk END
+ * offsets (ascending, last == len) into cuts and returns their count.
+ * Returns (size_t)-1 if the parameters are invalid or cap is too small.
+ * len == 0 yields 0 cuts.
+ */
+size_t dc_fastcdc_cuts(const uint8_t *data, size_t len, size_t min_size,
+                       size_t avg_size, size_t max_size, int64_t *cuts,
+                       size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DC_KERNELS_H */

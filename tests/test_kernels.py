@@ -1,0 +1,497 @@
+"""Parity and property tests for deltackpt.kernels (native C vs numpy fallback).
+
+Native-parity tests are skipped when ``deltackpt._native`` is not built, unless
+``DELTACKPT_REQUIRE_NATIVE=1``, in which case they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltackpt import kernels
+from deltackpt.errors import NativeKernelUnavailable
+
+REQUIRE_NATIVE = os.environ.get("DELTACKPT_REQUIRE_NATIVE", "").strip() == "1"
+ELEM_SIZES = (1, 2, 4, 8)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+U64 = (1 << 64) - 1
+
+
+def native():
+    """The native implementation, or skip (fail under DELTACKPT_REQUIRE_NATIVE=1)."""
+    if kernels.native_impl is None:
+        msg = f"deltackpt._native is not importable ({kernels._native_error})"
+        if REQUIRE_NATIVE:
+            pytest.fail(f"DELTACKPT_REQUIRE_NATIVE=1 but {msg}")
+        pytest.skip(f"{msg}; build it with `python setup.py build_ext --inplace`")
+    return kernels.native_impl
+
+
+def impls():
+    """Both implementations as pytest params (native skipped/failed when missing)."""
+    return [
+        pytest.param("numpy", id="numpy"),
+        pytest.param("native", id="native"),
+    ]
+
+
+def get_impl(name):
+    return kernels.numpy_impl if name == "numpy" else native()
+
+
+# ---------------------------------------------------------------------------
+# pure-Python references
+# ---------------------------------------------------------------------------
+
+
+def ref_shuffle(data: bytes, k: int) -> bytes:
+    n = len(data) // k
+    out = bytearray(len(data))
+    for i in range(n):
+        for j in range(k):
+            out[j * n + i] = data[i * k + j]
+    out[n * k :] = data[n * k :]
+    return bytes(out)
+
+
+def ref_gear() -> list[int]:
+    state, vals = 0x64656C7461636B70, []
+    for _ in range(256):
+        state = (state + 0x9E3779B97F4A7C15) & U64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+        vals.append(z ^ (z >> 31))
+    return vals
+
+
+GEAR_REF = ref_gear()
+
+
+def ref_fastcdc(data: bytes, mn: int, avg: int, mx: int) -> list[int]:
+    """Literal transcription of the spec: rolling hash from offset 0, per-byte scan."""
+    hs, h = [], 0
+    for byte in data:
+        h = ((h << 1) + GEAR_REF[byte]) & U64
+        hs.append(h)
+    bits = round(np.log2(avg))
+    mask_s = ((1 << (bits + 2)) - 1) << (64 - (bits + 2))
+    mask_l = ((1 << (bits - 2)) - 1) << (64 - (bits - 2))
+    n, s, cuts = len(data), 0, []
+    while s < n:
+        if n - s <= mn:
+            cut = n
+        else:
+            end = min(s + mx, n)
+            cut = end
+            i = s + mn - 1
+            while i < end:
+                mask = mask_s if i < s + avg - 1 else mask_l
+                if hs[i] & mask == 0:
+                    cut = i + 1
+                    break
+                i += 1
+        cuts.append(cut)
+        s = cut
+    return cuts
+
+
+def rand_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def unaligned(data: bytes, offset: int) -> memoryview:
+    """A memoryview of ``data`` starting ``offset`` bytes into a bytearray."""
+    buf = bytearray(offset) + bytearray(data)
+    return memoryview(buf)[offset:]
+
+
+# ---------------------------------------------------------------------------
+# shuffle family
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", impls())
+@pytest.mark.parametrize("k", ELEM_SIZES)
+@settings(deadline=None, max_examples=60)
+@given(data=st.binary(max_size=300))
+def test_shuffle_matches_reference(impl, k, data):
+    im = get_impl(impl)
+    expected = ref_shuffle(data, k)
+    got = im.shuffle(data, k)
+    assert got.dtype == np.uint8 and got.ndim == 1
+    assert got.tobytes() == expected
+    assert im.unshuffle(expected, k).tobytes() == data
+
+
+@pytest.mark.parametrize("k", ELEM_SIZES)
+@settings(deadline=None, max_examples=80)
+@given(
+    data=st.binary(max_size=4096),
+    other_seed=st.integers(0, 2**32 - 1),
+    off_a=st.integers(0, 7),
+    off_b=st.integers(0, 7),
+)
+def test_native_matches_numpy(k, data, other_seed, off_a, off_b):
+    nat, npy = native(), kernels.numpy_impl
+    other = rand_bytes(len(data), other_seed).tobytes()
+    a, b = unaligned(data, off_a), unaligned(other, off_b)
+    a_arr = np.frombuffer(data, dtype=np.uint8)
+
+    for fn, args in (
+        ("shuffle", (a,)),
+        ("unshuffle", (a,)),
+        ("xor_shuffle", (a, b)),
+        ("unshuffle_xor", (a, b)),
+    ):
+        want = getattr(npy, fn)(*args, k)
+        got = getattr(nat, fn)(*args, k)
+        assert got.tobytes() == want.tobytes(), fn
+
+    for im in (nat, npy):
+        assert im.unshuffle(im.shuffle(a, k), k).tobytes() == data
+        planes = im.xor_shuffle(a, b, k)
+        assert planes.tobytes() == im.shuffle(a_arr ^ np.frombuffer(other, np.uint8), k).tobytes()
+        assert im.unshuffle_xor(planes, b, k).tobytes() == data
+
+
+def _block_lengths(k):
+    # around the 16-element SIMD blocks and the scalar / tail paths
+    base = [0, 1, k - 1, k, k + 1, 15 * k, 16 * k - 1, 16 * k, 16 * k + 1, 32 * k + k - 1, 1000 * k + 3]
+    return sorted({n for n in base if n >= 0})
+
+
+@pytest.mark.parametrize("k", ELEM_SIZES)
+def test_block_boundaries_parity(k):
+    nat = native()
+    for n in _block_lengths(k):
+        a = rand_bytes(n, n).tobytes()
+        b = rand_bytes(n, n + 1).tobytes()
+        ref = ref_shuffle(a, k)
+        assert nat.shuffle(a, k).tobytes() == ref
+        assert nat.unshuffle(ref, k).tobytes() == a
+        x = bytes(p ^ q for p, q in zip(a, b))
+        assert nat.xor_shuffle(a, b, k).tobytes() == ref_shuffle(x, k)
+        assert nat.unshuffle_xor(ref_shuffle(x, k), b, k).tobytes() == a
+
+
+@pytest.mark.parametrize("k", ELEM_SIZES)
+def test_large_parity(k):
+    nat, npy = native(), kernels.numpy_impl
+    n = (3 << 20) + 5  # crosses the GIL-release threshold, odd tail
+    a, b = rand_bytes(n, 10), rand_bytes(n, 11)
+    s = nat.shuffle(a, k)
+    assert np.array_equal(s, npy.shuffle(a, k))
+    assert np.array_equal(nat.unshuffle(s, k), a)
+    x = nat.xor_shuffle(a, b, k)
+    assert np.array_equal(x, npy.xor_shuffle(a, b, k))
+    assert np.array_equal(nat.unshuffle_xor(x, b, k), a)
+    assert np.array_equal(npy.unshuffle_xor(x, b, k), a)
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_typed_and_multidim_inputs_are_raw_bytes(impl):
+    im = get_impl(impl)
+    f32 = np.random.default_rng(3).standard_normal((17, 5)).astype(np.float32)
+    raw = f32.tobytes()
+    assert im.shuffle(f32, 4).tobytes() == ref_shuffle(raw, 4)
+    assert im.shuffle(memoryview(f32), 4).tobytes() == ref_shuffle(raw, 4)
+    u16 = np.arange(1001, dtype=np.uint16)
+    assert im.shuffle(u16, 2).tobytes() == ref_shuffle(u16.tobytes(), 2)
+    assert im.shuffle(bytearray(raw), 8).tobytes() == ref_shuffle(raw, 8)
+    assert im.xor_shuffle(f32, np.zeros_like(f32), 4).tobytes() == ref_shuffle(raw, 4)
+    assert im.shuffle(np.float64(1.5), 8).tobytes() == ref_shuffle(np.float64(1.5).tobytes(), 8)
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_out_parameter(impl):
+    im = get_impl(impl)
+    a, b = rand_bytes(1003, 1), rand_bytes(1003, 2)
+    out = np.full(1003, 7, dtype=np.uint8)
+    assert im.shuffle(a, 4, out=out) is out
+    assert out.tobytes() == ref_shuffle(a.tobytes(), 4)
+    assert im.xor_shuffle(a, b, 2, out=out) is out
+    assert im.unshuffle_xor(out, b, 2, out=out) is out  # aliased out is handled
+    assert np.array_equal(out, a)
+    c = a.copy()
+    im.shuffle(c, 8, out=c)  # in place through a temporary
+    assert c.tobytes() == ref_shuffle(a.tobytes(), 8)
+    empty = np.empty(0, np.uint8)
+    assert im.shuffle(b"", 4, out=empty) is empty
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_out_validation(impl):
+    im = get_impl(impl)
+    a = rand_bytes(64)
+    ro = np.zeros(64, np.uint8)
+    ro.flags.writeable = False
+    bad_outs = [
+        np.zeros(63, np.uint8),  # wrong length
+        np.zeros(65, np.uint8),
+        np.zeros(16, np.uint32),  # right byte count, wrong dtype
+        np.zeros(128, np.uint8)[::2],  # not contiguous
+        ro,  # read-only
+        bytearray(64),  # not a numpy array
+    ]
+    for out in bad_outs:
+        for call in (
+            lambda: im.shuffle(a, 4, out=out),
+            lambda: im.unshuffle(a, 4, out=out),
+            lambda: im.xor_shuffle(a, a, 4, out=out),
+            lambda: im.unshuffle_xor(a, a, 4, out=out),
+        ):
+            with pytest.raises(ValueError):
+                call()
+
+
+@pytest.mark.parametrize("impl", impls())
+@pytest.mark.parametrize("bad", [0, 3, 5, 16, -1, 2.0, "4", None])
+def test_elem_size_validation(impl, bad):
+    im = get_impl(impl)
+    a = rand_bytes(32)
+    for call in (
+        lambda: im.shuffle(a, bad),
+        lambda: im.unshuffle(a, bad),
+        lambda: im.xor_shuffle(a, a, bad),
+        lambda: im.unshuffle_xor(a, a, bad),
+    ):
+        with pytest.raises(ValueError, match="elem_size"):
+            call()
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_input_validation(impl):
+    im = get_impl(impl)
+    with pytest.raises(ValueError):
+        im.xor_shuffle(b"abcd", b"abc", 2)
+    with pytest.raises(ValueError):
+        im.unshuffle_xor(b"abcd", b"abcde", 2)
+    with pytest.raises(ValueError):
+        im.shuffle(np.zeros(16, np.uint8)[::2], 2)
+    with pytest.raises(ValueError):
+        im.shuffle(memoryview(bytearray(16))[::2], 2)
+    with pytest.raises(TypeError):
+        im.shuffle([1, 2, 3, 4], 2)
+
+
+def test_native_module_rejects_bad_raw_calls():
+    mod = native()._raw._mod
+    a = np.zeros(32, np.uint8)
+    with pytest.raises(ValueError):
+        mod.shuffle(a, 3, np.zeros(32, np.uint8))
+    with pytest.raises(ValueError):
+        mod.shuffle(a, 4, np.zeros(31, np.uint8))
+    with pytest.raises(ValueError):
+        mod.xor_shuffle(a, np.zeros(31, np.uint8), 4, np.zeros(32, np.uint8))
+    with pytest.raises(ValueError):
+        mod.shuffle(a, 4, b"\0" * 32)  # read-only out
+    with pytest.raises(ValueError):
+        mod.fastcdc_cuts(a, 64, 64, 64, np.zeros(1, np.int64))  # cuts too small
+    with pytest.raises(ValueError):
+        mod.fastcdc_cuts(a, 64, 96, 128, np.zeros(8, np.int64))  # avg not pow2
+
+
+def test_threads_release_gil_and_stay_correct():
+    nat = native()
+    a = rand_bytes(1 << 20, 5)
+    want = nat.shuffle(a, 4)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(4):
+                results.append(np.array_equal(nat.unshuffle(nat.shuffle(a, 4), 4), a))
+            results.append(np.array_equal(nat.shuffle(a, 4), want))
+        except Exception as exc:  # pragma: no cover - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 20 and all(results)
+
+
+# ---------------------------------------------------------------------------
+# FastCDC
+# ---------------------------------------------------------------------------
+
+
+def check_cut_invariants(cuts, n, mn, mx):
+    assert cuts.dtype == np.int64 and cuts.ndim == 1
+    if n == 0:
+        assert cuts.size == 0
+        return
+    assert cuts[-1] == n
+    sizes = np.diff(np.concatenate([[0], cuts]))
+    assert (sizes > 0).all(), "cuts must be strictly ascending"
+    assert (sizes <= mx).all()
+    assert (sizes[:-1] >= mn).all()
+
+
+def test_gear_table():
+    assert kernels.GEAR.tolist() == GEAR_REF
+    if kernels.native_impl is not None:
+        raw = kernels.native_impl._raw._mod.gear_table()
+        assert np.frombuffer(raw, dtype=np.uint64).tolist() == GEAR_REF
+
+
+@pytest.mark.parametrize("impl", impls())
+@settings(deadline=None, max_examples=40)
+@given(
+    data=st.one_of(
+        st.binary(max_size=3000),
+        st.integers(0, 3000).map(lambda n: bytes(n)),  # zeros: never cuts, hits max
+        st.integers(0, 2**32 - 1).flatmap(
+            lambda seed: st.integers(0, 3000).map(lambda n: rand_bytes(n, seed).tobytes())
+        ),
+    ),
+    params=st.sampled_from([(64, 64, 64), (64, 64, 256), (64, 128, 512), (100, 256, 300), (128, 256, 2048)]),
+    offset=st.integers(0, 7),
+)
+def test_fastcdc_matches_reference(impl, data, params, offset):
+    im = get_impl(impl)
+    mn, avg, mx = params
+    cuts = im.fastcdc_cuts(unaligned(data, offset), mn, avg, mx)
+    assert cuts.tolist() == ref_fastcdc(data, mn, avg, mx)
+    check_cut_invariants(cuts, len(data), mn, mx)
+
+
+@pytest.mark.parametrize(
+    "params", [(64, 64, 64), (64, 128, 1024), (2048, 8192, 32768), (16384, 65536, 262144)]
+)
+def test_fastcdc_large_parity(params):
+    nat, npy = native(), kernels.numpy_impl
+    n = 8 << 20
+    data = rand_bytes(n, 42)
+    a = nat.fastcdc_cuts(data, *params)
+    b = npy.fastcdc_cuts(data, *params)
+    assert np.array_equal(a, b)
+    check_cut_invariants(a, n, params[0], params[2])
+    if params[0] < params[2]:
+        assert len(a) > n // params[2]  # content actually drives the cuts
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_fastcdc_invariants_and_typed_input(impl):
+    im = get_impl(impl)
+    data = rand_bytes((1 << 20) + 123, 7)
+    cuts = im.fastcdc_cuts(data, 1024, 4096, 16384)
+    check_cut_invariants(cuts, data.size, 1024, 16384)
+    sizes = np.diff(np.concatenate([[0], cuts]))
+    assert 2048 < sizes.mean() < 8192  # normalized chunking centres around avg
+    whole = data[: data.size // 16 * 16]
+    as_f32 = whole.view(np.float32).reshape(-1, 4)
+    assert np.array_equal(
+        im.fastcdc_cuts(as_f32, 1024, 4096, 16384),
+        im.fastcdc_cuts(whole.tobytes(), 1024, 4096, 16384),
+    )
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_fastcdc_edge_inputs(impl):
+    im = get_impl(impl)
+    e = im.fastcdc_cuts(b"", 64, 128, 256)
+    assert e.dtype == np.int64 and e.size == 0
+    assert im.fastcdc_cuts(b"x", 64, 128, 256).tolist() == [1]
+    assert im.fastcdc_cuts(bytes(64), 64, 128, 256).tolist() == [64]
+    assert im.fastcdc_cuts(bytes(1000), 64, 128, 256).tolist() == [256, 512, 768, 1000]
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_fastcdc_content_defined(impl):
+    im = get_impl(impl)
+    mn, avg, mx = 1024, 4096, 16384
+    data = rand_bytes(2 << 20, 99)
+    base = im.fastcdc_cuts(data, mn, avg, mx)
+    for insert_len in (1, 100, 5000):
+        ins = rand_bytes(insert_len, insert_len)
+        shifted = im.fastcdc_cuts(np.concatenate([ins, data]), mn, avg, mx) - insert_len
+        later = base[base > 4 * mx]
+        preserved = np.isin(later, shifted).mean()
+        assert preserved > 0.99, (insert_len, preserved)
+        # and the same for a modification in the middle: cuts well before it are untouched
+        mod = data.copy()
+        mod[1 << 20] ^= 0xFF
+        cuts_mod = im.fastcdc_cuts(mod, mn, avg, mx)
+        before = base[base < (1 << 20) - mx]
+        assert np.array_equal(cuts_mod[: before.size], before)
+
+
+@pytest.mark.parametrize("impl", impls())
+@pytest.mark.parametrize(
+    "params",
+    [(32, 64, 128), (63, 64, 128), (128, 64, 256), (64, 256, 128), (64, 96, 256), (64, 100, 100), (64, 64, 1 << 62)],
+)
+def test_fastcdc_param_validation(impl, params):
+    with pytest.raises(ValueError):
+        get_impl(impl).fastcdc_cuts(b"abc" * 100, *params)
+
+
+# ---------------------------------------------------------------------------
+# backend selection
+# ---------------------------------------------------------------------------
+
+
+def _run_import(env_extra: dict[str, str], block_native: bool = False):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTACKPT_")}
+    env.update(env_extra)
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    code = textwrap.dedent(
+        f"""
+        import sys
+        if {block_native!r}:
+            sys.modules["deltackpt._native"] = None  # makes the import fail
+        try:
+            from deltackpt import kernels
+        except BaseException as exc:
+            print("ERR", type(exc).__name__, isinstance(exc, ImportError))
+        else:
+            print("OK", kernels.BACKEND, kernels.native_impl is None)
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.split()
+
+
+def test_backend_selection_without_extension():
+    assert _run_import({}, block_native=True) == ["OK", "numpy", "True"]
+    assert _run_import({"DELTACKPT_KERNELS": "native"}, block_native=True) == [
+        "ERR",
+        "NativeKernelUnavailable",
+        "True",
+    ]
+    assert _run_import({"DELTACKPT_REQUIRE_NATIVE": "1"}, block_native=True)[:2] == [
+        "ERR",
+        "NativeKernelUnavailable",
+    ]
+    assert _run_import({"DELTACKPT_KERNELS": "bogus"}, block_native=True) == ["ERR", "ValueError", "False"]
+
+
+def test_backend_selection_with_extension():
+    native()
+    assert _run_import({}) == ["OK", "native", "False"]
+    assert _run_import({"DELTACKPT_KERNELS": "numpy"}) == ["OK", "numpy", "False"]
+    assert _run_import({"DELTACKPT_KERNELS": "native"}) == ["OK", "native", "False"]
+
+
+def test_public_api_uses_live_backend():
+    live = kernels.native_impl if kernels.BACKEND == "native" else kernels.numpy_impl
+    assert kernels.BACKEND in ("native", "numpy")
+    assert live is not None
+    for name in ("shuffle", "unshuffle", "xor_shuffle", "unshuffle_xor", "fastcdc_cuts"):
+        assert getattr(kernels, name) == getattr(live, name)
+    assert issubclass(NativeKernelUnavailable, ImportError)

@@ -1,0 +1,63 @@
+"""deltackpt: an incremental, content-addressed checkpoint store for PyTorch Distributed Checkpoint.
+
+``deltackpt.store`` is the torch-free engine; ``deltackpt.dcp`` adapts it to DCP's StorageWriter /
+StorageReader. Torch-dependent names are loaded lazily, so ``import deltackpt`` and the CLI stay fast.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptChunkError,
+    DeltackptError,
+    InvalidNameError,
+    ManifestFormatError,
+    MissingChunkError,
+    SilentDataCorruptionError,
+    StoreExistsError,
+    StoreLockedError,
+    StoreNotFoundError,
+    UnsupportedFormatError,
+)
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; imported on first access.
+_LAZY = {
+    "Store": "deltackpt.store",
+    "LocalBackend": "deltackpt.store",
+    "MemoryBackend": "deltackpt.store",
+}
+
+__all__ = [
+    "__version__",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CorruptChunkError",
+    "DeltackptError",
+    "InvalidNameError",
+    "ManifestFormatError",
+    "MissingChunkError",
+    "SilentDataCorruptionError",
+    "StoreExistsError",
+    "StoreLockedError",
+    "StoreNotFoundError",
+    "UnsupportedFormatError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deltackpt' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -30,6 +30,11 @@ _LAZY = {
     "Store": "deltackpt.store",
     "LocalBackend": "deltackpt.store",
     "MemoryBackend": "deltackpt.store",
+    "DeltaStorageWriter": "deltackpt.dcp.writer",
+    "DeltaStorageReader": "deltackpt.dcp.reader",
+    "save": "deltackpt.dcp.api",
+    "load": "deltackpt.dcp.api",
+    "async_save": "deltackpt.dcp.api",
 }
 
 __all__ = [

@@ -9,6 +9,8 @@ insertion only changes the chunks around it.
 
 from __future__ import annotations
 
+import xxhash
+
 from .. import kernels
 
 
@@ -35,3 +37,18 @@ def cdc_spans(data, min_size: int, avg_size: int, max_size: int) -> list[tuple[i
     cuts = kernels.fastcdc_cuts(data, min_size, avg_size, max_size).tolist()
     starts = [0] + cuts[:-1]
     return list(zip(starts, cuts))
+
+
+def chunk_id_of(view) -> bytes:
+    """A chunk's id: the xxh3-128 digest (16 bytes) of its raw bytes."""
+    return xxhash.xxh3_128_digest(view)
+
+
+def as_byte_view(data) -> memoryview:
+    """A flat byte view of any C-contiguous buffer (bytes, bytearray, numpy array, memoryview)."""
+    mv = data if isinstance(data, memoryview) else memoryview(data)
+    if not mv.c_contiguous:
+        raise ValueError("item data must be C-contiguous; call numpy.ascontiguousarray first")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B") if mv.nbytes else memoryview(b"")
+    return mv

@@ -19,7 +19,7 @@ from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
 from . import codec
 from .manifest import Item, Manifest
 from .pack import PackEntry, decode_header, pack_key
-from .writer import chunk_id_of
+from .chunking import chunk_id_of
 
 MiB = 1 << 20
 

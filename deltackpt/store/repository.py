@@ -234,6 +234,11 @@ class Store:
             raise ManifestFormatError(f"manifest {name!r} says its name is {m.name!r}")
         return m
 
+    def latest_manifest(self) -> Manifest | None:
+        """The newest checkpoint's manifest, or None in an empty store."""
+        infos = self.list_checkpoints()
+        return self.read_manifest(infos[-1].name) if infos else None
+
     def exists(self, name: str) -> bool:
         return self.backend.exists(manifest_key(name))
 
@@ -306,7 +311,8 @@ class Store:
         validate_name(name)
         if not overwrite and self.exists(name):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists; pass overwrite=True to replace it")
-        w = self.writer(**writer_kwargs)
+        parent = self.latest_manifest()
+        w = self.writer(parent=parent, **writer_kwargs)
         try:
             for key, value in items.items():
                 if isinstance(value, np.ndarray):

@@ -17,28 +17,17 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import xxhash
+import numpy as np
 
+from ..errors import DeltackptError
 from . import codec
-from .chunking import cdc_spans, grid_spans
-from .manifest import ChunkRef, Item
+from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
+from .manifest import ChunkRef, Item, Manifest
 from .pack import PackBuilder, PackEntry, pack_key
+from .parentmap import Extent, ParentMap
+from .reader import ChunkSource
 
 MiB = 1 << 20
-
-
-def as_byte_view(data) -> memoryview:
-    """A flat byte view of any C-contiguous buffer (bytes, bytearray, numpy array, memoryview)."""
-    mv = data if isinstance(data, memoryview) else memoryview(data)
-    if not mv.c_contiguous:
-        raise ValueError("item data must be C-contiguous; call numpy.ascontiguousarray first")
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B") if mv.nbytes else memoryview(b"")
-    return mv
-
-
-def chunk_id_of(view) -> bytes:
-    return xxhash.xxh3_128_digest(view)
 
 
 @dataclass
@@ -65,9 +54,13 @@ class WriteSummary:
 class ChunkWriter:
     """Writes items' chunks into packs. Use once: ``add_*`` any number of times, then ``finish``."""
 
-    def __init__(self, store, *, num_threads: int | None = None, max_inflight_bytes: int | None = None):
+    def __init__(self, store, *, parent: Manifest | None = None, num_threads: int | None = None,
+                 max_inflight_bytes: int | None = None):
+        """``parent``: the previous checkpoint, whose chunks are reused by slice when boundaries moved."""
         self.store = store
         self.config = store.config
+        self.parent = ParentMap(parent)
+        self._source = ChunkSource(store) if self.parent else None
         self.num_threads = num_threads or max(1, min(8, os.cpu_count() or 1))
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
@@ -78,8 +71,8 @@ class ChunkWriter:
         self._packs: dict[str, int] = {}
         self._inflight = 0
         self._cond = threading.Condition()
-        # (item skeleton, [(future -> chunk id, length)], source object kept alive until finish)
-        self._pending: list[tuple[Item, list[tuple[Future, int]], object]] = []
+        # (item skeleton, [future -> list of ChunkRef], source object kept alive until finish)
+        self._pending: list[tuple[Item, list[Future], object]] = []
         self._finished = False
 
     # -- public ------------------------------------------------------------------------------------------
@@ -95,14 +88,14 @@ class ChunkWriter:
         item = Item(key=key, kind="array", nbytes=len(view), chunks=[], dtype=dtype, elem_size=elem_size,
                     shape=[int(d) for d in shape], group=group if group != key else "",
                     global_offset=global_offset)
-        self._queue(item, view, spans, elem_size, data)
+        self._queue(item, view, spans, elem_size, data, item.group_name, global_offset)
 
     def add_bytes(self, key: str, data) -> None:
         """Queue an opaque byte item (cut with FastCDC)."""
         view = as_byte_view(data)
         c = self.config
         spans = cdc_spans(view, c.cdc_min_bytes, c.cdc_avg_bytes, c.cdc_max_bytes)
-        self._queue(Item(key=key, kind="bytes", nbytes=len(view), chunks=[]), view, spans, 1, data)
+        self._queue(Item(key=key, kind="bytes", nbytes=len(view), chunks=[]), view, spans, 1, data, None, 0)
 
     def finish(self) -> WriteSummary:
         """Wait for every chunk, seal the last pack, and return the items and new pack entries."""
@@ -112,7 +105,7 @@ class ChunkWriter:
         try:
             items = []
             for item, futs, _src in self._pending:
-                item.chunks = [ChunkRef(f.result(), n) for f, n in futs]
+                item.chunks = [ref for f in futs for ref in f.result()]
                 items.append(item)
             with self._lock:
                 builder, self._builder = self._builder, None
@@ -130,7 +123,7 @@ class ChunkWriter:
         self._pending.clear()
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _queue(self, item: Item, view: memoryview, spans, elem_size: int, src) -> None:
+    def _queue(self, item: Item, view: memoryview, spans, elem_size: int, src, group, global_offset) -> None:
         if self._finished:
             raise RuntimeError("ChunkWriter is finished")
         futs = []
@@ -138,12 +131,12 @@ class ChunkWriter:
             n = e - s
             self._reserve(n)
             try:
-                fut = self._pool.submit(self._write_chunk, view[s:e], elem_size)
+                fut = self._pool.submit(self._write_span, view[s:e], elem_size, group, global_offset + s)
             except BaseException:
                 self._release(n)
                 raise
             fut.add_done_callback(lambda _f, n=n: self._release(n))
-            futs.append((fut, n))
+            futs.append(fut)
         self._pending.append((item, futs, src))
 
     def _reserve(self, n: int) -> None:
@@ -157,14 +150,48 @@ class ChunkWriter:
             self._inflight -= n
             self._cond.notify_all()
 
-    def _write_chunk(self, view: memoryview, elem_size: int) -> bytes:
+    def _write_span(self, view: memoryview, elem_size: int, group: str | None, gstart: int) -> list[ChunkRef]:
+        """Refs for one grid span: an existing chunk, slices of the parent's chunks, or a new chunk."""
+        n = len(view)
         cid = chunk_id_of(view)
         if self.store.index.lookup(cid) is not None:
-            return cid
+            return [ChunkRef(cid, n)]
         with self._lock:
             if cid in self._claimed:
-                return cid
+                return [ChunkRef(cid, n)]
+        if group is not None and self.parent and self.parent.exact(group, gstart, gstart + n) is None:
+            cover = self.parent.covering(group, gstart, gstart + n)
+            if cover:
+                refs = self._match_parent(view, gstart, cover)
+                if refs is not None:
+                    return refs
+        with self._lock:
+            if cid in self._claimed:
+                return [ChunkRef(cid, n)]
             self._claimed.add(cid)
+        self._store_chunk(cid, view, elem_size)
+        return [ChunkRef(cid, n)]
+
+    def _match_parent(self, view: memoryview, gstart: int, cover: list[Extent]) -> list[ChunkRef] | None:
+        """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""
+        refs = []
+        gend = gstart + len(view)
+        for e in cover:
+            lo, hi = max(e.start, gstart), min(e.end, gend)
+            try:
+                raw = self._source.get(e.chunk_id)
+            except DeltackptError:
+                return None  # an unreadable parent chunk is never reused
+            skip = e.skip + lo - e.start
+            if skip + hi - lo > len(raw):
+                return None
+            mine = np.frombuffer(view, dtype=np.uint8, count=hi - lo, offset=lo - gstart)
+            if not np.array_equal(np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=skip), mine):
+                return None
+            refs.append(ChunkRef(e.chunk_id, hi - lo, skip))
+        return refs
+
+    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int) -> None:
         c = self.config
         cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
         sealed = None
@@ -174,7 +201,6 @@ class ChunkWriter:
                 sealed, self._builder = self._builder, PackBuilder()
         if sealed is not None:
             self._put_pack(sealed)
-        return cid
 
     def _put_pack(self, builder: PackBuilder) -> None:
         name, data, entries = builder.seal()

@@ -1,0 +1,41 @@
+"""``deltackpt.save`` / ``load`` / ``async_save``: thin wrappers that build the writer or reader for DCP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from ..store import LATEST
+from .reader import DeltaStorageReader
+from .writer import DeltaStorageWriter
+
+
+def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group=None, planner=None,
+         overwrite: bool = False, metadata: dict[str, Any] | None = None, no_dist: bool = False):
+    """``dcp.save`` into checkpoint ``checkpoint_id`` of ``store``; returns DCP's Metadata."""
+    writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata)
+    return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                    no_dist=no_dist)
+
+
+def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, process_group=None, planner=None,
+         no_dist: bool = False) -> str:
+    """``dcp.load`` checkpoint ``checkpoint_id`` (default: the newest) in place; returns its name.
+
+    A missing checkpoint raises CheckpointNotFoundError on every rank before any collective.
+    """
+    reader = DeltaStorageReader(store, checkpoint_id)
+    dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
+    return reader.checkpoint_id
+
+
+def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
+               async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+               process_group=None, planner=None, overwrite: bool = False,
+               metadata: dict[str, Any] | None = None):
+    """``dcp.async_save`` into ``store``; returns DCP's future. The state is copied before this returns."""
+    writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata)
+    return dcp.async_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+                          async_checkpointer_type=async_checkpointer_type)

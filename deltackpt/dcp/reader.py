@@ -1,0 +1,173 @@
+"""DeltaStorageReader: DCP's StorageReader on a deltackpt store.
+
+``read_data`` serves each ReadItem (a box inside one saved chunk, as DCP's resharding planner computes it)
+by reading only the store chunks that overlap it, re-hashing them, and copying into the planner's
+destination tensor. When the box is one contiguous byte range and the destination is a contiguous CPU
+tensor, bytes are decoded straight into it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ..errors import ManifestFormatError
+from ..store import LATEST, Store
+from ..store.reader import CheckpointReader
+from .metadata_schema import decode_metadata
+from .writer import LAYER_KEY, _name_of
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+class DeltaStorageReader(StorageReader):
+    """Load any committed checkpoint of a deltackpt store through ``dcp.load``, resharded as needed.
+
+    ``checkpoint_id`` is a checkpoint name or ``"latest"``; it is resolved when given (here or via
+    ``dcp.load(..., checkpoint_id=...)``), so a missing name raises CheckpointNotFoundError on every rank
+    before any collective starts.
+    """
+
+    def __init__(self, store, checkpoint_id: str | os.PathLike | None = LATEST, *,
+                 num_threads: int | None = None) -> None:
+        super().__init__()
+        self._store_spec = store
+        self._store: Store | None = store if isinstance(store, Store) else None
+        self.num_threads = num_threads or max(1, min(8, os.cpu_count() or 1))
+        self.checkpoint_id: str | None = None
+        self.load_id = None
+        self._reader: CheckpointReader | None = None
+        self.metadata: Metadata | None = None
+        if checkpoint_id is not None:
+            self.reset(checkpoint_id)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_store"] = None
+        state["_reader"] = None
+        return state
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = self._store_spec if isinstance(self._store_spec, Store) else Store.open(self._store_spec)
+        return self._store
+
+    # -- StorageReader contract ------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            name = _name_of(checkpoint_id) if checkpoint_id != LATEST else LATEST
+            self.checkpoint_id = self.store.resolve(name)
+        self._reader = None
+        self.metadata = None
+        self.load_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            return checkpoint_id == LATEST or bool(_name_of(checkpoint_id))
+        except ValueError:
+            return False
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self.checkpoint_id is None:
+            self.reset(LATEST)
+        manifest = self.store.read_manifest(self.checkpoint_id)
+        layer = manifest.layer_data.get(LAYER_KEY)
+        if layer is None:
+            raise ManifestFormatError(f"checkpoint {manifest.name!r} was not written through DCP "
+                                      "(no DCP metadata); read it with deltackpt.store.Store.load")
+        md = decode_metadata(layer)
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta(checkpoint_id=manifest.name)
+        md.storage_meta.load_id = self.load_id
+        self._reader = CheckpointReader(self.store, manifest, num_threads=self.num_threads)
+        self.metadata = md
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan.storage_data = self.checkpoint_id
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        names = {p.storage_data for p in plans}
+        if len(names) > 1:
+            raise RuntimeError(f"ranks resolved different checkpoints {sorted(names)} (a save committed while "
+                               "loading 'latest'?); load by explicit name")
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._reader is None:
+            self.read_metadata()
+        reader = self._reader
+        keys = self.metadata.storage_data
+        tensor_jobs = []
+        for req in plan.items:
+            key = keys[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(reader.read(key).tobytes()))
+                continue
+            target = planner.resolve_tensor(req).detach()
+            tensor_jobs.append((req, key, target))
+        if len(tensor_jobs) > 1 and self.num_threads > 1:
+            with ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-load") as pool:
+                futures = [pool.submit(self._read_tensor, reader, req, key, target)
+                           for req, key, target in tensor_jobs]
+                for (req, _key, target), fut in zip(tensor_jobs, futures):
+                    fut.result()
+                    planner.commit_tensor(req, target)
+        else:
+            for req, key, target in tensor_jobs:
+                self._read_tensor(reader, req, key, target)
+                planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- internals -------------------------------------------------------------------------------------------
+    def _read_tensor(self, reader: CheckpointReader, req: ReadItem, key: str, target: torch.Tensor) -> None:
+        item = reader.item(key)
+        md = self.metadata.state_dict_metadata[req.storage_index.fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        dtype = _DTYPES.get(item.dtype, md.properties.dtype)
+        shape = list(item.shape)
+        lengths = list(req.lengths)
+        offsets = list(req.storage_offsets)
+        if list(target.shape) != lengths:
+            raise RuntimeError(f"destination for {req.storage_index.fqn} has shape {list(target.shape)}, "
+                               f"expected {lengths}")
+        esize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(lengths) == 0:
+            return
+        # The box [offsets, offsets + lengths) of the saved chunk; its first and last elements bound the
+        # contiguous byte range that holds it.
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        first = sum(o * s for o, s in zip(offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
+        nbytes = (last - first + 1) * esize
+        contiguous = nbytes == math.prod(lengths) * esize
+        if (contiguous and target.is_contiguous() and target.device.type == "cpu" and target.dtype == dtype):
+            reader.read_into(key, target.reshape(-1).view(torch.uint8).numpy(), first * esize)
+            return
+        buf = torch.from_numpy(reader.read(key, first * esize, nbytes)).view(dtype)
+        if contiguous:
+            src = buf.view(lengths)
+        else:
+            # View the range as the saved chunk's trailing box and narrow it to the request.
+            src = torch.as_strided(buf, lengths, strides) if shape else buf.view(lengths)
+        target.copy_(src)

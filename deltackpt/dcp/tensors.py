@@ -1,0 +1,54 @@
+"""Mapping DCP write items to store items: keys, placement in the global tensor, raw bytes."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+
+def item_key(index: MetadataIndex) -> str:
+    """A store item key for a DCP item: ``fqn@o0,o1,...`` for a tensor chunk, ``fqn@b`` for a byte item.
+
+    The suffix after the last '@' tells the kinds apart, so keys are unique whatever the fqn contains.
+    """
+    if index.offset is None:
+        return f"{index.fqn}@b"
+    return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
+
+
+def shard_placement(fqn: str, key: str, offsets: Sequence[int], sizes: Sequence[int], global_size: Sequence[int],
+                    elem_bytes: int) -> tuple[str, int]:
+    """(group, global byte offset) of a tensor chunk.
+
+    A chunk that is one contiguous range of the row-major global tensor (a whole tensor, a dim-0 shard, a
+    row of a dim-1 shard) is placed in the global tensor's byte space (group = fqn), so its store chunks line
+    up whatever the sharding. Any other box is chunked on its own (group = its key, offset 0).
+    """
+    offsets, sizes, global_size = list(offsets), list(sizes), list(global_size)
+    if math.prod(sizes) == 0:
+        return key, 0
+    differing = [i for i, (s, g) in enumerate(zip(sizes, global_size)) if s != g]
+    if differing and any(sizes[i] != 1 for i in range(differing[-1])):
+        return key, 0
+    stride, elem_offset = 1, 0
+    for i in reversed(range(len(global_size))):
+        elem_offset += offsets[i] * stride
+        stride *= global_size[i]
+    return fqn, elem_offset * elem_bytes
+
+
+def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
+    """(contiguous CPU tensor, its bytes as a numpy uint8 array, element size for byte planes)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"expected a tensor from the planner, got {type(value).__name__}")
+    t = value.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    size = t.element_size()
+    elem_size = size if size in (1, 2, 4, 8) else 8 if size % 8 == 0 else 1
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    return t, raw, elem_size

@@ -1,0 +1,182 @@
+"""DeltaStorageWriter: DCP's StorageWriter on a deltackpt store.
+
+Every rank writes the chunks of its own write items into its own packs (no tensor data passes through
+rank 0); its WriteResults carry only the item's chunk refs and the names of the packs it wrote. The
+coordinator's ``finish`` indexes those packs and writes the manifest, which holds DCP's Metadata under a
+strict schema. If any rank fails, DCP never calls ``finish``, so no manifest appears and earlier
+checkpoints are untouched; the packs already written are orphans for ``gc``.
+
+The writer is picklable (``dcp.async_save`` with PROCESS pickles it per request): the store is opened
+lazily in whichever process runs the save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from typing import Any
+
+import msgspec
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..errors import CheckpointExistsError
+from ..store import Item, Store
+from ..store.manifest import validate_name
+from .metadata_schema import encode_metadata
+from .tensors import item_key, shard_placement, tensor_bytes
+
+LAYER_KEY = "dcp"
+
+
+def open_store(store) -> Store:
+    """A Store from a path (created if absent), a Backend, or a Store."""
+    if isinstance(store, Store):
+        return store
+    return Store.open_or_init(store)
+
+
+class DeltaStorageWriter(StorageWriter):
+    """Save DCP checkpoints into a deltackpt store; each ``checkpoint_id`` becomes one named checkpoint.
+
+    ``store``: a directory (a new store is created there if there is none), a Backend, or a Store.
+    ``checkpoint_id``: the checkpoint name; may instead come from ``dcp.save(..., checkpoint_id=...)``.
+    ``overwrite``: replace an existing checkpoint of the same name instead of failing.
+    ``metadata``: JSON-able user metadata stored in the manifest (e.g. ``{"step": 500}``).
+    """
+
+    def __init__(self, store, checkpoint_id: str | os.PathLike | None = None, *, overwrite: bool = False,
+                 metadata: dict[str, Any] | None = None, num_threads: int | None = None) -> None:
+        super().__init__()
+        self._store_spec = store
+        self._store: Store | None = store if isinstance(store, Store) else None
+        self.checkpoint_id = _name_of(checkpoint_id) if checkpoint_id is not None else None
+        self.overwrite = overwrite
+        self.metadata = dict(metadata or {})
+        self.num_threads = num_threads
+        self.is_coordinator = False
+        self.rank = 0
+        self.save_id = uuid.uuid4().hex
+        self._parent_name: str | None = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_store"] = None  # reopened lazily where the save runs
+        return state
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self._store_spec)
+        return self._store
+
+    # -- StorageWriter contract ------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = _name_of(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._parent_name = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            _name_of(checkpoint_id)
+            return True
+        except ValueError:
+            return False
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", 0) or 0)
+        if self.checkpoint_id is None:
+            raise ValueError("DeltaStorageWriter needs a checkpoint name: pass checkpoint_id to the writer or to "
+                             "dcp.save(..., checkpoint_id=...)")
+        store = self.store
+        if not self.overwrite and store.exists(self.checkpoint_id):
+            raise CheckpointExistsError(
+                f"checkpoint {self.checkpoint_id!r} already exists; pass overwrite=True to replace it")
+        infos = store.list_checkpoints()
+        parents = [i.name for i in infos if i.name != self.checkpoint_id]
+        self._parent_name = parents[-1] if parents else None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Every rank reports which parent it will diff against; the coordinator makes them agree.
+        return dataclasses.replace(plan, storage_data=self._parent_name)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        parents = {p.storage_data for p in plans}
+        parent = self._parent_name if len(parents) != 1 else parents.pop()
+        return [dataclasses.replace(p, storage_data=parent) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        store = self.store
+        if plan.storage_data is not None or self._parent_name is None:
+            self._parent_name = plan.storage_data
+        parent = None
+        if self._parent_name is not None and store.exists(self._parent_name):
+            parent = store.read_manifest(self._parent_name)
+        writer = store.writer(parent=parent, num_threads=self.num_threads)
+        keys = []
+        try:
+            for item in plan.items:
+                key = item_key(item.index)
+                keys.append((item, key))
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    writer.add_bytes(key, data.getbuffer())
+                    continue
+                tensor, raw, elem_size = tensor_bytes(data)
+                td = item.tensor_data
+                group, offset = shard_placement(item.index.fqn, key, td.chunk.offsets, td.chunk.sizes, td.size,
+                                                tensor.element_size())
+                writer.add_array(key, raw, dtype=str(tensor.dtype).removeprefix("torch."), elem_size=elem_size,
+                                 shape=list(tensor.shape), group=group, global_offset=offset)
+        except BaseException:
+            writer.abort()
+            raise
+        summary = writer.finish()
+        results = []
+        for (item, _key), rec in zip(keys, summary.items):
+            payload = {"item": msgspec.msgpack.encode(rec)}
+            results.append(WriteResult(index=item.index, size_in_bytes=rec.nbytes, storage_data=payload))
+        if results:
+            results[0].storage_data["packs"] = dict(summary.packs)
+        elif summary.packs:  # cannot happen: no items, no packs
+            raise AssertionError("packs written without items")
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        items: list[Item] = []
+        packs: dict[str, int] = {}
+        storage_data: dict[MetadataIndex, str] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                item = msgspec.msgpack.decode(wr.storage_data["item"], type=Item)
+                items.append(item)
+                packs.update(wr.storage_data.get("packs", {}))
+                storage_data[wr.index] = item.key
+        # What the manifest keeps (and what dcp.save returns on every rank): our item keys, not chunk refs.
+        metadata.storage_data = storage_data
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = getattr(metadata, "version", None) or "1.0.0"
+        self.store.commit(self.checkpoint_id, items, packs=packs, metadata=self.metadata,
+                          layer_data={LAYER_KEY: encode_metadata(metadata)}, parent=self._parent_name,
+                          overwrite=self.overwrite)
+
+
+def _name_of(checkpoint_id) -> str:
+    """DCP checkpoint ids are checkpoint names here (validated: no '/', no '..')."""
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if not isinstance(checkpoint_id, str):
+        raise ValueError(f"checkpoint_id must be a string name, got {type(checkpoint_id).__name__}")
+    return validate_name(checkpoint_id)
+

@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 test: install
 	$(PYTHON) -m pytest -q
 
+# The main job: a small transformer trained with FSDP2 on 2 CPU ranks, checkpointed every 10 steps.
 demo: install
-	$(PYTHON) examples/store_demo.py --store $(DEMO_STORE)
+	rm -rf $(DEMO_STORE)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py \
+		--store $(DEMO_STORE) --steps 40 --save-every 10
+	$(VENV)/bin/deltackpt ls $(DEMO_STORE)
+	$(VENV)/bin/deltackpt du $(DEMO_STORE)
 
 bench: install
 	mkdir -p $(BENCH_OUT)

@@ -164,7 +164,12 @@ class CheckpointReader:
     def read_into(self, key: str, out, offset: int = 0) -> None:
         """Fill the writable buffer ``out`` with item ``key``'s bytes starting at ``offset``."""
         item = self.item(key)
-        dst = np.frombuffer(out, dtype=np.uint8) if not isinstance(out, np.ndarray) else out.reshape(-1).view(np.uint8)
+        if isinstance(out, np.ndarray):
+            if not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("read_into needs a writable C-contiguous array")
+            dst = out.reshape(-1).view(np.uint8)
+        else:
+            dst = np.frombuffer(out, dtype=np.uint8)
         length = dst.size
         if offset < 0 or offset + length > item.nbytes:
             raise ValueError(f"range [{offset}, {offset + length}) is outside item {key!r} of {item.nbytes} bytes")

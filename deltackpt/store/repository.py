@@ -315,9 +315,11 @@ class Store:
         w = self.writer(parent=parent, **writer_kwargs)
         try:
             for key, value in items.items():
+                if isinstance(value, np.generic):
+                    value = np.asarray(value)
                 if isinstance(value, np.ndarray):
-                    arr = np.ascontiguousarray(value)
-                    w.add_array(key, arr, dtype=arr.dtype.str, elem_size=_elem_size(arr), shape=arr.shape)
+                    arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+                    w.add_array(key, arr, dtype=arr.dtype.str, elem_size=_elem_size(arr), shape=value.shape)
                 elif isinstance(value, (bytes, bytearray, memoryview)):
                     w.add_bytes(key, value)
                 else:

@@ -1,0 +1,169 @@
+"""The LMDB index is only a cache: losing, staling or swapping it never loses data."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltackpt.store import LocalBackend, Store
+from deltackpt.store.index import ChunkIndex
+from deltackpt.store.pack import pack_key
+
+from store_helpers import SMALL, assert_items_equal, close_index, pack_names, random_array
+
+
+def _meta_store_id(store) -> bytes | None:
+    idx = store.index
+    with idx.env.begin(db=idx._db[b"meta"]) as txn:
+        v = txn.get(b"store_id")
+    return None if v is None else bytes(v)
+
+
+def test_deleted_cache_is_rebuilt(local_store, rng):
+    root = local_store.backend.root
+    a = {"w": random_array(rng, "float32", (50_000,)), "b": rng.bytes(20_000)}
+    m1 = local_store.save("one", a)
+    n_chunks = local_store.usage().num_chunks
+    cache = root / "cache"
+    assert (cache / "index.lmdb").is_dir()
+
+    close_index(local_store)  # as if the process ended
+    shutil.rmtree(cache)
+    s = Store.open(root)
+    assert_items_equal(a, s.load("one"))  # reads work: the index was rebuilt from the packs
+    assert (cache / "index.lmdb").is_dir()
+    assert s.usage().num_chunks == n_chunks
+    m2 = s.save("two", a)  # dedup works against the rebuilt index
+    assert m2.stats.new_chunks == 0 and m2.stats.stored_bytes == 0
+    assert [(i.name, i.parent) for i in s.list_checkpoints()] == [("one", None), ("two", "one")]
+    assert s.list_checkpoints()[0].stored_bytes == m1.stats.stored_bytes
+
+
+def test_cache_deleted_while_open_in_this_process(local_store, rng):
+    """Deleting the cache under a live process must not break that process (nor a new Store in it)."""
+    root = local_store.backend.root
+    a = {"w": random_array(rng, "float32", (20_000,))}
+    local_store.save("one", a)
+    shutil.rmtree(root / "cache")
+    s = Store.open(root)
+    assert_items_equal(a, s.load("one"))
+    b = {"w": a["w"] + 1}
+    s.save("two", b)
+    assert_items_equal(b, local_store.load("two"))
+    close_index(s)
+    fresh = Store.open(root)  # a later process rebuilds what it cannot find
+    assert_items_equal(a, fresh.load("one"))
+    assert_items_equal(b, fresh.load("two"))
+
+
+def test_rebuild_index_returns_counts(store, rng):
+    store.save("a", {"w": random_array(rng, "float32", (40_000,))})
+    store.save("b", {"w": random_array(rng, "float32", (40_000,))})
+    n = len(pack_names(store))
+    chunks = store.usage().num_chunks
+    assert n > 2
+    assert store.rebuild_index() == (n, 0)
+    assert store.usage().num_chunks == chunks
+    victim = sorted(pack_names(store))[0]
+    store.backend.delete(pack_key(victim))
+    assert store.rebuild_index() == (n - 1, 1)
+    assert store.usage().num_chunks < chunks
+    assert store.refresh_index() == (0, 0)
+    # a Store whose index was never opened can rebuild too
+    cold = Store.open(store.backend, cache_dir=store.cache_dir)
+    assert cold.rebuild_index() == (n - 1, 0)
+
+
+def test_unindexed_pack_is_picked_up_by_refresh(store, rng):
+    x = random_array(rng, "float32", (30_000,))
+    store.save("base", {"y": random_array(rng, "float32", (1000,))})
+    before = store.usage().num_chunks
+    w = store.writer()
+    w.add_array("x", x, dtype=x.dtype.str, elem_size=4, shape=x.shape)
+    s = w.finish()  # packs written, never committed nor indexed (a crash before commit)
+    assert s.packs and all(store.backend.exists(pack_key(p)) for p in s.packs)
+    assert store.index.lookup(s.items[0].chunks[0].id) is None
+    assert store.usage().num_chunks == before
+
+    assert store.refresh_index() == (len(s.packs), 0)
+    assert store.index.lookup(s.items[0].chunks[0].id) is not None
+    assert store.usage().num_chunks == before + len(s.entries)
+    assert store.refresh_index() == (0, 0)
+    # the orphan chunks now dedup a real save, and committing the orphan items needs no new bytes
+    m = store.save("x", {"x": x})
+    assert m.stats.new_chunks == 0 and m.stats.stored_bytes == 0
+    store.commit("x-orphan", s.items)
+    np.testing.assert_array_equal(store.load("x-orphan")["x"], x)
+
+
+def test_pack_copied_in_from_another_store_is_indexed(make_store, rng):
+    src = make_store("local", "src")
+    dst = make_store("local", "dst")
+    x = random_array(rng, "float32", (30_000,))
+    m = src.save("x", {"x": x})
+    # copy packs (content-addressed, config-independent) into dst behind its back
+    for name in pack_names(src):
+        dst.backend.put(pack_key(name), src.backend.get(pack_key(name)))
+    # and the manifest (re-committed under dst's store id)
+    dst.commit("x", m.items)
+    np.testing.assert_array_equal(dst.load("x")["x"], x)
+    assert dst.save("y", {"x": x}).stats.new_chunks == 0
+
+
+def test_foreign_index_cache_is_detected_and_rebuilt(make_store, rng):
+    a = make_store("local", "A")
+    b = make_store("local", "B")
+    xa = random_array(rng, "float32", (20_000,))
+    xb = random_array(rng, "float32", (20_000,))
+    a.save("ca", {"x": xa})
+    # B holds all of A's packs plus its own, so "known pack missing" cannot be what triggers a rebuild.
+    for name in pack_names(a):
+        b.backend.put(pack_key(name), a.backend.get(pack_key(name)))
+    b.save("cb", {"x": xb})
+    n_b_packs = len(pack_names(b))
+    assert pack_names(a) < pack_names(b)
+    a_id, b_id = a.config.store_id, b.config.store_id
+    assert _meta_store_id(a) == a_id.encode()
+
+    close_index(a)
+    close_index(b)
+    shutil.rmtree(b.backend.root / "cache")
+    shutil.copytree(a.backend.root / "cache", b.backend.root / "cache")
+
+    idx = ChunkIndex(b.backend, b.backend.root / "cache", b_id)
+    assert idx.refresh() == (n_b_packs, 0)  # a full rebuild, not just B's new packs
+    assert idx.refresh() == (0, 0)
+    b2 = Store.open(b.backend.root)
+    assert _meta_store_id(b2) == b_id.encode()
+    assert_items_equal({"x": xb}, b2.load("cb"))
+    assert [i.name for i in b2.list_checkpoints()] == ["cb"]
+    assert b2.save("cb2", {"x": xb}).stats.new_chunks == 0
+
+
+def test_corrupt_cache_files_are_rebuilt(local_store, rng):
+    x = {"x": random_array(rng, "float32", (20_000,))}
+    local_store.save("one", x)
+    root = local_store.backend.root
+    close_index(local_store)
+    for f in (root / "cache" / "index.lmdb").iterdir():
+        f.write_bytes(b"\xffgarbage" * 10)
+    s = Store.open(root)
+    assert_items_equal(x, s.load("one"))
+    assert s.save("two", x).stats.new_chunks == 0
+
+
+def test_cache_dir_override_and_env(tmp_path, monkeypatch, rng):
+    s = Store.init(LocalBackend(tmp_path / "st"), **SMALL)
+    x = {"x": random_array(rng, "float32", (5000,))}
+    s.save("one", x)
+    assert (tmp_path / "st" / "cache" / "index.lmdb").is_dir()
+    monkeypatch.setenv("DELTACKPT_CACHE_DIR", str(tmp_path / "envcache"))
+    s2 = Store.open(tmp_path / "st")
+    assert Path(s2.cache_dir) == tmp_path / "envcache" / s.config.store_id
+    assert_items_equal(x, s2.load("one"))
+    assert (tmp_path / "envcache" / s.config.store_id / "index.lmdb").is_dir()
+    close_index(s)
+    close_index(s2)

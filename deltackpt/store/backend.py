@@ -83,6 +83,14 @@ class MemoryBackend(Backend):
         self._objects: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self):
+        with self._lock:
+            return {"_objects": dict(self._objects)}
+
+    def __setstate__(self, state):
+        self._objects = state["_objects"]
+        self._lock = threading.Lock()
+
     def put(self, key, data):
         check_key(key)
         with self._lock:
@@ -137,6 +145,12 @@ class LocalBackend(Backend):
     def __repr__(self) -> str:
         return f"LocalBackend({str(self.root)!r})"
 
+    def __getstate__(self):
+        return {"root": self.root, "fsync": self.fsync}
+
+    def __setstate__(self, state):
+        self.__init__(state["root"], fsync=state["fsync"])
+
     def local_path(self) -> Path:
         return self.root
 
@@ -182,6 +196,8 @@ class LocalBackend(Backend):
             return f.read(length)
 
     def list(self, prefix=""):
+        if prefix and any(p in (".", "..") for p in prefix.split("/")[:-1]):
+            raise ValueError(f"invalid list prefix {prefix!r}")
         # Walk only the directory the prefix points into.
         base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / base_dir if base_dir else self.root

@@ -33,6 +33,12 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     zstd_level: int = 1
     # A coded chunk is kept only if it is at least this fraction smaller than raw.
     min_gain: float = 0.03
+    # Delta coding of changed array chunks against the parent checkpoint's keyframe at the same place.
+    delta: bool = True
+    # A delta is kept only if it is at least this fraction smaller than the keyframe coding.
+    delta_min_gain: float = 0.1
+    # A keyframe serves as base for at most this many checkpoints before it is refreshed.
+    keyframe_interval: int = 10
 
     def validate(self) -> "StoreConfig":
         def bad(msg: str):
@@ -48,8 +54,10 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             bad("pack_target_bytes must be >= chunk_size_bytes")
         if not (-7 <= self.zstd_level <= 22):
             bad("zstd_level must be in [-7, 22]")
-        if not (0.0 <= self.min_gain < 1.0):
-            bad("min_gain must be in [0, 1)")
+        if not (0.0 <= self.min_gain < 1.0) or not (0.0 <= self.delta_min_gain < 1.0):
+            bad("min_gain and delta_min_gain must be in [0, 1)")
+        if not (1 <= self.keyframe_interval <= 65535):
+            bad("keyframe_interval must be in [1, 65535]")
         return self
 
 

@@ -23,10 +23,10 @@ import lmdb
 from ..errors import ManifestFormatError
 from .pack import PackEntry, pack_name_from_key, read_pack_entries
 
-_RECORD = struct.Struct("<16sQQQBB16s")
+_RECORD = struct.Struct("<16sQQQBB16sH")
 _NO_BASE = bytes(16)
 _MAP_SIZE = 1 << 36  # virtual; the file grows as needed
-INDEX_VERSION = b"1"
+INDEX_VERSION = b"2"
 
 _DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts")
 _envs: dict[str, tuple] = {}
@@ -61,14 +61,14 @@ def _close_env(path: Path) -> None:
 
 def encode_record(e: PackEntry) -> bytes:
     return _RECORD.pack(bytes.fromhex(e.pack), e.offset, e.stored_len, e.raw_len, e.codec, e.elem_size,
-                        e.base_id or _NO_BASE)
+                        e.base_id or _NO_BASE, e.age)
 
 
 def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
     if len(rec) != _RECORD.size:
         raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} has {len(rec)} bytes")
-    pack, off, slen, rlen, codec, es, base = _RECORD.unpack(rec)
-    return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base)
+    pack, off, slen, rlen, codec, es, base, age = _RECORD.unpack(rec)
+    return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base, age)
 
 
 class ChunkIndex:

@@ -1,7 +1,8 @@
 """Manifests: one immutable object per checkpoint, the only commit point.
 
 A checkpoint exists if and only if ``manifests/<name>`` exists. The object is ``b"DCMF"``, a format
-version byte, then a zstd frame of msgpack decoded against the strict schema below (never pickle).
+version byte, a zstd frame of msgpack decoded against the strict schema below (never pickle), and the
+xxh3-64 of everything before it (8 bytes, little-endian), so any damage is detected before parsing.
 
 An *item* is one named array or byte string (for DCP: one saved tensor shard or one pickled value). Its raw
 bytes are the concatenation of its chunk refs; a ref is ``(chunk id, length, skip)``: ``length`` bytes taken
@@ -13,9 +14,11 @@ bases line up across shardings.
 from __future__ import annotations
 
 import re
+import struct
 from typing import Any, Literal
 
 import msgspec
+import xxhash
 import zstandard
 
 from ..errors import InvalidNameError, ManifestFormatError, UnsupportedFormatError
@@ -92,16 +95,22 @@ def manifest_key(name: str) -> str:
 
 def encode_manifest(m: Manifest) -> bytes:
     body = msgspec.msgpack.encode(m)
-    return MANIFEST_MAGIC + bytes([MANIFEST_VERSION]) + zstandard.ZstdCompressor(level=3).compress(body)
+    out = MANIFEST_MAGIC + bytes([MANIFEST_VERSION]) + zstandard.ZstdCompressor(level=3).compress(body)
+    return out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out))
 
 
 def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
-    if len(data) < 5 or data[:4] != MANIFEST_MAGIC:
+    if len(data) < 13 or data[:4] != MANIFEST_MAGIC:
         raise ManifestFormatError(f"{where}: not a deltackpt manifest (bad magic)")
+    (digest,) = struct.unpack("<Q", data[-8:])
+    if xxhash.xxh3_64_intdigest(data[:-8]) != digest:
+        raise ManifestFormatError(f"{where}: checksum mismatch (damaged or truncated)")
     if data[4] > MANIFEST_VERSION:
         raise UnsupportedFormatError(f"{where}: manifest version {data[4]} is newer than supported")
+    if data[4] < 1:
+        raise ManifestFormatError(f"{where}: invalid manifest version {data[4]}")
     try:
-        body = zstandard.ZstdDecompressor().decompress(data[5:], max_output_size=MAX_MANIFEST_BYTES)
+        body = zstandard.ZstdDecompressor().decompress(data[5:-8], max_output_size=MAX_MANIFEST_BYTES)
     except zstandard.ZstdError as e:
         raise ManifestFormatError(f"{where}: damaged manifest ({e})") from None
     try:

@@ -4,13 +4,14 @@ Layout (all integers little-endian)::
 
     pack    := MAGIC(8) entry* table footer
     entry   := header(64) payload(stored_len)
-    header  := b"DCE1" codec:u8 elem_size:u8 flags:u16 raw_len:u64 stored_len:u64
+    header  := b"DCE1" codec:u8 elem_size:u8 age:u16 raw_len:u64 stored_len:u64
                chunk_id:16B base_id:16B header_hash:u64        (xxh3-64 of the 56 bytes before it)
     table   := row(64) * num_entries
-    row     := chunk_id:16B base_id:16B offset:u64 stored_len:u64 raw_len:u64 codec:u8 elem_size:u8 pad:6
+    row     := chunk_id:16B base_id:16B offset:u64 stored_len:u64 raw_len:u64 codec:u8 elem_size:u8 age:u16 pad:4
     footer  := table_offset:u64 num_entries:u64 table_hash:u64 version:u16 pad:u16 b"DCPK"
 
-``offset`` is where the entry header starts. ``base_id`` is all zeros unless the chunk is a delta. The
+``offset`` is where the entry header starts. ``base_id`` is all zeros unless the chunk is a delta; ``age`` is
+0 for a keyframe and, for a delta, how many checkpoints its base keyframe has served (the refresh policy). The
 header makes each entry self-describing (a damaged table can be rebuilt by walking entries); the table lets
 the index be rebuilt from the pack's tail with one ranged read. The pack is stored under
 ``packs/<name[:2]>/<name>`` where ``name`` is the xxh3-128 of all its bytes, so a pack's integrity can be
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ..errors import ManifestFormatError
-from .codec import CODEC_NAMES, VALID_ELEM_SIZES
+from .codec import CODEC_NAMES, DELTA, VALID_ELEM_SIZES
 
 PACK_MAGIC = b"DCPACK\x00\x01"
 ENTRY_MAGIC = b"DCE1"
@@ -37,7 +38,7 @@ MAX_CHUNK_BYTES = 1 << 30
 
 _HEADER = struct.Struct("<4sBBHQQ16s16s")  # 56 bytes, followed by the u64 header hash
 HEADER_SIZE = _HEADER.size + 8
-_ROW = struct.Struct("<16s16sQQQBB6x")
+_ROW = struct.Struct("<16s16sQQQBBH4x")
 ROW_SIZE = _ROW.size
 _FOOTER = struct.Struct("<QQQHH4s")
 FOOTER_SIZE = _FOOTER.size
@@ -56,6 +57,7 @@ class PackEntry:
     codec: int
     elem_size: int
     base_id: bytes | None = None
+    age: int = 0
 
     @property
     def span(self) -> int:
@@ -86,24 +88,25 @@ def _check_fields(codec: int, elem_size: int, raw_len: int, stored_len: int, whe
         raise ManifestFormatError(f"{where}: chunk length out of bounds")
 
 
-def encode_header(chunk_id: bytes, codec: int, elem_size: int, raw_len: int, stored_len: int, base_id) -> bytes:
-    head = _HEADER.pack(ENTRY_MAGIC, codec, elem_size, 0, raw_len, stored_len, chunk_id, base_id or NO_BASE)
+def encode_header(chunk_id: bytes, codec: int, elem_size: int, raw_len: int, stored_len: int, base_id,
+                  age: int = 0) -> bytes:
+    head = _HEADER.pack(ENTRY_MAGIC, codec, elem_size, age, raw_len, stored_len, chunk_id, base_id or NO_BASE)
     return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
 def decode_header(buf, where: str) -> tuple[bytes, int, int, int, int, bytes | None]:
-    """(chunk_id, codec, elem_size, raw_len, stored_len, base_id) of an entry header."""
+    """(chunk_id, codec, elem_size, raw_len, stored_len, base_id, age) of an entry header."""
     if len(buf) < HEADER_SIZE:
         raise ManifestFormatError(f"{where}: entry header truncated")
     head = bytes(buf[: _HEADER.size])
     (digest,) = struct.unpack_from("<Q", buf, _HEADER.size)
     if xxhash.xxh3_64_intdigest(head) != digest:
         raise ManifestFormatError(f"{where}: entry header checksum mismatch")
-    magic, codec, elem_size, _flags, raw_len, stored_len, chunk_id, base = _HEADER.unpack(head)
+    magic, codec, elem_size, age, raw_len, stored_len, chunk_id, base = _HEADER.unpack(head)
     if magic != ENTRY_MAGIC:
         raise ManifestFormatError(f"{where}: bad entry magic")
     _check_fields(codec, elem_size, raw_len, stored_len, where)
-    return chunk_id, codec, elem_size, raw_len, stored_len, (None if base == NO_BASE else base)
+    return chunk_id, codec, elem_size, raw_len, stored_len, (None if base == NO_BASE else base), age
 
 
 class PackBuilder:
@@ -120,11 +123,12 @@ class PackBuilder:
     def size_bytes(self) -> int:
         return len(self._buf)
 
-    def add(self, chunk_id: bytes, codec: int, elem_size: int, raw_len: int, stored, base_id=None) -> int:
+    def add(self, chunk_id: bytes, codec: int, elem_size: int, raw_len: int, stored, base_id=None,
+            age: int = 0) -> int:
         offset = len(self._buf)
-        self._buf += encode_header(chunk_id, codec, elem_size, raw_len, len(stored), base_id)
+        self._buf += encode_header(chunk_id, codec, elem_size, raw_len, len(stored), base_id, age)
         self._buf += stored
-        self._rows.append((chunk_id, base_id or NO_BASE, offset, len(stored), raw_len, codec, elem_size))
+        self._rows.append((chunk_id, base_id or NO_BASE, offset, len(stored), raw_len, codec, elem_size, age))
         return offset
 
     def seal(self) -> tuple[str, bytearray, list[PackEntry]]:
@@ -138,8 +142,8 @@ class PackBuilder:
         data, self._buf = self._buf, bytearray()
         name = xxhash.xxh3_128_hexdigest(data)
         entries = [
-            PackEntry(cid, name, off, slen, rlen, codec, es, None if base == NO_BASE else base)
-            for cid, base, off, slen, rlen, codec, es in self._rows
+            PackEntry(cid, name, off, slen, rlen, codec, es, None if base == NO_BASE else base, age)
+            for cid, base, off, slen, rlen, codec, es, age in self._rows
         ]
         return name, data, entries
 
@@ -168,13 +172,15 @@ def parse_table(table: bytes, tail: bytes, name: str) -> list[PackEntry]:
     entries = []
     prev_end = len(PACK_MAGIC)
     for i in range(num):
-        cid, base, off, slen, rlen, codec, es = _ROW.unpack_from(table, i * ROW_SIZE)
+        cid, base, off, slen, rlen, codec, es, age = _ROW.unpack_from(table, i * ROW_SIZE)
         where = f"pack {name} row {i}"
         _check_fields(codec, es, rlen, slen, where)
         if off < prev_end or off + HEADER_SIZE + slen > table_offset:
             raise ManifestFormatError(f"{where}: entry out of bounds")
         prev_end = off + HEADER_SIZE + slen
-        entries.append(PackEntry(cid, name, off, slen, rlen, codec, es, None if base == NO_BASE else base))
+        if (codec == DELTA) != (base != NO_BASE):
+            raise ManifestFormatError(f"{where}: base id must be set exactly for delta chunks")
+        entries.append(PackEntry(cid, name, off, slen, rlen, codec, es, None if base == NO_BASE else base, age))
     return entries
 
 

@@ -81,7 +81,7 @@ class ChunkSource:
         if len(buf) != entry.span:
             raise CorruptChunkError("pack is truncated", **where)
         try:
-            cid, cod, es, rlen, slen, base_id = decode_header(buf, f"pack {entry.pack}")
+            cid, cod, es, rlen, slen, base_id, _age = decode_header(buf, f"pack {entry.pack}")
         except ManifestFormatError as e:
             raise CorruptChunkError(f"damaged entry header ({e})", **where) from None
         if (cid, cod, es, rlen, slen, base_id) != (entry.chunk_id, entry.codec, entry.elem_size, entry.raw_len,

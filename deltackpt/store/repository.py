@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    InvalidNameError,
     ManifestFormatError,
     MissingChunkError,
     StoreExistsError,
@@ -137,7 +138,7 @@ class Store:
         backend = _as_backend(location)
         try:
             data = backend.get(CONFIG_KEY)
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise StoreNotFoundError(
                 f"{_describe(backend)} is not a deltackpt store (no config); create one with `deltackpt init`"
             ) from None
@@ -197,8 +198,8 @@ class Store:
             if info is None:
                 try:
                     m = self.read_manifest(name)
-                except (ManifestFormatError, CheckpointNotFoundError):
-                    continue  # unreadable manifests are verify's business, not ls's
+                except (ManifestFormatError, CheckpointNotFoundError, InvalidNameError):
+                    continue  # stray or unreadable manifests are verify's business, not ls's
                 info = _summarize(m, size)
                 fresh[name] = msgspec.msgpack.encode(info)
             out.append(info)
@@ -273,7 +274,8 @@ class Store:
         packs = dict(packs or {})
         if entries is None:
             entries = [e for p, size in packs.items() for e in read_pack_entries(self.backend, p, size)]
-        self.index.add(list(entries), packs)
+        entries = list(entries)
+        self.index.add(entries, packs)
         wanted = {ref.id for it in items for ref in it.chunks}
         found = self.index.lookup_many(wanted)
         missing = wanted - found.keys()

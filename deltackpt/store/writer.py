@@ -25,6 +25,7 @@ from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
 from .manifest import ChunkRef, Item, Manifest
 from .pack import PackBuilder, PackEntry, pack_key
 from .parentmap import Extent, ParentMap
+from .basecache import shared_base_cache
 from .reader import ChunkSource
 
 MiB = 1 << 20
@@ -60,7 +61,9 @@ class ChunkWriter:
         self.store = store
         self.config = store.config
         self.parent = ParentMap(parent)
-        self._source = ChunkSource(store) if self.parent else None
+        self._source = ChunkSource(store)
+        self._cache = shared_base_cache()
+        self._cache.new_generation()
         self.num_threads = num_threads or max(1, min(8, os.cpu_count() or 1))
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
@@ -159,18 +162,44 @@ class ChunkWriter:
         with self._lock:
             if cid in self._claimed:
                 return [ChunkRef(cid, n)]
-        if group is not None and self.parent and self.parent.exact(group, gstart, gstart + n) is None:
-            cover = self.parent.covering(group, gstart, gstart + n)
-            if cover:
-                refs = self._match_parent(view, gstart, cover)
-                if refs is not None:
-                    return refs
+        base = None
+        if group is not None and self.parent:
+            same = self.parent.exact(group, gstart, gstart + n)
+            if same is None:
+                # Boundaries moved (resharding): reuse slices of the parent's chunks if the bytes are equal.
+                cover = self.parent.covering(group, gstart, gstart + n)
+                if cover:
+                    refs = self._match_parent(view, gstart, cover)
+                    if refs is not None:
+                        return refs
+            elif self.config.delta and same.skip == 0:
+                base = self._delta_base(same.chunk_id, n)
         with self._lock:
             if cid in self._claimed:
                 return [ChunkRef(cid, n)]
             self._claimed.add(cid)
-        self._store_chunk(cid, view, elem_size)
+        self._store_chunk(cid, view, elem_size, base, is_array=group is not None)
         return [ChunkRef(cid, n)]
+
+    def _delta_base(self, parent_chunk: bytes, n: int) -> tuple[PackEntry, int] | None:
+        """(keyframe entry, age) to code a changed chunk against, or None for a new keyframe.
+
+        The base is the keyframe behind the parent's chunk at the same place (the parent chunk itself, or
+        its base when it is a delta), so restoring any chunk reads at most two. A keyframe that has served
+        ``keyframe_interval`` checkpoints is retired.
+        """
+        index = self.store.index
+        entry = index.lookup(parent_chunk)
+        if entry is None or entry.raw_len != n:
+            return None
+        if entry.codec == codec.DELTA:
+            age = entry.age + 1
+            entry = index.lookup(entry.base_id)
+            if entry is None or entry.codec == codec.DELTA or entry.raw_len != n:
+                return None
+        else:
+            age = 1
+        return (entry, age) if age <= self.config.keyframe_interval else None
 
     def _match_parent(self, view: memoryview, gstart: int, cover: list[Extent]) -> list[ChunkRef] | None:
         """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""
@@ -191,12 +220,40 @@ class ChunkWriter:
             refs.append(ChunkRef(e.chunk_id, hi - lo, skip))
         return refs
 
-    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int) -> None:
+    def _base_bytes(self, entry: PackEntry):
+        raw = self._cache.get(self.config.store_id, entry.chunk_id)
+        if raw is None:
+            try:
+                raw = self._source.get(entry.chunk_id)
+            except DeltackptError:
+                return None  # a damaged base is never built upon; the chunk becomes a keyframe
+            self._cache.put(self.config.store_id, entry.chunk_id, raw)
+        return raw
+
+    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int, base=None, is_array=False) -> None:
+        """Code and pack one new chunk: a delta against ``base`` when it pays off, else a keyframe."""
         c = self.config
-        cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
+        n = len(view)
+        cod, stored, base_id, age = None, None, None, 0
+        if base is not None:
+            key_entry, key_age = base
+            base_raw = self._base_bytes(key_entry)
+            if base_raw is not None:
+                delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level)
+                # Cheap test first: the keyframe's own coded size stands in for this chunk's.
+                limit = (1.0 - c.delta_min_gain) * min(key_entry.stored_len, n)
+                if len(delta) > limit:
+                    cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
+                    limit = (1.0 - c.delta_min_gain) * len(stored)
+                if len(delta) <= limit:
+                    cod, stored, base_id, age = codec.DELTA, delta, key_entry.chunk_id, key_age
+        if cod is None:
+            cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
+        if cod != codec.DELTA and c.delta and is_array:
+            self._cache.put(c.store_id, cid, view)  # the next save's base
         sealed = None
         with self._lock:
-            self._builder.add(cid, cod, elem_size, len(view), stored)
+            self._builder.add(cid, cod, elem_size, n, stored, base_id, age)
             if self._builder.size_bytes >= c.pack_target_bytes:
                 sealed, self._builder = self._builder, PackBuilder()
         if sealed is not None:

@@ -1,0 +1,113 @@
+"""A process-wide, byte-bounded LRU of keyframe bytes, so the next save's deltas need no store reads.
+
+When a writer stores a keyframe it keeps a copy of the raw bytes here; the next save of the same tensor
+region finds its delta base in memory. A base that is not cached (first save after a restart, or evicted)
+is read back from the store and verified. The cap is ``DELTACKPT_BASE_CACHE_BYTES`` (default 256 MiB);
+0 disables the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+
+MiB = 1 << 20
+_DEFAULT_CAP = 256 * MiB
+
+
+def _cap_from_env() -> int:
+    raw = os.environ.get("DELTACKPT_BASE_CACHE_BYTES")
+    if raw is None:
+        return _DEFAULT_CAP
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"DELTACKPT_BASE_CACHE_BYTES must be an integer byte count, got {raw!r}") from None
+    if value < 0:
+        raise ValueError("DELTACKPT_BASE_CACHE_BYTES must be >= 0")
+    return value
+
+
+class BaseCache:
+    """Chunk id -> raw bytes, at most ``cap_bytes`` in total.
+
+    Saves visit a model's chunks in the same order every time, which is LRU's worst case: a cache smaller
+    than the working set would evict each base just before it is needed. So entries are tagged with the
+    generation (save) that last used them; a new entry may evict only entries no newer save has used, and
+    is dropped when there is no such room. A model larger than the cap thus keeps a stable part cached.
+    """
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self._data: OrderedDict[tuple[str, bytes], list] = OrderedDict()  # key -> [bytes, generation]
+        self._size = 0
+        self._generation = 0
+        self._lock = threading.Lock()
+
+    @property
+    def size_bytes(self) -> int:
+        return self._size
+
+    def new_generation(self) -> int:
+        """Start a save; entries it touches outrank those of earlier saves."""
+        with self._lock:
+            self._generation += 1
+            return self._generation
+
+    def get(self, store_id: str, chunk_id: bytes):
+        key = (store_id, chunk_id)
+        with self._lock:
+            slot = self._data.get(key)
+            if slot is None:
+                return None
+            slot[1] = self._generation
+            self._data.move_to_end(key)
+            return slot[0]
+
+    def put(self, store_id: str, chunk_id: bytes, raw) -> None:
+        n = len(raw)
+        if n > self.cap_bytes:
+            return
+        key = (store_id, chunk_id)
+        with self._lock:
+            if key in self._data:
+                self._data[key][1] = self._generation
+                return
+            if not self._make_room(n):
+                return
+        value = bytes(raw)
+        with self._lock:
+            if key not in self._data and self._make_room(n):
+                self._data[key] = [value, self._generation]
+                self._size += n
+
+    def _make_room(self, n: int) -> bool:
+        """Evict entries older than the current generation (least recent first) until ``n`` bytes fit."""
+        if self._size + n <= self.cap_bytes:
+            return True
+        for key in list(self._data):
+            if self._size + n <= self.cap_bytes:
+                break
+            value, gen = self._data[key]
+            if gen < self._generation:
+                del self._data[key]
+                self._size -= len(value)
+        return self._size + n <= self.cap_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._size = 0
+
+
+_shared: BaseCache | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_base_cache() -> BaseCache:
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = BaseCache(_cap_from_env())
+        return _shared

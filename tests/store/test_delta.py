@@ -1,0 +1,182 @@
+"""Delta coding: lossless round trips, bounded chains, keyframe refresh, damaged bases."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltackpt import kernels
+from deltackpt.errors import CorruptChunkError
+from deltackpt.store import MemoryBackend, Store, codec
+from deltackpt.store.basecache import shared_base_cache
+from deltackpt.store.pack import HEADER_SIZE, pack_key
+
+DTYPES = ["float32", "float16", "int64", "uint8", "bfloat16"]
+
+
+def _np_dtype(name):
+    return np.dtype("uint16") if name == "bfloat16" else np.dtype(name)
+
+
+def _codecs(store: Store) -> Counter:
+    return Counter(codec.CODEC_NAMES[e.codec] for e in store.index.iter_entries())
+
+
+@pytest.fixture
+def mem_store(tmp_path):
+    shared_base_cache().clear()
+    return Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=16384)
+
+
+@settings(deadline=None, max_examples=40)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 3000),
+    seed=st.integers(0, 2**32 - 1),
+    flip_frac=st.floats(0, 1),
+)
+def test_delta_codec_round_trips_every_dtype(dtype, n, seed, flip_frac):
+    rng = np.random.default_rng(seed)
+    es = _np_dtype(dtype).itemsize
+    base = rng.integers(0, 256, n * es + (seed % 3), dtype=np.uint8)  # odd lengths too
+    new = base.copy()
+    mask = rng.random(new.size) < flip_frac
+    new[mask] = rng.integers(0, 256, int(mask.sum()), dtype=np.uint8)
+    stored = codec.encode_delta(new, base, es, 1)
+    out = codec.decode(codec.DELTA, stored, len(new), es, base)
+    assert bytes(out) == new.tobytes()
+    for cod, blob in [codec.encode_best(new, es, 1, 0.03), (codec.RAW, new.tobytes())]:
+        assert bytes(codec.decode(cod, blob, len(new), es)) == new.tobytes()
+
+
+def test_delta_decode_parity_native_numpy():
+    if kernels.native_impl is None:
+        pytest.skip("native kernels not built")
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal(50_001).astype(np.float32)
+    b = (a + rng.standard_normal(a.size).astype(np.float32) * 1e-4).astype(np.float32)
+    for es in (1, 2, 4, 8):
+        nat = kernels.native_impl.xor_shuffle(b, a, es)
+        ref = kernels.numpy_impl.xor_shuffle(b, a, es)
+        assert np.array_equal(nat, ref)
+        assert np.array_equal(kernels.native_impl.unshuffle_xor(nat, a, es), kernels.numpy_impl.unshuffle_xor(ref, a, es))
+
+
+def _drift(rng, w, scale):
+    return (w + rng.standard_normal(w.size).astype(w.dtype) * scale).astype(w.dtype)
+
+
+def test_small_changes_are_stored_as_deltas_and_restore_bit_exact(mem_store):
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal(60_000) * 0.05).astype(np.float32)
+    first = mem_store.save("c0", {"w": w})
+    w1 = _drift(rng, w, 1e-5)
+    second = mem_store.save("c1", {"w": w1})
+    assert _codecs(mem_store)["delta"] > 0
+    assert second.stats.stored_bytes < 0.8 * first.stats.stored_bytes
+    assert np.array_equal(mem_store.load("c1")["w"], w1)
+    assert np.array_equal(mem_store.load("c0")["w"], w)
+
+
+def test_twenty_checkpoint_chain_restores_every_checkpoint(tmp_path):
+    shared_base_cache().clear()
+    store = Store.init(tmp_path / "s", chunk_size_bytes=16384, keyframe_interval=4)
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
+    h = rng.integers(0, 1000, 5_000).astype(np.int64)
+    saved = {}
+    for i in range(20):
+        w = _drift(rng, w, 1e-5)
+        h[rng.integers(0, h.size, 10)] += 1
+        store.save(f"c{i}", {"w": w, "h": h, "meta": f"step {i}".encode()})
+        saved[f"c{i}"] = (w.copy(), h.copy())
+    reopened = Store.open(tmp_path / "s")
+    for name, (ew, eh) in saved.items():
+        out = reopened.load(name)
+        assert np.array_equal(out["w"], ew) and np.array_equal(out["h"], eh), name
+    entries = list(reopened.index.iter_entries())
+    by_id = {e.chunk_id: e for e in entries}
+    deltas = [e for e in entries if e.codec == codec.DELTA]
+    assert deltas, "expected delta chunks"
+    for e in deltas:
+        base = by_id[e.base_id]
+        assert base.codec != codec.DELTA, "a delta's base must be a keyframe"
+        assert 1 <= e.age <= 4, "keyframes are refreshed after keyframe_interval checkpoints"
+    keyframes_of_w = [e for e in entries if e.codec != codec.DELTA and e.elem_size == 4]
+    # 20 checkpoints, bases retire after 4 uses -> at least 20/5 keyframe generations per chunk position
+    assert len(keyframes_of_w) >= 4 * 3
+
+
+def test_keyframe_refreshes_when_delta_stops_paying(mem_store):
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal(20_000) * 0.05).astype(np.float32)
+    mem_store.save("c0", {"w": w})
+    other = (rng.standard_normal(20_000) * 0.05).astype(np.float32)  # unrelated content: delta useless
+    mem_store.save("c1", {"w": other})
+    assert _codecs(mem_store)["delta"] == 0
+    assert np.array_equal(mem_store.load("c1")["w"], other)
+
+
+def test_delta_disabled_by_config(tmp_path):
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "c", chunk_size_bytes=16384, delta=False)
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal(20_000) * 0.05).astype(np.float32)
+    store.save("c0", {"w": w})
+    store.save("c1", {"w": _drift(rng, w, 1e-6)})
+    assert _codecs(store)["delta"] == 0
+
+
+def test_base_is_read_from_store_when_not_cached(mem_store):
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal(20_000) * 0.05).astype(np.float32)
+    mem_store.save("c0", {"w": w})
+    shared_base_cache().clear()  # as after a restart
+    w1 = _drift(rng, w, 1e-6)
+    mem_store.save("c1", {"w": w1})
+    assert _codecs(mem_store)["delta"] > 0
+    assert np.array_equal(mem_store.load("c1")["w"], w1)
+
+
+def test_corrupt_base_names_both_chunks(tmp_path):
+    shared_base_cache().clear()
+    store = Store.init(tmp_path / "s", chunk_size_bytes=16384)
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal(4096) * 0.05).astype(np.float32)  # exactly one chunk
+    store.save("c0", {"w": w})
+    store.save("c1", {"w": _drift(rng, w, 1e-6)})
+    entries = {e.chunk_id: e for e in store.index.iter_entries()}
+    delta = next(e for e in entries.values() if e.codec == codec.DELTA)
+    base = entries[delta.base_id]
+    path = tmp_path / "s" / pack_key(base.pack)
+    data = bytearray(path.read_bytes())
+    data[base.offset + HEADER_SIZE + 10] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptChunkError) as info:
+        Store.open(tmp_path / "s").load("c1")
+    err = info.value
+    assert err.chunk_id == delta.chunk_id.hex()
+    assert err.base_chunk_id == base.chunk_id.hex()
+    assert base.chunk_id.hex() in str(err) and delta.chunk_id.hex() in str(err)
+
+
+def test_damaged_base_is_not_built_upon(tmp_path):
+    """A save whose base is corrupt writes a keyframe instead of a delta nobody could decode."""
+    shared_base_cache().clear()
+    store = Store.init(tmp_path / "s", chunk_size_bytes=16384)
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal(4096) * 0.05).astype(np.float32)
+    store.save("c0", {"w": w})
+    (entry,) = list(store.index.iter_entries())
+    path = tmp_path / "s" / pack_key(entry.pack)
+    data = bytearray(path.read_bytes())
+    data[entry.offset + HEADER_SIZE + 5] ^= 0x01
+    path.write_bytes(bytes(data))
+    shared_base_cache().clear()
+    w1 = _drift(rng, w, 1e-6)
+    Store.open(tmp_path / "s").save("c1", {"w": w1})
+    reopened = Store.open(tmp_path / "s")
+    assert np.array_equal(reopened.load("c1")["w"], w1)

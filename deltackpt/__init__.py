@@ -10,6 +10,7 @@ from importlib import import_module
 
 from .errors import (
     CheckpointExistsError,
+    CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptChunkError,
     DeltackptError,
@@ -35,11 +36,14 @@ _LAZY = {
     "save": "deltackpt.dcp.api",
     "load": "deltackpt.dcp.api",
     "async_save": "deltackpt.dcp.api",
+    "TrainState": "deltackpt.train",
+    "CheckpointManager": "deltackpt.train",
 }
 
 __all__ = [
     "__version__",
     "CheckpointExistsError",
+    "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CorruptChunkError",
     "DeltackptError",

@@ -130,5 +130,9 @@ def _rebuild_missing(chunk_id, checkpoint, item):
     return MissingChunkError(chunk_id, checkpoint=checkpoint, item=item)
 
 
+class CheckpointMismatchError(DeltackptError, ValueError):
+    """A checkpoint does not fit the state it is restored into (parameter names, shapes, optimizer type)."""
+
+
 class SilentDataCorruptionError(DeltackptError):
     """Replicas of the same data disagree across ranks: a bit flipped in memory or compute."""

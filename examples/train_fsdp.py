@@ -1,25 +1,26 @@
-"""Train a small transformer with FSDP2 on CPU ranks and checkpoint it into a deltackpt store.
+"""Train a small transformer with FSDP2 on CPU ranks, checkpointing into a deltackpt store.
 
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --store demo-store --steps 40 --save-every 10
 
-Resumes from the newest checkpoint in the store when there is one.
+Resumes from the newest intact checkpoint in the store. ``--fail-at-step K`` makes rank 1 die after step K
+in the first attempt (torchrun ``--max-restarts`` then restarts the job, which resumes and finishes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torchdata.stateful_dataloader import StatefulDataLoader
 
-from deltackpt import DeltaStorageReader, DeltaStorageWriter
-from deltackpt.store import Store
+from deltackpt import CheckpointManager, TrainState
 
 
 class TinyLM(nn.Module):
@@ -37,9 +38,19 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
-def batch(step: int, rank: int, vocab: int = 512, size: int = 8, seq: int = 32) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step * 1000 + rank)
-    return torch.randint(0, vocab, (size, seq + 1), generator=g)
+def make_loader(rank: int, seed: int, num_samples: int = 64, seq: int = 32, vocab: int = 512):
+    data = torch.randint(0, vocab, (num_samples, seq + 1), generator=torch.Generator().manual_seed(seed + rank))
+    generator = torch.Generator().manual_seed(seed * 100 + rank)
+    return StatefulDataLoader(list(data), batch_size=8, shuffle=True, generator=generator)
+
+
+def schedule(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + torch.cos(torch.tensor(progress * torch.pi)).item())
+    return factor
 
 
 def main() -> None:
@@ -47,42 +58,59 @@ def main() -> None:
     ap.add_argument("--store", default="demo-store")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--keep-last", type=int, default=None)
+    ap.add_argument("--async-mode", choices=["thread", "process"], default=None)
+    ap.add_argument("--fail-at-step", type=int, default=None, help="rank 1 dies after this step (first attempt)")
+    ap.add_argument("--loss-log", default=None, help="rank 0 appends one JSON line per step (loss as float hex)")
+    ap.add_argument("--dump-final", default=None, help="rank 0 writes the full final model+optimizer state here")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(args.seed)  # same initial weights on every rank
     model = TinyLM()
+    mesh = init_device_mesh("cpu", (world,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, schedule(warmup=5, total=args.steps))
+    loader = make_loader(rank, args.seed)
+    torch.manual_seed(args.seed + 1000 + rank)  # per-rank dropout streams
 
-    start = 0
-    if os.path.exists(os.path.join(args.store, "config")) and Store.open(args.store).list_checkpoints():
-        msd, osd = get_state_dict(model, optim)
-        state = {"model": msd, "optim": osd, "step": 0}
-        reader = DeltaStorageReader(args.store, "latest")
-        dcp.load(state, storage_reader=reader)
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        start = state["step"]
+    state = TrainState(model=model, optimizer=optim, scheduler=sched, dataloader=loader)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    with CheckpointManager(args.store, state, every_n_steps=args.save_every, keep_last=args.keep_last,
+                           async_mode=args.async_mode) as mgr:
+        step = mgr.restore_latest()
+        if rank == 0 and step:
+            print(f"resumed at step {step} (epoch {state.epoch}, attempt {attempt})", flush=True)
+        while step < args.steps:
+            for tokens in loader:
+                step += 1
+                logits = model(tokens[:, :-1])
+                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+                optim.zero_grad()
+                loss.backward()
+                optim.step()
+                sched.step()
+                state.step = step
+                if rank == 0 and args.loss_log:
+                    with open(args.loss_log, "a") as f:
+                        f.write(json.dumps({"step": step, "epoch": state.epoch, "loss": loss.item().hex()}) + "\n")
+                if step == args.fail_at_step and rank == 1 and attempt == 0:
+                    os._exit(17)  # a crash: no cleanup, no checkpoint of this step
+                if mgr.maybe_save(step) and rank == 0:
+                    print(f"step {step}: loss {loss.item():.4f}, saved {mgr.name_for(step)}", flush=True)
+                if step >= args.steps:
+                    break
+            else:
+                state.epoch += 1
+    if args.dump_final:
+        msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
-            print(f"resumed from {reader.checkpoint_id} at step {start}")
-
-    for step in range(start + 1, args.steps + 1):
-        tokens = batch(step, rank)
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        if step % args.save_every == 0:
-            msd, osd = get_state_dict(model, optim)
-            writer = DeltaStorageWriter(args.store, f"step-{step}", metadata={"step": step})
-            dcp.save({"model": msd, "optim": osd, "step": step}, storage_writer=writer)
-            if rank == 0:
-                print(f"step {step}: loss {loss.item():.4f}, saved step-{step}")
+            torch.save({"model": msd, "optim": osd}, args.dump_final)
     dist.barrier()
     dist.destroy_process_group()
 

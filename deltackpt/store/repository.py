@@ -333,6 +333,19 @@ class Store:
         return self.commit(name, summary.items, entries=summary.entries, packs=summary.packs,
                            metadata=metadata, overwrite=overwrite)
 
+    def forget(self, names) -> list[str]:
+        """Remove checkpoints (their manifests only; ``gc`` reclaims the chunks). Returns the names removed."""
+        names = [names] if isinstance(names, str) else list(names)
+        for name in names:
+            validate_name(name)
+        removed = []
+        for name in names:
+            if self.exists(name):
+                self.backend.delete(manifest_key(name))
+                removed.append(name)
+        self.index.put_summaries({}, drop=removed)
+        return removed
+
     # -- reading -------------------------------------------------------------------------------------------
     def open_checkpoint(self, name: str = LATEST, **kwargs) -> CheckpointReader:
         return CheckpointReader(self, self.read_manifest(self.resolve(name)), **kwargs)

@@ -1,0 +1,241 @@
+"""CheckpointManager: when to save, how to resume, what to keep.
+
+    state = TrainState(model=model, optimizer=optim, scheduler=sched, dataloader=loader)
+    with CheckpointManager("ckpts", state, every_n_steps=100, keep_last=3, async_mode="thread") as mgr:
+        start = mgr.restore_latest()          # 0 on a fresh store
+        for step in range(start + 1, total + 1):
+            train_step()
+            state.step = step
+            mgr.maybe_save(step)
+
+Checkpoints are named by step (``step-00000100``). ``restore_latest`` loads the newest checkpoint whose data
+reads back intact (every chunk is re-hashed on load) and falls back to older ones, logging why; a store
+whose checkpoints are all damaged raises instead of silently restarting from step 0. With async saving a
+save first waits for the previous one, and a background failure is raised at the next call, never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.tensor import DTensor
+
+from ..dcp.reader import DeltaStorageReader
+from ..dcp.writer import DeltaStorageWriter, open_store
+from ..errors import (
+    CheckpointMismatchError,
+    CorruptChunkError,
+    DeltackptError,
+    ManifestFormatError,
+    MissingChunkError,
+)
+from ..store import Store
+from .state import TrainState, _rank_and_world
+
+log = logging.getLogger("deltackpt.train")
+
+STATE_KEY = "train"
+_DAMAGE = (CorruptChunkError, MissingChunkError, ManifestFormatError)
+_ASYNC_TYPES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+
+
+def _damage_in(exc: BaseException) -> BaseException | None:
+    """The store-damage error behind ``exc`` (directly or inside DCP's CheckpointException), if any."""
+    if isinstance(exc, _DAMAGE):
+        return exc
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            err = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(err, _DAMAGE):
+                return err
+    return None
+
+
+def _flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in sd.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class CheckpointManager:
+    """Saves a TrainState every ``every_n_steps`` into ``store`` and resumes from its newest intact checkpoint.
+
+    ``keep_last``: after each successful save keep only this many newest checkpoints (None keeps all).
+    ``async_mode``: None (blocking), "thread" or "process" (``dcp.async_save``; "process" needs a process group).
+    """
+
+    def __init__(self, store, state: TrainState, *, every_n_steps: int = 100, keep_last: int | None = None,
+                 async_mode: str | None = None, process_group=None, name_format: str = "step-{step:08d}") -> None:
+        if every_n_steps < 1:
+            raise ValueError("every_n_steps must be >= 1")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 (or None to keep every checkpoint)")
+        if async_mode not in (None, *_ASYNC_TYPES):
+            raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
+        self.store: Store = open_store(store)
+        self.state = state
+        self.every_n_steps = every_n_steps
+        self.keep_last = keep_last
+        self.async_mode = async_mode
+        self.process_group = process_group
+        self.name_format = name_format
+        self._pending: tuple[Future, str] | None = None
+        self._closed = False
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the original error; still wait for the background save
+            try:
+                self.close()
+            except BaseException as e:  # noqa: BLE001
+                log.error("background checkpoint failed while handling another error: %s", e)
+
+    def name_for(self, step: int) -> str:
+        return self.name_format.format(step=step)
+
+    # -- saving --------------------------------------------------------------------------------------------
+    def maybe_save(self, step: int) -> bool:
+        """Save if ``step`` is on the cadence; returns whether a save started."""
+        if step % self.every_n_steps:
+            self._raise_if_failed()
+            return False
+        self.save(step)
+        return True
+
+    def save(self, step: int, metadata: dict[str, Any] | None = None) -> str:
+        """Checkpoint the state now (waiting for a previous async save first). Returns the name."""
+        if self._closed:
+            raise RuntimeError("CheckpointManager is closed")
+        self.wait()
+        self.state.step = step
+        _, world = _rank_and_world()
+        name = self.name_for(step)
+        meta = {"step": step, "world_size": world,
+                "optimizers": {n: type(o).__name__ for n, o in self.state.optimizers.items()}, **(metadata or {})}
+        writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta)
+        payload = {STATE_KEY: self.state}
+        if self.async_mode is None:
+            dcp.save(payload, storage_writer=writer, process_group=self.process_group)
+            self._after_save(name)
+        else:
+            fut = dcp.async_save(payload, storage_writer=writer, process_group=self.process_group,
+                                 async_checkpointer_type=_ASYNC_TYPES[self.async_mode])
+            self._pending = (fut, name)
+        return name
+
+    def wait(self) -> None:
+        """Block until the background save (if any) finishes; raise its error if it failed."""
+        if self._pending is None:
+            return
+        fut, name = self._pending
+        self._pending = None
+        try:
+            fut.result()
+        except BaseException as e:
+            raise DeltackptError(f"background save of checkpoint {name!r} failed: {e}") from e
+        self._after_save(name)
+
+    def _raise_if_failed(self) -> None:
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def close(self) -> None:
+        if not self._closed:
+            try:
+                self.wait()
+            finally:
+                self._closed = True
+
+    def _after_save(self, name: str) -> None:
+        rank, _ = _rank_and_world()
+        if self.keep_last is None or rank != 0:
+            return
+        infos = self.store.list_checkpoints()
+        doomed = [i.name for i in infos[: max(0, len(infos) - self.keep_last)] if i.name != name]
+        if doomed:
+            self.store.forget(doomed)
+
+    # -- restoring -------------------------------------------------------------------------------------------
+    def restore_latest(self) -> int:
+        """Load the newest intact checkpoint into the state; returns its step (0 on an empty store)."""
+        self.wait()
+        names = [i.name for i in reversed(self.store.list_checkpoints())]
+        if not names:
+            return 0
+        failures = []
+        for name in names:
+            try:
+                return self.restore(name)
+            except CheckpointMismatchError:
+                raise
+            except BaseException as e:  # CheckpointException is a BaseException
+                damage = _damage_in(e)
+                if damage is None:
+                    raise
+                log.warning("checkpoint %r is damaged (%s); falling back to the previous one", name, damage)
+                failures.append(f"{name}: {damage}")
+        raise DeltackptError("no intact checkpoint to resume from; " + "; ".join(failures))
+
+    def restore(self, name: str) -> int:
+        """Load checkpoint ``name`` into the state; returns its step."""
+        reader = DeltaStorageReader(self.store, name)
+        manifest = self.store.read_manifest(reader.checkpoint_id)
+        saved_world = int(manifest.metadata.get("world_size", _rank_and_world()[1]))
+        now = {n: type(o).__name__ for n, o in self.state.optimizers.items()}
+        saved_opts = manifest.metadata.get("optimizers")
+        if saved_opts is not None and saved_opts != now:
+            raise CheckpointMismatchError(f"checkpoint {name!r} was saved with optimizers {saved_opts}, "
+                                          f"restoring into {now}")
+        metadata = reader.read_metadata()
+        self.state.prepare_load(saved_world)
+        try:
+            target = self.state.state_dict()
+            self._check_compatible(name, target, metadata)
+            dcp.load({STATE_KEY: self.state}, storage_reader=DeltaStorageReader(self.store, reader.checkpoint_id),
+                     process_group=self.process_group)
+        finally:
+            self.state.prepare_load(None)
+        log.info("restored checkpoint %r (step %d)", reader.checkpoint_id, self.state.step)
+        return self.state.step
+
+    def _check_compatible(self, name: str, target: dict[str, Any], metadata) -> None:
+        """Raise CheckpointMismatchError naming every key/shape/optimizer mismatch before touching the state."""
+        saved = metadata.state_dict_metadata
+        flat = _flatten({STATE_KEY: target})
+        problems = []
+        model_prefixes = tuple(f"{STATE_KEY}.{m}." for m in self.state.models)
+        for key, value in flat.items():
+            if not isinstance(value, torch.Tensor) or not key.startswith(model_prefixes):
+                continue
+            md = saved.get(key)
+            if md is None:
+                problems.append(f"missing in checkpoint: {key}")
+                continue
+            shape = list(value.shape) if not isinstance(value, DTensor) else list(value.size())
+            if isinstance(md, TensorStorageMetadata) and list(md.size) != shape:
+                problems.append(f"shape of {key}: checkpoint {list(md.size)}, now {shape}")
+        for key, md in saved.items():
+            if key.startswith(model_prefixes) and isinstance(md, TensorStorageMetadata) and key not in flat:
+                problems.append(f"not in the model/optimizer now: {key}")
+        if problems:
+            shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+            raise CheckpointMismatchError(f"checkpoint {name!r} does not match the training state: "
+                                          + "; ".join(shown))
+

@@ -1,0 +1,174 @@
+"""TrainState: everything a resumed run needs to continue bit-exactly, as one DCP ``Stateful``.
+
+Layout of the state dict (DCP flattens nested dicts into dotted keys)::
+
+    <model>            model state via get_state_dict (FSDP2/FSDP1/DDP/plain; FP32 master weights)
+    <model>.optim      state of the optimizers of that model
+    scheduler[.name]   LR scheduler(s);  scaler   GradScaler
+    progress           {"step", "epoch", "world_size"};  extra   the user's JSON-able dict
+    rank<r>.rng        Python / NumPy / torch CPU / CUDA generator states of rank r
+    rank<r>.data       dataloader state of rank r (+ its shuffling generators' states)
+    meta               optimizer classes, for a clear error when restoring into another optimizer
+
+Per-rank values use rank-unique keys: DCP keeps a single copy of same-key plain values across ranks, so a
+shared key would silently keep only one rank's RNG.
+
+Resharding policy (world size changed between save and restore): model and optimizer reshard through DCP.
+Ranks that existed at save time restore their own RNG and dataloader state. A rank that did not exist
+seeds its generators from ``(step, rank)`` and starts its dataloader at the beginning of the current epoch;
+a rank's state that no longer has a rank is dropped. Both cases log a warning, since the data order of
+the resumed run then differs from an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .rng import capture_rng, derived_seed, restore_rng, seed_all
+
+log = logging.getLogger("deltackpt.train")
+
+
+def _as_named(obj, default: str) -> dict[str, Any]:
+    if obj is None:
+        return {}
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, (list, tuple)):
+        return {f"{default}{i}" if i else default: o for i, o in enumerate(obj)}
+    return {default: obj}
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _generators(loader) -> list[torch.Generator]:
+    """The shuffling generators a dataloader draws from (its own and its sampler's), without duplicates."""
+    found = []
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(obj, "generator", None) if obj is not None else None
+        if isinstance(g, torch.Generator) and all(g is not h for h in found):
+            found.append(g)
+    return found
+
+
+class TrainState(Stateful):
+    """The complete state of a training run. Pass it to ``dcp.save``/``dcp.load`` or a CheckpointManager.
+
+    ``model`` / ``optimizer`` / ``scheduler`` may be single objects, lists or name -> object dicts; each
+    optimizer is attached to the model whose parameters it updates.
+    """
+
+    def __init__(self, model, optimizer=None, scheduler=None, dataloader=None, scaler=None,
+                 extra: dict[str, Any] | None = None, *, step: int = 0, epoch: int = 0,
+                 options: StateDictOptions | None = None) -> None:
+        self.models = _as_named(model, "model")
+        if not self.models:
+            raise ValueError("TrainState needs at least one model")
+        self.optimizers = _as_named(optimizer, "optim")
+        self.schedulers = _as_named(scheduler, "scheduler")
+        self.dataloader = dataloader
+        self.scaler = scaler
+        self.extra = dict(extra or {})
+        self.step = step
+        self.epoch = epoch
+        self.options = options
+        self._owner = self._attach_optimizers()
+        # Saved world size for the next load_state_dict (set by prepare_load); None = same as now.
+        self._load_world: int | None = None
+
+    def _attach_optimizers(self) -> dict[str, list]:
+        owner: dict[str, list] = {name: [] for name in self.models}
+        for oname, opt in self.optimizers.items():
+            params = {id(p) for group in opt.param_groups for p in group["params"]}
+            matches = [m for m, model in self.models.items() if params & {id(p) for p in model.parameters()}]
+            if len(matches) != 1:
+                raise ValueError(f"optimizer {oname!r} must update the parameters of exactly one model "
+                                 f"(matches: {matches or 'none'})")
+            owner[matches[0]].append(opt)
+        return owner
+
+    # -- Stateful ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        rank, world = _rank_and_world()
+        sd: dict[str, Any] = {}
+        for name, model in self.models.items():
+            opts = self._owner[name]
+            msd, osd = get_state_dict(model, opts, options=self.options)
+            sd[name] = msd
+            if opts:
+                sd[f"{name}.optim"] = osd
+        for name, sched in self.schedulers.items():
+            sd[name] = sched.state_dict()
+        if self.scaler is not None:
+            sd["scaler"] = self.scaler.state_dict()
+        sd["progress"] = {"step": int(self.step), "epoch": int(self.epoch), "world_size": world}
+        sd["extra"] = dict(self.extra)
+        sd["meta"] = {"optimizers": {n: type(o).__name__ for n, o in self.optimizers.items()}}
+        load_world = self._load_world if self._load_world is not None else world
+        if rank < load_world:
+            sd[f"rank{rank}.rng"] = capture_rng()
+            if self.dataloader is not None:
+                sd[f"rank{rank}.data"] = {
+                    "loader": self.dataloader.state_dict(),
+                    "generators": [g.get_state() for g in _generators(self.dataloader)],
+                }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        rank, world = _rank_and_world()
+        for name, model in self.models.items():
+            opts = self._owner[name]
+            set_state_dict(model, opts, model_state_dict=state_dict[name],
+                           optim_state_dict=state_dict.get(f"{name}.optim", {}), options=self.options)
+        for name, sched in self.schedulers.items():
+            sched.load_state_dict(state_dict[name])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state_dict["scaler"])
+        progress = state_dict["progress"]
+        self.step, self.epoch = int(progress["step"]), int(progress["epoch"])
+        saved_world = int(progress["world_size"])
+        self.extra = dict(state_dict.get("extra", {}))
+        self._load_world = None
+        rng = state_dict.get(f"rank{rank}.rng")
+        if rng is not None:
+            restore_rng(rng)
+        else:
+            log.warning("rank %d did not exist when the checkpoint was saved (world size %d -> %d): seeding its "
+                        "generators from (step, rank) and starting its dataloader at the epoch start",
+                        rank, saved_world, world)
+            seed_all(derived_seed("deltackpt", self.step, rank))
+        if rank == 0 and world < saved_world:
+            log.warning("world size shrank %d -> %d: the RNG and dataloader state of ranks %d..%d are dropped",
+                        saved_world, world, world, saved_world - 1)
+        data = state_dict.get(f"rank{rank}.data")
+        if data is not None and self.dataloader is not None:
+            self.dataloader.load_state_dict(data["loader"])
+            gens = _generators(self.dataloader)
+            if gens and hasattr(self.dataloader, "next_iter_state"):
+                # StatefulDataLoader restores the current epoch's order from its sampler state when the
+                # iterator is built, but that build draws from the generator again, so the *next* epoch
+                # would be shuffled differently than in the uninterrupted run. Build the iterator now
+                # (state_dict() does, and the next iter() reuses it), then put the generators back where
+                # they were at save time.
+                self.dataloader.state_dict()
+            for g, s in zip(gens, data["generators"]):
+                g.set_state(s)
+
+    # -- restore across world sizes ----------------------------------------------------------------------------
+    def prepare_load(self, saved_world_size: int | None) -> None:
+        """Tell the next ``state_dict()`` which per-rank entries the checkpoint holds (resharding).
+
+        Needed before ``dcp.load`` when the world size changed since the save; None resets it.
+        """
+        self._load_world = None if saved_world_size is None else int(saved_world_size)

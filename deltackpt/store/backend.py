@@ -97,6 +97,7 @@ class MemoryBackend(Backend):
             self._objects[key] = bytes(data)
 
     def get(self, key):
+        check_key(key)
         with self._lock:
             try:
                 return self._objects[key]
@@ -104,6 +105,7 @@ class MemoryBackend(Backend):
                 raise FileNotFoundError(key) from None
 
     def get_range(self, key, offset, length):
+        check_key(key)
         if offset < 0 or length < 0:
             raise ValueError("offset and length must be >= 0")
         return self.get(key)[offset : offset + length]
@@ -114,10 +116,12 @@ class MemoryBackend(Backend):
         return iter([ObjectInfo(k, n) for k, n in items])
 
     def delete(self, key):
+        check_key(key)
         with self._lock:
             self._objects.pop(key, None)
 
     def exists(self, key):
+        check_key(key)
         with self._lock:
             return key in self._objects
 
@@ -217,7 +221,7 @@ class LocalBackend(Backend):
                 except FileNotFoundError:
                     continue
                 out.append(ObjectInfo(key, size))
-        return iter(out)
+        return iter(sorted(out, key=lambda i: i.key))
 
     def list_temp(self) -> list[str]:
         """Stray temp files left by a crash mid-put (relative paths); gc removes them."""

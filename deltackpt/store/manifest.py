@@ -102,11 +102,12 @@ def encode_manifest(m: Manifest) -> bytes:
 def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
     if len(data) < 13 or data[:4] != MANIFEST_MAGIC:
         raise ManifestFormatError(f"{where}: not a deltackpt manifest (bad magic)")
+    # The version comes first: a newer format may lay out the rest (checksum included) differently.
+    if data[4] > MANIFEST_VERSION:
+        raise UnsupportedFormatError(f"{where}: manifest version {data[4]} is newer than supported")
     (digest,) = struct.unpack("<Q", data[-8:])
     if xxhash.xxh3_64_intdigest(data[:-8]) != digest:
         raise ManifestFormatError(f"{where}: checksum mismatch (damaged or truncated)")
-    if data[4] > MANIFEST_VERSION:
-        raise UnsupportedFormatError(f"{where}: manifest version {data[4]} is newer than supported")
     if data[4] < 1:
         raise ManifestFormatError(f"{where}: invalid manifest version {data[4]}")
     try:

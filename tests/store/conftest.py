@@ -63,9 +63,15 @@ def make_store(tmp_path):
     make.caches = caches
     yield make
     for c in caches:
-        index_mod._close_env(c / "index.lmdb")
-    # Also close any environment a test opened through Store.open on its own paths.
-    for key in [k for k in list(index_mod._envs) if k.startswith(str(tmp_path.resolve()))]:
+        index_mod._close_env(Path(c) / "index.lmdb")
+
+
+@pytest.fixture(autouse=True)
+def _close_new_lmdb_envs():
+    """Close every LMDB environment a test opened (the engine keeps them in a process-wide registry)."""
+    before = set(index_mod._envs)
+    yield
+    for key in set(index_mod._envs) - before:
         index_mod._close_env(Path(key))
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from deltackpt.store import LocalBackend, MemoryBackend, Store
 from deltackpt.store import index as index_mod
-from deltackpt.store.pack import pack_name_from_key, read_pack_entries
+from deltackpt.store.pack import pack_name_from_key
 
 # Small sizes so that modest test data spans many chunks and many packs.
 SMALL = dict(

@@ -83,10 +83,6 @@ def test_list_by_prefix(backend):
 
 
 def test_list_is_sorted_by_key(request, backend):
-    if isinstance(backend, LocalBackend):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "BUG: LocalBackend.list yields a directory's files before its subdirectories' files "
-            "(os.walk order), so keys are not in lexicographic order like MemoryBackend/S3")))
     keys = ["m/c", "m/b/x", "m/a", "m/b/y", "m/d/z"]
     for k in keys:
         backend.put(k, b"1")
@@ -125,10 +121,6 @@ def test_put_rejects_invalid_keys(backend, key):
 
 @pytest.mark.parametrize("key", ["../x", "a//b", ""])
 def test_every_method_rejects_invalid_keys(request, backend, key):
-    if isinstance(backend, MemoryBackend):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "BUG: MemoryBackend only validates keys in put(); get/get_range/exists/size/delete accept "
-            "'../x', 'a//b', '' (raise FileNotFoundError / return False) instead of ValueError")))
     for call in (
         lambda: backend.get(key),
         lambda: backend.get_range(key, 0, 1),
@@ -141,10 +133,6 @@ def test_every_method_rejects_invalid_keys(request, backend, key):
 
 
 def test_list_cannot_escape_root(request, backend, tmp_path):
-    if isinstance(backend, LocalBackend):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "BUG: LocalBackend.list('../') walks root/.. and returns keys outside the store root "
-            "(prefix is not validated)")))
     (tmp_path / "outside-secret").write_bytes(b"s")
     backend.put("inside", b"i")
     try:

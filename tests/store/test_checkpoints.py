@@ -157,10 +157,6 @@ def test_unreadable_manifest_is_skipped_by_listing(local_store):
     assert local_store.resolve(LATEST) == "good"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Store.list_checkpoints (repository.py:199-201) catches ManifestFormatError and "
-    "CheckpointNotFoundError but not InvalidNameError, so a stray file such as manifests/.DS_Store "
-    "(or manifests/sub/x) makes list_checkpoints() and resolve('latest') raise"))
 def test_stray_invalid_name_in_manifests_dir_does_not_break_listing(local_store):
     """A stray file whose name is not a valid checkpoint name must not make ``ls`` unusable."""
     local_store.save("good", {"x": b"1"})

@@ -8,7 +8,6 @@ import struct
 import tracemalloc
 
 import msgspec
-import numpy as np
 import pytest
 import xxhash
 import zstandard
@@ -25,7 +24,6 @@ from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest
 from deltackpt.store.pack import (
     FOOTER_SIZE,
     HEADER_SIZE,
-    PACK_MAGIC,
     ROW_SIZE,
     PackBuilder,
     decode_header,
@@ -197,15 +195,13 @@ def test_manifest_with_wrong_name_or_bad_refs(manifest_store):
     for bad in (bad_len, bad_id, neg, bad_es):
         with pytest.raises(ManifestFormatError):
             decode_manifest(encode_manifest(bad))
-    newer = data[:4] + bytes([9]) + data[5:]
+
+
+def test_newer_manifest_version_is_unsupported_whatever_its_layout():
     with pytest.raises(UnsupportedFormatError):
-        decode_manifest(newer)
+        decode_manifest(MANIFEST_MAGIC + bytes([9]) + b"some future layout" + bytes(64))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: manifests carry no checksum (manifest.py:93-95: zstd frame without content checksum, no "
-    "trailer hash), so ~1/3 of single-bit flips decode to a different valid manifest (wrong chunk ids, "
-    "sizes, created_ns, version byte 1->0) instead of raising ManifestFormatError"))
 def test_every_manifest_bit_flip_is_detected(manifest_store):
     _store, data, _ = manifest_store
     silent = []
@@ -344,7 +340,7 @@ def test_forged_entry_headers_are_rejected(fields):
     with pytest.raises(ManifestFormatError):
         decode_header(head[:40], "test")
     good = encode_header(b"\x01" * 16, 1, 4, 100, 50, None)
-    assert decode_header(good, "t") == (b"\x01" * 16, 1, 4, 100, 50, None)
+    assert decode_header(good, "t")[:6] == (b"\x01" * 16, 1, 4, 100, 50, None)
     with pytest.raises(ManifestFormatError):
         decode_header(good[:10] + bytes([good[10] ^ 1]) + good[11:], "t")  # checksum
 

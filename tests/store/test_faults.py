@@ -178,9 +178,6 @@ def test_commit_with_unwritten_chunk_is_missing_chunk(store, rng):
     np.testing.assert_array_equal(store.load("reuse")["x"], x)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Store.commit accepts entries as any Iterable but calls len(entries) (repository.py:286) after "
-    "consuming it with list(entries) (repository.py:271): a generator raises TypeError"))
 def test_commit_accepts_entries_as_iterator(mem_store, rng):
     x = random_array(rng, "float32", (10_000,))
     w = mem_store.writer()

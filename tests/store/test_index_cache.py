@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from deltackpt.store import LocalBackend, Store
 from deltackpt.store.index import ChunkIndex

@@ -53,10 +53,6 @@ def test_open_empty_memory_backend(tmp_path):
         Store.open(MemoryBackend(), cache_dir=tmp_path / "c")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Store.open (repository.py:138-143) catches only FileNotFoundError/NotADirectoryError; a "
-    "directory that has a `config/` sub-directory (common in project dirs) raises a bare "
-    "IsADirectoryError instead of StoreNotFoundError"))
 def test_open_dir_with_config_subdirectory(tmp_path):
     d = tmp_path / "project"
     (d / "config").mkdir(parents=True)

@@ -33,6 +33,7 @@ _LAZY = {
     "MemoryBackend": "deltackpt.store",
     "DeltaStorageWriter": "deltackpt.dcp.writer",
     "DeltaStorageReader": "deltackpt.dcp.reader",
+    "DeltaSavePlanner": "deltackpt.dcp.planner",
     "save": "deltackpt.dcp.api",
     "load": "deltackpt.dcp.api",
     "async_save": "deltackpt.dcp.api",

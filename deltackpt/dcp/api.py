@@ -8,6 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..store import LATEST
+from .planner import DeltaSavePlanner
 from .reader import DeltaStorageReader
 from .writer import DeltaStorageWriter
 
@@ -16,8 +17,8 @@ def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group
          overwrite: bool = False, metadata: dict[str, Any] | None = None, no_dist: bool = False):
     """``dcp.save`` into checkpoint ``checkpoint_id`` of ``store``; returns DCP's Metadata."""
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata)
-    return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                    no_dist=no_dist)
+    return dcp.save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
+                    process_group=process_group, no_dist=no_dist)
 
 
 def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, process_group=None, planner=None,
@@ -37,5 +38,5 @@ def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
                metadata: dict[str, Any] | None = None):
     """``dcp.async_save`` into ``store``; returns DCP's future. The state is copied before this returns."""
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata)
-    return dcp.async_save(state_dict, storage_writer=writer, planner=planner, process_group=process_group,
-                          async_checkpointer_type=async_checkpointer_type)
+    return dcp.async_save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
+                          process_group=process_group, async_checkpointer_type=async_checkpointer_type)

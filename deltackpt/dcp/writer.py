@@ -13,8 +13,10 @@ lazily in whichever process runs the save.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import uuid
+import weakref
 from typing import Any
 
 import msgspec
@@ -23,13 +25,15 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, SilentDataCorruptionError
 from ..store import Item, Store
+from ..store.lock import SHARED, StoreLock
 from ..store.manifest import validate_name
 from .metadata_schema import encode_metadata
 from .tensors import item_key, shard_placement, tensor_bytes
 
 LAYER_KEY = "dcp"
+log = logging.getLogger("deltackpt.dcp")
 
 
 def open_store(store) -> Store:
@@ -46,10 +50,15 @@ class DeltaStorageWriter(StorageWriter):
     ``checkpoint_id``: the checkpoint name; may instead come from ``dcp.save(..., checkpoint_id=...)``.
     ``overwrite``: replace an existing checkpoint of the same name instead of failing.
     ``metadata``: JSON-able user metadata stored in the manifest (e.g. ``{"step": 500}``).
+    ``replica_check``: what to do when replicas of a tensor differ across ranks ("raise", "warn", "off");
+    needs ``planner=DeltaSavePlanner()`` (``deltackpt.save`` and CheckpointManager use it by default).
     """
 
     def __init__(self, store, checkpoint_id: str | os.PathLike | None = None, *, overwrite: bool = False,
-                 metadata: dict[str, Any] | None = None, num_threads: int | None = None) -> None:
+                 metadata: dict[str, Any] | None = None, num_threads: int | None = None,
+                 replica_check: str = "raise") -> None:
+        if replica_check not in ("raise", "warn", "off"):
+            raise ValueError(f"replica_check must be 'raise', 'warn' or 'off', got {replica_check!r}")
         super().__init__()
         self._store_spec = store
         self._store: Store | None = store if isinstance(store, Store) else None
@@ -59,12 +68,15 @@ class DeltaStorageWriter(StorageWriter):
         self.num_threads = num_threads
         self.is_coordinator = False
         self.rank = 0
+        self.replica_check = replica_check
         self.save_id = uuid.uuid4().hex
         self._parent_name: str | None = None
+        self._lock: StoreLock | None = None
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_store"] = None  # reopened lazily where the save runs
+        state["_lock"] = None
         return state
 
     @property
@@ -106,17 +118,33 @@ class DeltaStorageWriter(StorageWriter):
         self._parent_name = parents[-1] if parents else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # Every rank reports which parent it will diff against; the coordinator makes them agree.
-        return dataclasses.replace(plan, storage_data=self._parent_name)
+        # Every rank reports which parent it will diff against (and, with DeltaSavePlanner, digests of its
+        # replicas); the coordinator makes the parents agree and compares the replicas.
+        digests = plan.storage_data.get("replica_digests", {}) if isinstance(plan.storage_data, dict) else {}
+        return dataclasses.replace(plan, storage_data={"parent": self._parent_name, "replica_digests": digests})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        parents = {p.storage_data for p in plans}
+        if self.replica_check != "off":
+            check_replicas([p.storage_data.get("replica_digests", {}) for p in plans], self.replica_check)
+        parents = {p.storage_data.get("parent") for p in plans}
         parent = self._parent_name if len(parents) != 1 else parents.pop()
         return [dataclasses.replace(p, storage_data=parent) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         store = self.store
-        if plan.storage_data is not None or self._parent_name is None:
+        if self.is_coordinator:
+            # Held until the commit; released if this writer is dropped after another rank failed.
+            self._lock = store.lock(SHARED).acquire()
+            weakref.finalize(self, self._lock.release)
+        try:
+            return self._write_data(store, plan, planner)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.release()
+            raise
+
+    def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if not isinstance(plan.storage_data, dict):
             self._parent_name = plan.storage_data
         parent = None
         if self._parent_name is not None and store.exists(self._parent_name):
@@ -167,9 +195,39 @@ class DeltaStorageWriter(StorageWriter):
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         metadata.version = getattr(metadata, "version", None) or "1.0.0"
-        self.store.commit(self.checkpoint_id, items, packs=packs, metadata=self.metadata,
-                          layer_data={LAYER_KEY: encode_metadata(metadata)}, parent=self._parent_name,
-                          overwrite=self.overwrite)
+        try:
+            self.store.commit(self.checkpoint_id, items, packs=packs, metadata=self.metadata,
+                              layer_data={LAYER_KEY: encode_metadata(metadata)}, parent=self._parent_name,
+                              overwrite=self.overwrite, lock=self._lock)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+
+def check_replicas(per_rank: list[dict[str, str]], mode: str) -> None:
+    """Compare each replicated item's digest across ranks; raise or warn naming the disagreeing ranks."""
+    by_item: dict[str, dict[str, list[int]]] = {}
+    for rank, digests in enumerate(per_rank):
+        for key, digest in digests.items():
+            by_item.setdefault(key, {}).setdefault(digest, []).append(rank)
+    bad = []
+    for key, groups in sorted(by_item.items()):
+        if len(groups) > 1:
+            ranked = sorted(groups.values(), key=len, reverse=True)
+            majority = ranked[0] if len(ranked[0]) > len(ranked[1]) else []
+            odd = sorted(r for g in groups.values() if g is not majority for r in g)
+            bad.append((key, odd, majority))
+    if not bad:
+        return
+    key, odd, majority = bad[0]
+    msg = (f"replicas of {key.rsplit('@', 1)[0]!r} differ across ranks: ranks {odd} disagree with "
+           f"{'ranks ' + str(majority) if majority else 'each other'}"
+           + (f" (and {len(bad) - 1} more items)" if len(bad) > 1 else "")
+           + "; a bit flipped in memory or compute? nothing was saved")
+    if mode == "raise":
+        raise SilentDataCorruptionError(msg)
+    log.warning("%s", msg.replace("nothing was saved", "saving anyway (replica_check='warn')"))
 
 
 def _name_of(checkpoint_id) -> str:

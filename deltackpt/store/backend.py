@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ _TMP_MARK = ".tmp-"
 class ObjectInfo:
     key: str
     size_bytes: int
+    mtime_s: float = 0.0  # when the object was written (seconds since the epoch)
 
 
 def check_key(key: str) -> str:
@@ -81,20 +83,23 @@ class MemoryBackend(Backend):
 
     def __init__(self) -> None:
         self._objects: dict[str, bytes] = {}
+        self._mtimes: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self):
         with self._lock:
-            return {"_objects": dict(self._objects)}
+            return {"_objects": dict(self._objects), "_mtimes": dict(self._mtimes)}
 
     def __setstate__(self, state):
         self._objects = state["_objects"]
+        self._mtimes = state.get("_mtimes", {})
         self._lock = threading.Lock()
 
     def put(self, key, data):
         check_key(key)
         with self._lock:
             self._objects[key] = bytes(data)
+            self._mtimes[key] = time.time()
 
     def get(self, key):
         check_key(key)
@@ -112,13 +117,15 @@ class MemoryBackend(Backend):
 
     def list(self, prefix=""):
         with self._lock:
-            items = sorted((k, len(v)) for k, v in self._objects.items() if k.startswith(prefix))
-        return iter([ObjectInfo(k, n) for k, n in items])
+            items = sorted((k, len(v), self._mtimes.get(k, 0.0)) for k, v in self._objects.items()
+                           if k.startswith(prefix))
+        return iter([ObjectInfo(k, n, t) for k, n, t in items])
 
     def delete(self, key):
         check_key(key)
         with self._lock:
             self._objects.pop(key, None)
+            self._mtimes.pop(key, None)
 
     def exists(self, key):
         check_key(key)
@@ -217,10 +224,10 @@ class LocalBackend(Backend):
                 if _TMP_MARK in name or not key.startswith(prefix):
                     continue
                 try:
-                    size = os.stat(os.path.join(dirpath, name)).st_size
+                    st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:
                     continue
-                out.append(ObjectInfo(key, size))
+                out.append(ObjectInfo(key, st.st_size, st.st_mtime))
         return iter(sorted(out, key=lambda i: i.key))
 
     def list_temp(self) -> list[str]:

@@ -35,7 +35,9 @@ from .backend import Backend, LocalBackend
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config
 from .index import ChunkIndex
 from .manifest import LATEST, Item, Manifest, Stats, decode_manifest, encode_manifest, manifest_key, validate_name
-from .pack import PackEntry, read_pack_entries
+from .faults import crash_point
+from .lock import SHARED, StoreLock
+from .pack import PackEntry, pack_name_from_key, read_pack_entries
 from .reader import CheckpointReader
 from .writer import ChunkWriter, WriteSummary
 
@@ -258,6 +260,7 @@ class Store:
         layer_data: Mapping[str, Any] | None = None,
         parent: str | None = None,
         overwrite: bool = False,
+        lock: StoreLock | None = None,
     ) -> Manifest:
         """Publish a checkpoint whose chunks are already in packs; the manifest put is the commit point.
 
@@ -275,13 +278,21 @@ class Store:
         if entries is None:
             entries = [e for p, size in packs.items() for e in read_pack_entries(self.backend, p, size)]
         entries = list(entries)
+        crash_point("commit:before-index")
         self.index.add(entries, packs)
+        crash_point("commit:after-index")
         wanted = {ref.id for it in items for ref in it.chunks}
         found = self.index.lookup_many(wanted)
-        missing = wanted - found.keys()
+        # Delta bases must survive too; and every pack we point into must still exist (gc elsewhere).
+        bases = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
+        found.update(self.index.lookup_many(bases))
+        missing = (wanted | bases) - found.keys()
+        if not missing:
+            present = {pack_name_from_key(i.key) for i in self.backend.list("packs/")}
+            missing = {cid for cid, e in found.items() if e.pack not in present}
         if missing:
             cid = next(iter(missing))
-            owner = next(it.key for it in items if any(r.id == cid for r in it.chunks))
+            owner = next((it.key for it in items if any(r.id == cid for r in it.chunks)), None)
             raise MissingChunkError(cid.hex(), checkpoint=name, item=owner)
         if parent is None:
             latest = self.list_checkpoints()
@@ -303,7 +314,11 @@ class Store:
             layer_data=dict(layer_data or {}),
         )
         data = encode_manifest(manifest)
+        if lock is not None:
+            lock.check()  # a writer whose lock went stale must not commit: gc may have run
+        crash_point("commit:before-manifest")
         self.backend.put(manifest_key(name), data)
+        crash_point("commit:after-manifest")
         self.index.put_summaries({name: msgspec.msgpack.encode(_summarize(manifest, len(data)))})
         return manifest
 
@@ -313,6 +328,10 @@ class Store:
         validate_name(name)
         if not overwrite and self.exists(name):
             raise CheckpointExistsError(f"checkpoint {name!r} already exists; pass overwrite=True to replace it")
+        with self.lock(SHARED) as lock:
+            return self._save_locked(name, items, metadata, overwrite, lock, writer_kwargs)
+
+    def _save_locked(self, name, items, metadata, overwrite, lock, writer_kwargs) -> Manifest:
         parent = self.latest_manifest()
         w = self.writer(parent=parent, **writer_kwargs)
         try:
@@ -330,8 +349,13 @@ class Store:
             w.abort()
             raise
         summary: WriteSummary = w.finish()
+        crash_point("save:after-packs")
         return self.commit(name, summary.items, entries=summary.entries, packs=summary.packs,
-                           metadata=metadata, overwrite=overwrite)
+                           metadata=metadata, overwrite=overwrite, lock=lock)
+
+    def lock(self, kind: str = SHARED, **kwargs) -> StoreLock:
+        """A store lock to use as a context manager: SHARED for saves, EXCLUSIVE for gc."""
+        return StoreLock(self.backend, kind, **kwargs)
 
     def forget(self, names) -> list[str]:
         """Remove checkpoints (their manifests only; ``gc`` reclaims the chunks). Returns the names removed."""
@@ -341,6 +365,7 @@ class Store:
         removed = []
         for name in names:
             if self.exists(name):
+                crash_point("forget:before-delete")
                 self.backend.delete(manifest_key(name))
                 removed.append(name)
         self.index.put_summaries({}, drop=removed)

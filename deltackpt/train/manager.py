@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
+from ..dcp.planner import DeltaSavePlanner
 from ..dcp.reader import DeltaStorageReader
 from ..dcp.writer import DeltaStorageWriter, open_store
 from ..errors import (
@@ -132,10 +133,11 @@ class CheckpointManager:
         writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta)
         payload = {STATE_KEY: self.state}
         if self.async_mode is None:
-            dcp.save(payload, storage_writer=writer, process_group=self.process_group)
+            dcp.save(payload, storage_writer=writer, planner=DeltaSavePlanner(), process_group=self.process_group)
             self._after_save(name)
         else:
-            fut = dcp.async_save(payload, storage_writer=writer, process_group=self.process_group,
+            fut = dcp.async_save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
+                                 process_group=self.process_group,
                                  async_checkpointer_type=_ASYNC_TYPES[self.async_mode])
             self._pending = (fut, name)
         return name

@@ -19,8 +19,8 @@ from deltackpt.errors import (
     MissingChunkError,
     UnsupportedFormatError,
 )
-from deltackpt.store import ChunkRef, Item, MemoryBackend, Store, codec
-from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest
+from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, Store, codec
+from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest, encode_manifest
 from deltackpt.store.pack import (
     FOOTER_SIZE,
     HEADER_SIZE,
@@ -368,6 +368,15 @@ def _delta_store(store, rng, *, base_in_store=True, base_is_delta=False):
     target = bytes(target)
     base_id, target_id = chunk_id_of(base), chunk_id_of(target)
     pb = PackBuilder()
+    doomed = None
+    if not base_in_store:
+        # Commit refuses a delta whose base is unknown, so store the base in its own pack, commit, and
+        # then lose that pack (as after a disk error or a buggy external cleanup).
+        bp = PackBuilder()
+        bp.add(base_id, codec.ZSTD, 4, n, codec.encode_planes(base, 4, 1))
+        doomed, bdata, bentries = bp.seal()
+        store.backend.put(pack_key(doomed), bdata)
+        store.index.add(bentries, {doomed: len(bdata)})
     if base_in_store:
         if base_is_delta:
             other = rng.bytes(n)
@@ -380,8 +389,31 @@ def _delta_store(store, rng, *, base_in_store=True, base_is_delta=False):
     store.backend.put(pack_key(name), data)
     item = Item(key="t", kind="array", nbytes=n, chunks=[ChunkRef(target_id, n)], dtype="<f4", elem_size=4,
                 shape=[n // 4])
-    store.commit("delta", [item], entries=entries, packs={name: len(data)})
+    if base_is_delta:
+        # The commit check rejects a delta whose base is a delta; write the manifest past it.
+        store.index.add(entries, {name: len(data)})
+        manifest = Manifest(name="delta", store_id=store.config.store_id, created_ns=1, items=[item],
+                            stats=Stats())
+        store.backend.put("manifests/delta", encode_manifest(manifest))
+    else:
+        store.commit("delta", [item], entries=entries, packs={name: len(data)})
+    if doomed is not None:
+        store.backend.delete(pack_key(doomed))
+        store.refresh_index()
     return target, base_id, target_id
+
+
+def test_commit_refuses_delta_without_base(mem_store, rng):
+    n = 4096
+    base, target = rng.bytes(n), rng.bytes(n)
+    pb = PackBuilder()
+    pb.add(chunk_id_of(target), codec.DELTA, 4, n, codec.encode_delta(target, base, 4, 1), chunk_id_of(base))
+    name, data, entries = pb.seal()
+    mem_store.backend.put(pack_key(name), data)
+    item = Item(key="t", kind="array", nbytes=n, chunks=[ChunkRef(chunk_id_of(target), n)], elem_size=4)
+    with pytest.raises(MissingChunkError):
+        mem_store.commit("delta", [item], entries=entries, packs={name: len(data)})
+    assert not mem_store.exists("delta")
 
 
 def test_delta_chunk_reads_through_its_base(mem_store, rng):

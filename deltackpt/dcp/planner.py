@@ -1,0 +1,43 @@
+"""DeltaSavePlanner: DCP's default save planner plus replica digests for silent-data-corruption checks.
+
+DCP saves a replicated value once (from whichever rank it picks), so a bit flipped in one replica's memory
+would be saved, or silently dropped, unnoticed. With this planner every rank hashes its copy of each
+replicated tensor (plain tensors every rank holds, as under DDP; DTensor shards with a Replicate placement,
+as in HSDP) while planning; DeltaStorageWriter's coordinator compares the digests before anything is
+written and raises SilentDataCorruptionError naming the item and the disagreeing ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate
+
+from .tensors import item_key, tensor_bytes
+
+
+def _replicated(value) -> bool:
+    if isinstance(value, DTensor):
+        return any(isinstance(p, Replicate) for p in value.placements)
+    return isinstance(value, torch.Tensor)
+
+
+class DeltaSavePlanner(DefaultSavePlanner):
+    """DefaultSavePlanner that also records a digest of every replicated tensor this rank holds."""
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return plan
+        digests = {}
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO or not _replicated(self.state_dict.get(item.index.fqn)):
+                continue
+            _, raw, _ = tensor_bytes(self.resolve_data(item))
+            digests[item_key(item.index)] = xxhash.xxh3_128_hexdigest(raw)
+        return dataclasses.replace(plan, storage_data={"replica_digests": digests})

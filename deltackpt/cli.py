@@ -33,7 +33,7 @@ def _exit_code(exc: BaseException) -> int:
     """One table from exception to exit status."""
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED
-    if isinstance(exc, InvalidNameError):
+    if isinstance(exc, InvalidNameError) or (isinstance(exc, ValueError) and not isinstance(exc, DeltackptError)):
         return EXIT_USAGE
     if isinstance(exc, DeltackptError):
         return EXIT_ERROR
@@ -165,6 +165,92 @@ def cmd_index_rebuild(args) -> int:
     return EXIT_OK
 
 
+def cmd_verify(args) -> int:
+    from .store.retention import parse_duration
+    from .store.verify import verify_store
+
+    store = _open(args)
+    sample = None
+    if args.sample is not None:
+        text = args.sample.rstrip("%")
+        try:
+            sample = float(text) / (100 if args.sample.endswith("%") else 1)
+        except ValueError:
+            raise ValueError(f"--sample must be a fraction or a percentage, got {args.sample!r}") from None
+    max_s = parse_duration(args.max_duration) if args.max_duration else None
+    report = verify_store(store, level=args.level, sample=sample, max_duration_s=max_s)
+
+    def text():
+        head = (f"verify level {report.level}: {report.num_checkpoints} checkpoints, {report.packs_checked}/"
+                f"{report.num_packs} packs, {report.chunks_checked} chunks checked in {report.duration_s:.1f}s"
+                + ("" if report.complete else " (partial)"))
+        lines = [head]
+        for p in report.problems:
+            where = " ".join(x for x in (f"pack {p.pack}" if p.pack else "",
+                                         f"chunk {p.chunk_id}" if p.chunk_id else "") if x)
+            lines.append(f"  {p.kind}: {p.detail} {where}".rstrip())
+            if p.items:
+                lines.append(f"    affects {', '.join(p.items[:10])}" + (" ..." if len(p.items) > 10 else ""))
+        if report.orphan_packs:
+            lines.append(f"  {len(report.orphan_packs)} orphan pack(s) no checkpoint uses (removed by gc)")
+        lines.append("no problems found" if report.ok
+                     else f"{len(report.problems)} problem(s); damaged: {', '.join(report.damaged_checkpoints)}")
+        return "\n".join(lines)
+
+    _emit(args, report.as_dict(), text)
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+def cmd_gc(args) -> int:
+    from .store.gc import plan_gc
+
+    store = _open(args)
+    max_unused = float(args.max_unused.rstrip("%")) / (100 if args.max_unused.endswith("%") else 1)
+    plan = plan_gc(store, max_unused=max_unused, grace_s=args.grace)
+    if args.dry_run:
+        d = plan.as_dict()
+        _emit(args, {"dry_run": True, **d}, lambda: (
+            f"would delete {len(d['delete_packs'])} pack(s), repack {len(d['repack_packs'])}, remove "
+            f"{len(d['temp_files'])} temp file(s); reclaim {fmt_bytes(d['reclaim_bytes'])} "
+            f"({d['live_chunks']} live chunks, {d['kept_young_packs']} pack(s) younger than the grace period)"))
+        return EXIT_OK
+    result = plan.execute()
+    _emit(args, result.as_dict(), lambda: (
+        f"deleted {result.deleted_packs} pack(s), repacked {result.repacked_packs} ({result.moved_chunks} chunks "
+        f"moved), removed {result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"))
+    return EXIT_OK
+
+
+def cmd_forget(args) -> int:
+    from .store.retention import plan_forget
+
+    store = _open(args)
+    plan = plan_forget(store, keep_last=args.keep_last, keep_every=args.keep_every,
+                       keep_within=args.keep_within, keep_tags=args.keep_tag or None)
+    if args.dry_run:
+        _emit(args, {"dry_run": True, **plan.as_dict()}, lambda: "\n".join(
+            [f"keep   {n}  ({', '.join(r)})" for n, r in plan.keep.items()]
+            + [f"forget {n}" for n in plan.forget]) or "no checkpoints")
+        return EXIT_OK
+    removed = plan.execute()
+    _emit(args, {"forgotten": removed, "kept": list(plan.keep)},
+          lambda: f"forgot {len(removed)} checkpoint(s), kept {len(plan.keep)}; run `deltackpt gc` to reclaim space")
+    return EXIT_OK
+
+
+def cmd_tag(args) -> int:
+    from .store.retention import read_tags, set_tags
+
+    store = _open(args)
+    name = store.resolve(args.checkpoint)
+    tags = set(read_tags(store, name))
+    tags |= set(args.add or [])
+    tags -= set(args.remove or [])
+    final = set_tags(store, name, sorted(tags))
+    _emit(args, {"checkpoint": name, "tags": final}, lambda: f"{name}: {', '.join(final) or '(no tags)'}")
+    return EXIT_OK
+
+
 def _version_text() -> str:
     from . import kernels
 
@@ -204,6 +290,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("checkpoint", help="checkpoint name or 'latest'")
     sp = add("du", cmd_du, "logical vs physical bytes of the whole store")
     sp.add_argument("store")
+    sp = add("verify", cmd_verify, "check the store's integrity; exit 1 if damage is found")
+    sp.add_argument("store")
+    sp.add_argument("--level", type=int, choices=[0, 1, 2], default=1,
+                    help="0 structure, 1 + pack hashes (default), 2 + decode and re-hash every chunk")
+    sp.add_argument("--sample", help="check only this share of packs, least recently verified first (10%% or 0.1)")
+    sp.add_argument("--max-duration", help="stop after this long (e.g. 10m), least recently verified packs first")
+    sp = add("gc", cmd_gc, "delete or repack packs no checkpoint needs (takes the exclusive store lock)")
+    sp.add_argument("store")
+    sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    sp.add_argument("--max-unused", default="10%", help="repack packs with more dead bytes than this (default 10%%)")
+    sp.add_argument("--grace", type=float, default=3600.0,
+                    help="never touch packs or temp files younger than this many seconds (default 3600)")
+    sp = add("forget", cmd_forget, "remove checkpoints by a retention policy (rules are ORed; tagged ones are kept)")
+    sp.add_argument("store")
+    sp.add_argument("--keep-last", type=int, help="keep the N newest")
+    sp.add_argument("--keep-every", type=int, help="keep those whose step is a multiple of K")
+    sp.add_argument("--keep-within", help="keep those created within this duration (e.g. 7d, 36h)")
+    sp.add_argument("--keep-tag", action="append", help="keep those with this tag (repeatable)")
+    sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    sp = add("tag", cmd_tag, "add or remove tags of a checkpoint; tagged checkpoints are never forgotten")
+    sp.add_argument("store")
+    sp.add_argument("checkpoint")
+    sp.add_argument("add", nargs="*", help="tags to add")
+    sp.add_argument("--remove", action="append", help="tag to remove (repeatable)")
     sp = add("index", None, "index cache maintenance")
     isub = sp.add_subparsers(dest="index_command", metavar="ACTION", required=True)
     rp = isub.add_parser("rebuild", help="drop the index cache and re-read every pack table",

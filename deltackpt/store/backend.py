@@ -230,14 +230,24 @@ class LocalBackend(Backend):
                 out.append(ObjectInfo(key, st.st_size, st.st_mtime))
         return iter(sorted(out, key=lambda i: i.key))
 
-    def list_temp(self) -> list[str]:
-        """Stray temp files left by a crash mid-put (relative paths); gc removes them."""
+    def list_temp(self) -> list[tuple[str, float]]:
+        """Stray temp files left by a crash mid-put: (relative path, mtime); gc removes old ones."""
         out = []
-        for dirpath, _dirnames, filenames in os.walk(self.root):
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if d != "cache"] if dirpath == str(self.root) else dirnames
             for name in filenames:
                 if _TMP_MARK in name:
-                    out.append(os.path.relpath(os.path.join(dirpath, name), self.root))
+                    path = os.path.join(dirpath, name)
+                    try:
+                        out.append((os.path.relpath(path, self.root), os.stat(path).st_mtime))
+                    except FileNotFoundError:
+                        continue
         return sorted(out)
+
+    def delete_temp(self, rel_path: str) -> None:
+        if _TMP_MARK not in os.path.basename(rel_path) or ".." in rel_path.split(os.sep):
+            raise ValueError(f"not a temp file: {rel_path!r}")
+        (self.root / rel_path).unlink(missing_ok=True)
 
     def delete(self, key):
         self._path(key).unlink(missing_ok=True)

@@ -16,6 +16,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 from pathlib import Path
 
 import lmdb
@@ -28,7 +29,7 @@ _NO_BASE = bytes(16)
 _MAP_SIZE = 1 << 36  # virtual; the file grows as needed
 INDEX_VERSION = b"2"
 
-_DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts")
+_DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts", b"verified")
 _envs: dict[str, tuple] = {}
 _envs_lock = threading.Lock()
 
@@ -102,6 +103,18 @@ class ChunkIndex:
         self.env
         return self._db[b"chunks"], self._db[b"packs"], self._db[b"meta"]
 
+    # -- verification times (which packs verify checked last, so partial runs rotate) -------------------------
+    def last_verified(self, pack: str) -> float:
+        self.env
+        with self.env.begin(db=self._db[b"verified"]) as txn:
+            raw = txn.get(bytes.fromhex(pack))
+        return struct.unpack("<d", raw)[0] if raw is not None and len(raw) == 8 else 0.0
+
+    def mark_verified(self, pack: str, when: float | None = None) -> None:
+        self.env
+        with self.env.begin(write=True, db=self._db[b"verified"]) as txn:
+            txn.put(bytes.fromhex(pack), struct.pack("<d", time.time() if when is None else when))
+
     # -- checkpoint summaries (a cache of what ``ls`` needs, keyed by manifest name) ------------------------
     def get_summaries(self) -> dict[str, bytes]:
         self.env
@@ -162,6 +175,15 @@ class ChunkIndex:
                 txn.put(b"version", INDEX_VERSION, db=meta)
             for e in entries:
                 txn.put(e.chunk_id, encode_record(e), db=chunks, overwrite=False)
+            for name, size in packs.items():
+                txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
+
+    def relocate(self, entries, packs: dict[str, int]) -> None:
+        """Point ``entries``' chunks at their new location (repack), in one transaction."""
+        chunks, packs_db, _ = self._dbs()
+        with self.env.begin(write=True) as txn:
+            for e in entries:
+                txn.put(e.chunk_id, encode_record(e), db=chunks)
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
 

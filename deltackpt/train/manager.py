@@ -39,6 +39,8 @@ from ..errors import (
     MissingChunkError,
 )
 from ..store import Store
+from ..store.retention import plan_forget
+from ..store.verify import verify_store
 from .state import TrainState, _rank_and_world
 
 log = logging.getLogger("deltackpt.train")
@@ -169,10 +171,9 @@ class CheckpointManager:
         rank, _ = _rank_and_world()
         if self.keep_last is None or rank != 0:
             return
-        infos = self.store.list_checkpoints()
-        doomed = [i.name for i in infos[: max(0, len(infos) - self.keep_last)] if i.name != name]
-        if doomed:
-            self.store.forget(doomed)
+        plan = plan_forget(self.store, keep_last=self.keep_last)  # tagged checkpoints are always kept
+        plan.forget = [n for n in plan.forget if n != name]
+        plan.execute()
 
     # -- restoring -------------------------------------------------------------------------------------------
     def restore_latest(self) -> int:
@@ -183,6 +184,14 @@ class CheckpointManager:
             return 0
         failures = []
         for name in names:
+            # Structure first (manifest, chunks indexed, packs and bases present): a damaged checkpoint is
+            # skipped before it touches the state. Chunk bytes are re-hashed as they load.
+            report = verify_store(self.store, level=0, checkpoints=[name])
+            if not report.ok:
+                log.warning("checkpoint %r is damaged (%s); falling back to the previous one", name,
+                            report.problems[0].detail)
+                failures.append(f"{name}: {report.problems[0].detail}")
+                continue
             try:
                 return self.restore(name)
             except CheckpointMismatchError:

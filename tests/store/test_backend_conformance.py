@@ -213,7 +213,7 @@ def test_local_list_ignores_stray_temp_files(tmp_path):
     assert keys_of(be.list("")) == ["packs/ab/real"]
     assert keys_of(be.list("manifests/")) == []
     assert not be.exists("manifests/step") and be.exists("packs/ab/real")
-    assert be.list_temp() == sorted(["manifests/step.tmp-deadbeef0000", "packs/ab/real.tmp-0123456789ab"])
+    assert [p for p, _t in be.list_temp()] == sorted(["manifests/step.tmp-deadbeef0000", "packs/ab/real.tmp-0123456789ab"])
 
 
 def test_local_key_cannot_escape_root(tmp_path):

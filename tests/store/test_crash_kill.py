@@ -83,7 +83,7 @@ def test_sigkill_during_save(tmp_path, rng, delay):
         name = info.key.rsplit("/", 1)[1]
         assert pack_bytes_ok(name, reopened.backend.get(info.key)), info.key
         assert read_pack_entries(reopened.backend, name, info.size_bytes)
-    assert all(".tmp-" in t for t in reopened.backend.list_temp())
+    assert all(".tmp-" in t for t, _mtime in reopened.backend.list_temp())
     # the store is fully usable afterwards, and the killed save's orphan chunks are reused
     nxt = len(names) - 1
     m = reopened.save("after", {"w": _big(nxt)})

@@ -74,8 +74,9 @@ class ChunkWriter:
         self._packs: dict[str, int] = {}
         self._inflight = 0
         self._cond = threading.Condition()
-        # (item skeleton, [future -> list of ChunkRef], source object kept alive until finish)
-        self._pending: list[tuple[Item, list[Future], object]] = []
+        # (item skeleton, [future -> list of ChunkRef]). The chunk tasks' memoryviews keep each source
+        # buffer alive only until its chunks are coded, so a GPU->CPU copy is freed as soon as it is written.
+        self._pending: list[tuple[Item, list[Future]]] = []
         self._finished = False
 
     # -- public ------------------------------------------------------------------------------------------
@@ -91,14 +92,14 @@ class ChunkWriter:
         item = Item(key=key, kind="array", nbytes=len(view), chunks=[], dtype=dtype, elem_size=elem_size,
                     shape=[int(d) for d in shape], group=group if group != key else "",
                     global_offset=global_offset)
-        self._queue(item, view, spans, elem_size, data, item.group_name, global_offset)
+        self._queue(item, view, spans, elem_size, item.group_name, global_offset)
 
     def add_bytes(self, key: str, data) -> None:
         """Queue an opaque byte item (cut with FastCDC)."""
         view = as_byte_view(data)
         c = self.config
         spans = cdc_spans(view, c.cdc_min_bytes, c.cdc_avg_bytes, c.cdc_max_bytes)
-        self._queue(Item(key=key, kind="bytes", nbytes=len(view), chunks=[]), view, spans, 1, data, None, 0)
+        self._queue(Item(key=key, kind="bytes", nbytes=len(view), chunks=[]), view, spans, 1, None, 0)
 
     def finish(self) -> WriteSummary:
         """Wait for every chunk, seal the last pack, and return the items and new pack entries."""
@@ -107,7 +108,7 @@ class ChunkWriter:
         self._finished = True
         try:
             items = []
-            for item, futs, _src in self._pending:
+            for item, futs in self._pending:
                 item.chunks = [ref for f in futs for ref in f.result()]
                 items.append(item)
             with self._lock:
@@ -126,7 +127,7 @@ class ChunkWriter:
         self._pending.clear()
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _queue(self, item: Item, view: memoryview, spans, elem_size: int, src, group, global_offset) -> None:
+    def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
         if self._finished:
             raise RuntimeError("ChunkWriter is finished")
         futs = []
@@ -140,7 +141,7 @@ class ChunkWriter:
                 raise
             fut.add_done_callback(lambda _f, n=n: self._release(n))
             futs.append(fut)
-        self._pending.append((item, futs, src))
+        self._pending.append((item, futs))
 
     def _reserve(self, n: int) -> None:
         with self._cond:

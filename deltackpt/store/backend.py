@@ -48,6 +48,10 @@ class Backend(abc.ABC):
         """Store ``data`` under ``key`` atomically; replaces an existing object."""
 
     @abc.abstractmethod
+    def put_new(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` under ``key`` only if no object is there (atomically); else FileExistsError."""
+
+    @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """The whole object; ``FileNotFoundError`` when absent."""
 
@@ -98,6 +102,14 @@ class MemoryBackend(Backend):
     def put(self, key, data):
         check_key(key)
         with self._lock:
+            self._objects[key] = bytes(data)
+            self._mtimes[key] = time.time()
+
+    def put_new(self, key, data):
+        check_key(key)
+        with self._lock:
+            if key in self._objects:
+                raise FileExistsError(key)
             self._objects[key] = bytes(data)
             self._mtimes[key] = time.time()
 
@@ -192,6 +204,22 @@ class LocalBackend(Backend):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        if self.fsync:
+            _fsync_dir(path.parent)
+
+    def put_new(self, key, data):
+        path = self._path(key)
+        self._ensure_dir(path.parent)
+        tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.link(tmp, path)  # fails if the key exists: create-if-absent, atomically
+        finally:
+            tmp.unlink(missing_ok=True)
         if self.fsync:
             _fsync_dir(path.parent)
 

@@ -128,10 +128,15 @@ class Store:
                 return cls.open(backend, cache_dir=cache_dir)
             raise StoreExistsError(f"{_describe(backend)} already holds a deltackpt store")
         local = backend.local_path()
-        if local is not None and local.exists() and any(local.iterdir()):
+        if local is not None and local.exists() and any(p.name != "cache" for p in local.iterdir()):
             raise StoreExistsError(f"{local} is not empty; a new store needs an empty or missing directory")
         cfg = new_config(**config)
-        backend.put(CONFIG_KEY, encode_config(cfg))
+        try:
+            backend.put_new(CONFIG_KEY, encode_config(cfg))  # two racing inits: exactly one wins
+        except FileExistsError:
+            if exist_ok:
+                return cls.open(backend, cache_dir=cache_dir)
+            raise StoreExistsError(f"{_describe(backend)} already holds a deltackpt store") from None
         return cls(backend, cfg, cache_dir)
 
     @classmethod
@@ -148,10 +153,19 @@ class Store:
 
     @classmethod
     def open_or_init(cls, location, *, cache_dir=None, **config) -> "Store":
+        """Open the store at ``location``, creating it if there is none (safe when many ranks race)."""
         backend = _as_backend(location)
-        if backend.exists(CONFIG_KEY):
-            return cls.open(backend, cache_dir=cache_dir)
-        return cls.init(backend, cache_dir=cache_dir, **config)
+        for attempt in range(50):
+            if backend.exists(CONFIG_KEY):
+                return cls.open(backend, cache_dir=cache_dir)
+            try:
+                return cls.init(backend, cache_dir=cache_dir, exist_ok=True, **config)
+            except StoreExistsError:
+                # Another process is creating it (its temp file is there, its config not yet): wait.
+                if attempt == 49:
+                    raise
+                time.sleep(0.1)
+        raise AssertionError("unreachable")
 
     # -- index ---------------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,311 @@
+"""DeltaStorageWriter / DeltaStorageReader through DCP in one process, without a process group.
+
+Covers: a module + Adam state round trip (bit-exact, and training continues identically), non-tensor values,
+unusual dtypes and layouts, the ``checkpoint_id=`` (reset) path, missing names, ``latest``, older
+checkpoints after newer saves, duplicate names, the store argument kinds, and pickling of the adapters.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import deltackpt
+from deltackpt import CheckpointExistsError, CheckpointNotFoundError, StoreNotFoundError
+from deltackpt.store import MemoryBackend, Store
+from dist import assert_tree_equal, full_tree
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.timeout(300),
+    # DCP warns that it runs without a process group; that is the point of this module.
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+VOCAB, DIM = 50, 64
+
+
+class TinyNet(nn.Module):
+    def __init__(self, d: int = DIM, vocab: int = VOCAB):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.block = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.head(h + self.block(h))
+
+
+def make(seed: int, lr: float = 1e-2):
+    torch.manual_seed(seed)
+    model = TinyNet()
+    return model, torch.optim.Adam(model.parameters(), lr=lr)
+
+
+def train_step(model, opt, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (8, 6), generator=g)
+    y = torch.randint(0, VOCAB, (8, 6), generator=g)
+    loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def state_of(model, opt) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def load_into(model, opt, reader) -> None:
+    sd = state_of(model, opt)
+    dcp.load(sd, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def placeholder(tree):
+    """Same structure; tensors zeroed (same dtype, shape and strides), other leaves None."""
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {k: placeholder(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [placeholder(v) for v in tree]
+    return None
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    path = tmp_path / "store"
+    Store.init(path, chunk_size_bytes=65536)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------------
+# round trips
+# --------------------------------------------------------------------------------------------------------
+def test_module_and_adam_roundtrip_bit_exact(store_path):
+    model, opt = make(seed=0)
+    train_step(model, opt, seed=1)
+    ref = full_tree(state_of(model, opt))
+    assert set(ref["optim"]["state"]["head.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+
+    md = dcp.save(state_of(model, opt), storage_writer=deltackpt.DeltaStorageWriter(store_path, checkpoint_id="step-1"))
+    assert isinstance(md, Metadata)
+
+    model2, opt2 = make(seed=123)
+    fresh = full_tree(state_of(model2, opt2))
+    with pytest.raises(AssertionError):
+        assert_tree_equal(fresh["model"], ref["model"])  # the comparison below is not vacuous
+
+    load_into(model2, opt2, deltackpt.DeltaStorageReader(store_path, "step-1"))
+    assert assert_tree_equal(full_tree(state_of(model2, opt2)), ref) >= 3 * 8
+    # The optimizer really resumed: one more identical step keeps both models bit-identical.
+    train_step(model, opt, seed=2)
+    train_step(model2, opt2, seed=2)
+    assert_tree_equal(full_tree(state_of(model2, opt2)), full_tree(state_of(model, opt)))
+
+
+def test_non_tensor_values_and_dtypes_roundtrip(store_path):
+    torch.manual_seed(0)
+    big = torch.randn(100, 16)
+    sd = {
+        "epoch": 3,
+        "name": "run-\u03b1",
+        "lr": 0.125,
+        "flag": True,
+        "none": None,
+        "nested": {"a": {"b": [1, 2, {"c": "d"}]}, "tup": (1, "x", 2.5), "ints": [4, 5, 6], "empty": {}},
+        "bf16": torch.randn(33, 17).bfloat16(),
+        "f16": torch.randn(7, 9).half(),
+        "f64": torch.randn(5, 3, dtype=torch.float64),
+        "i64": torch.randint(-(2**62), 2**62, (257,), dtype=torch.int64),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (31,), dtype=torch.int32),
+        "u8": torch.randint(0, 256, (1000,), dtype=torch.uint8),
+        "i8": torch.randint(-128, 128, (13,), dtype=torch.int8),
+        "bool": torch.rand(99) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "scalar_i64": torch.tensor(-(2**40), dtype=torch.int64),
+        "scalar_bf16": torch.tensor(1.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 5),
+        "noncontig": torch.randn(40, 30).t(),
+        "view": big[10:20],  # a view into a larger storage: only the view is saved
+        "special": torch.tensor([math.nan, math.inf, -math.inf, -0.0, 1e-45, 3.4e38]),
+        "tensors": [torch.randn(3), torch.arange(4)],
+    }
+    ref = full_tree(sd)
+    deltackpt.save(sd, store_path, "mixed")
+
+    dest = placeholder(sd)
+    assert dest["noncontig"].stride() == sd["noncontig"].stride()  # loads into a non-contiguous tensor too
+    assert deltackpt.load(dest, store_path, "mixed") == "mixed"
+    assert_tree_equal(full_tree(dest), ref)
+    assert type(dest["nested"]["tup"]) is tuple and dest["name"] == "run-\u03b1"
+    assert torch.equal(dest["special"].view(torch.int32), ref["special"].view(torch.int32))  # -0.0, NaN bits
+
+    # The logical size counts each tensor's own bytes, not the storage it is a view of.
+    m = Store.open(store_path).read_manifest("mixed")
+    tensor_bytes = sum(t.numel() * t.element_size() for t in _tensors(ref))
+    assert tensor_bytes <= m.stats.logical_bytes < tensor_bytes + 64 * 1024, (m.stats, tensor_bytes)
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def test_checkpoint_id_through_dcp_reset(store_path):
+    """dcp.save(..., checkpoint_id=X) calls writer.reset(X); one writer and one reader serve several names."""
+    writer = deltackpt.DeltaStorageWriter(store_path)
+    refs = {}
+    for i, name in enumerate(["c-1", "c-2", "c-3"]):
+        torch.manual_seed(i)
+        sd = {"w": torch.randn(64, 64), "step": i}
+        refs[name] = full_tree(sd)
+        dcp.save(sd, storage_writer=writer, checkpoint_id=name)
+    assert [c.name for c in Store.open(store_path).list_checkpoints()] == ["c-1", "c-2", "c-3"]
+    reader = deltackpt.DeltaStorageReader(store_path)  # resolves "latest" = c-3; reset() re-resolves
+    for name in ["c-2", "c-1", "c-3"]:
+        dest = {"w": torch.zeros(64, 64), "step": None}
+        dcp.load(dest, storage_reader=reader, checkpoint_id=name)
+        assert_tree_equal(dest, refs[name])
+
+
+def test_missing_checkpoint_raises_not_found(store_path, tmp_path):
+    with pytest.raises(CheckpointNotFoundError):
+        deltackpt.DeltaStorageReader(store_path)  # "latest" of an empty store
+    deltackpt.save({"w": torch.ones(3)}, store_path, "real")
+    with pytest.raises(CheckpointNotFoundError):
+        deltackpt.DeltaStorageReader(store_path, "nope")
+    with pytest.raises(CheckpointNotFoundError):
+        deltackpt.load({"w": torch.zeros(3)}, store_path, "nope")
+    with pytest.raises((CheckpointNotFoundError, CheckpointException)) as ei:
+        dcp.load({"w": torch.zeros(3)}, storage_reader=deltackpt.DeltaStorageReader(store_path), checkpoint_id="nope")
+    _assert_caused_by(ei.value, CheckpointNotFoundError)
+    # A path that holds no store is not silently turned into one by a reader.
+    with pytest.raises(StoreNotFoundError):
+        deltackpt.DeltaStorageReader(str(tmp_path / "no-store-here"))
+
+
+def _assert_caused_by(exc: BaseException, kind: type) -> None:
+    if isinstance(exc, CheckpointException):
+        causes = [e for e, _tb in exc.failures.values()]
+        assert causes and all(isinstance(e, kind) for e in causes), exc.failures
+    else:
+        assert isinstance(exc, kind), repr(exc)
+
+
+def test_latest_and_older_checkpoints_after_newer_saves(store_path):
+    model, opt = make(seed=0)
+    refs = {}
+    for step in range(1, 4):
+        train_step(model, opt, seed=step)
+        name = f"step-{step}"
+        refs[name] = full_tree(state_of(model, opt))
+        md = deltackpt.save(state_of(model, opt), store_path, name, metadata={"step": step})
+        assert isinstance(md, Metadata)
+    store = Store.open(store_path)
+    assert [c.name for c in store.list_checkpoints()] == ["step-1", "step-2", "step-3"]
+    assert store.read_manifest("step-2").metadata == {"step": 2}
+
+    m2, o2 = make(seed=99)
+    assert deltackpt.load(state_of(m2, o2), store_path) == "step-3"  # default: latest
+    load_into(m2, o2, deltackpt.DeltaStorageReader(store_path))  # reader default: latest
+    assert_tree_equal(full_tree(state_of(m2, o2)), refs["step-3"])
+    load_into(m2, o2, deltackpt.DeltaStorageReader(store_path, "latest"))
+    assert_tree_equal(full_tree(state_of(m2, o2)), refs["step-3"])
+    for name in ["step-1", "step-2"]:
+        m, o = make(seed=7)
+        load_into(m, o, deltackpt.DeltaStorageReader(store_path, name))
+        assert_tree_equal(full_tree(state_of(m, o)), refs[name])
+    with pytest.raises(AssertionError):
+        assert_tree_equal(refs["step-1"]["model"], refs["step-2"]["model"])
+
+
+def test_duplicate_name_fails_and_keeps_old_checkpoint(store_path):
+    old = {"w": torch.arange(1000, dtype=torch.float32), "tag": "old"}
+    new = {"w": -torch.arange(1000, dtype=torch.float32), "tag": "new"}
+    dcp.save(old, storage_writer=deltackpt.DeltaStorageWriter(store_path, "dup"))
+    with pytest.raises((CheckpointExistsError, CheckpointException)) as ei:
+        dcp.save(new, storage_writer=deltackpt.DeltaStorageWriter(store_path, "dup"))
+    _assert_caused_by(ei.value, CheckpointExistsError)
+    with pytest.raises((CheckpointExistsError, CheckpointException)):
+        deltackpt.save(new, store_path, "dup")
+    with pytest.raises((CheckpointExistsError, CheckpointException)):
+        dcp.save(new, storage_writer=deltackpt.DeltaStorageWriter(store_path), checkpoint_id="dup")
+    dest = {"w": torch.zeros(1000), "tag": None}
+    deltackpt.load(dest, store_path, "dup")
+    assert_tree_equal(dest, full_tree(old))
+    assert [c.name for c in Store.open(store_path).list_checkpoints()] == ["dup"]
+
+    # overwrite=True replaces it.
+    dcp.save(new, storage_writer=deltackpt.DeltaStorageWriter(store_path, "dup", overwrite=True))
+    deltackpt.load(dest, store_path, "dup")
+    assert_tree_equal(dest, full_tree(new))
+    assert [c.name for c in Store.open(store_path).list_checkpoints()] == ["dup"]
+
+
+def test_store_argument_kinds(tmp_path):
+    sd = {"w": torch.randn(300, 50), "n": 5}
+    ref = full_tree(sd)
+    # A missing directory becomes a store.
+    path = tmp_path / "created"
+    deltackpt.save(sd, path, "a")
+    assert [c.name for c in Store.open(path).list_checkpoints()] == ["a"]
+    # A Store object.
+    store = Store.init(tmp_path / "s2", chunk_size_bytes=65536)
+    dcp.save(sd, storage_writer=deltackpt.DeltaStorageWriter(store, "b"))
+    dest = placeholder(sd)
+    dcp.load(dest, storage_reader=deltackpt.DeltaStorageReader(store, "b"))
+    assert_tree_equal(dest, ref)
+    # A Backend (in memory).
+    backend = MemoryBackend()
+    dcp.save(sd, storage_writer=deltackpt.DeltaStorageWriter(backend, "c"))
+    dest = placeholder(sd)
+    dcp.load(dest, storage_reader=deltackpt.DeltaStorageReader(backend, "c"))
+    assert_tree_equal(dest, ref)
+
+
+# --------------------------------------------------------------------------------------------------------
+# pickling (dcp.async_save with PROCESS pickles the writer on every call)
+# --------------------------------------------------------------------------------------------------------
+def test_writer_and_reader_pickle(store_path):
+    w = deltackpt.DeltaStorageWriter(store_path, "x", overwrite=True, metadata={"k": 1})
+    w2 = pickle.loads(pickle.dumps(w))
+    assert w2.checkpoint_id == "x"
+    sd = {"w": torch.randn(200, 100), "s": "hello"}
+    dcp.save(sd, storage_writer=w2)
+
+    # A writer that has been used (its store is open, maybe an index handle) still pickles, and works again.
+    dcp.save(sd, storage_writer=w)
+    w3 = pickle.loads(pickle.dumps(w))
+    dcp.save({"w": torch.ones(3)}, storage_writer=w3, checkpoint_id="y")
+
+    r = deltackpt.DeltaStorageReader(store_path, "x")
+    r2 = pickle.loads(pickle.dumps(r))
+    dest = {"w": torch.zeros(200, 100), "s": None}
+    dcp.load(dest, storage_reader=r2)
+    assert_tree_equal(dest, full_tree(sd))
+    dcp.load(dest, storage_reader=r)  # a used reader pickles too
+    r3 = pickle.loads(pickle.dumps(r))
+    dest3 = {"w": torch.zeros(3)}
+    dcp.load(dest3, storage_reader=r3, checkpoint_id="y")
+    assert torch.equal(dest3["w"], torch.ones(3))

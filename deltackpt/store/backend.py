@@ -71,6 +71,22 @@ class Backend(abc.ABC):
     def exists(self, key: str) -> bool:
         """Whether ``key`` holds an object."""
 
+    def spool_path(self) -> Path | None:
+        """A fresh temp path on the store's filesystem to stream a new object into, or None."""
+        return None
+
+    def put_spooled(self, key: str, f) -> None:
+        """Publish the bytes written to the open spool file ``f`` (from ``spool_path``) under ``key``."""
+        f.flush()
+        f.seek(0)
+        data = f.read()
+        name = f.name
+        f.close()
+        try:
+            self.put(key, data)
+        finally:
+            os.unlink(name)
+
     def size(self, key: str) -> int:
         for info in self.list(key):
             if info.key == key:
@@ -204,6 +220,24 @@ class LocalBackend(Backend):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        if self.fsync:
+            _fsync_dir(path.parent)
+
+    def spool_path(self) -> Path:
+        d = self.root / "packs"
+        self._ensure_dir(d)
+        return d / f"spool{_TMP_MARK}{uuid.uuid4().hex[:12]}"
+
+    def put_spooled(self, key, f):
+        path = self._path(key)
+        self._ensure_dir(path.parent)
+        try:
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        finally:
+            f.close()
+        os.replace(f.name, path)
         if self.fsync:
             _fsync_dir(path.parent)
 

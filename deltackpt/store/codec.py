@@ -61,6 +61,13 @@ def encode_delta(raw, base, elem_size: int, level: int) -> bytes:
 
 def _zstd_decode(stored, raw_len: int) -> bytes:
     try:
+        # A damaged frame header could claim any size; python-zstandard would allocate it before failing.
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"zstd frame is damaged: {e}") from None
+    if declared != raw_len:
+        raise ValueError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+    try:
         out = _decompressor().decompress(stored, max_output_size=raw_len)
     except zstandard.ZstdError as e:
         raise ValueError(f"zstd frame is damaged: {e}") from None

@@ -158,13 +158,12 @@ def _repack(store, old: str, entries: list[PackEntry]) -> int:
     """Copy ``entries`` of pack ``old`` into new packs and point the index at them. Returns entries moved."""
     data = store.backend.get(pack_key(old))
     target = store.config.pack_target_bytes
-    builder = PackBuilder()
+    builder = PackBuilder(store.backend.spool_path())
     moved = []
 
     def flush(b: PackBuilder):
-        name, blob, new_entries = b.seal()
-        store.backend.put(pack_key(name), blob)
-        store.index.relocate(new_entries, {name: len(blob)})
+        name, size, new_entries = b.publish(store.backend)
+        store.index.relocate(new_entries, {name: size})
         moved.extend(new_entries)
 
     for e in entries:
@@ -172,7 +171,9 @@ def _repack(store, old: str, entries: list[PackEntry]) -> int:
         builder.add(e.chunk_id, e.codec, e.elem_size, e.raw_len, payload, e.base_id, e.age)
         if builder.size_bytes >= target:
             flush(builder)
-            builder = PackBuilder()
+            builder = PackBuilder(store.backend.spool_path())
     if len(builder):
         flush(builder)
+    else:
+        builder.discard()
     return len(moved)

@@ -22,6 +22,7 @@ from pathlib import Path
 import lmdb
 
 from ..errors import ManifestFormatError
+from .codec import CODEC_NAMES, DELTA, VALID_ELEM_SIZES
 from .pack import PackEntry, pack_name_from_key, read_pack_entries
 
 _RECORD = struct.Struct("<16sQQQBB16sH")
@@ -69,6 +70,8 @@ def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
     if len(rec) != _RECORD.size:
         raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} has {len(rec)} bytes")
     pack, off, slen, rlen, codec, es, base, age = _RECORD.unpack(rec)
+    if codec not in CODEC_NAMES or es not in VALID_ELEM_SIZES or (codec == DELTA) != (base != _NO_BASE):
+        raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} is malformed")
     return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base, age)
 
 
@@ -145,6 +148,20 @@ class ChunkIndex:
                 if rec is not None:
                     out[cid] = decode_record(cid, rec)
         return out
+
+    def check_records(self) -> int:
+        """Number of malformed records in the cache (a damaged cache is rebuilt, never trusted)."""
+        chunks, _, _ = self._dbs()
+        bad = 0
+        with self.env.begin(db=chunks) as txn:
+            for k, v in txn.cursor():
+                try:
+                    if len(k) != 16:
+                        raise ManifestFormatError("bad key")
+                    decode_record(bytes(k), bytes(v))
+                except ManifestFormatError:
+                    bad += 1
+        return bad
 
     def known_packs(self) -> set[str]:
         _, packs, _ = self._dbs()

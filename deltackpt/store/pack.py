@@ -20,6 +20,7 @@ checked without any other object.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -110,42 +111,88 @@ def decode_header(buf, where: str) -> tuple[bytes, int, int, int, int, bytes | N
 
 
 class PackBuilder:
-    """Accumulates coded chunks in memory; ``seal`` returns the finished pack. Not thread-safe."""
+    """Accumulates coded chunks into one pack. Not thread-safe.
 
-    def __init__(self) -> None:
-        self._buf = bytearray(PACK_MAGIC)
+    With ``spool`` (a file path on the store's own filesystem) entries are streamed to that file and hashed
+    as they come, so a pack never sits in memory and publishing it is a rename; without it they accumulate
+    in memory (object-store and in-memory backends).
+    """
+
+    def __init__(self, spool: str | os.PathLike | None = None) -> None:
         self._rows: list[tuple] = []
+        self._hash = xxhash.xxh3_128()
+        self._spool = spool
+        self._file = open(spool, "wb") if spool is not None else None
+        self._buf = bytearray()
+        self._size = 0
+        self._write(PACK_MAGIC)
+
+    def _write(self, data) -> None:
+        self._hash.update(data)
+        if self._file is not None:
+            self._file.write(data)
+        else:
+            self._buf += data
+        self._size += len(data)
 
     def __len__(self) -> int:
         return len(self._rows)
 
     @property
     def size_bytes(self) -> int:
-        return len(self._buf)
+        return self._size
 
     def add(self, chunk_id: bytes, codec: int, elem_size: int, raw_len: int, stored, base_id=None,
             age: int = 0) -> int:
-        offset = len(self._buf)
-        self._buf += encode_header(chunk_id, codec, elem_size, raw_len, len(stored), base_id, age)
-        self._buf += stored
+        offset = self._size
+        self._write(encode_header(chunk_id, codec, elem_size, raw_len, len(stored), base_id, age))
+        self._write(stored)
         self._rows.append((chunk_id, base_id or NO_BASE, offset, len(stored), raw_len, codec, elem_size, age))
         return offset
 
-    def seal(self) -> tuple[str, bytearray, list[PackEntry]]:
-        """(name, pack bytes, entries). The builder must not be used afterwards."""
-        table_offset = len(self._buf)
+    def _finish(self) -> tuple[str, list[PackEntry]]:
+        table_offset = self._size
         table = b"".join(_ROW.pack(*row) for row in self._rows)
-        self._buf += table
-        self._buf += _FOOTER.pack(
-            table_offset, len(self._rows), xxhash.xxh3_64_intdigest(table), PACK_VERSION, 0, FOOTER_MAGIC
-        )
-        data, self._buf = self._buf, bytearray()
-        name = xxhash.xxh3_128_hexdigest(data)
+        self._write(table)
+        self._write(_FOOTER.pack(
+            table_offset, len(self._rows), xxhash.xxh3_64_intdigest(table), PACK_VERSION, 0, FOOTER_MAGIC))
+        name = self._hash.hexdigest()
         entries = [
             PackEntry(cid, name, off, slen, rlen, codec, es, None if base == NO_BASE else base, age)
             for cid, base, off, slen, rlen, codec, es, age in self._rows
         ]
+        return name, entries
+
+    def seal(self) -> tuple[str, bytearray, list[PackEntry]]:
+        """(name, pack bytes, entries) of an in-memory builder. The builder must not be used afterwards."""
+        if self._file is not None:
+            raise RuntimeError("seal() is for in-memory builders; use publish()")
+        name, entries = self._finish()
+        data, self._buf = self._buf, bytearray()
         return name, data, entries
+
+    def publish(self, backend) -> tuple[str, int, list[PackEntry]]:
+        """Finish the pack and store it under its name. Returns (name, size, entries)."""
+        if self._file is None:
+            name, data, entries = self.seal()
+            backend.put(pack_key(name), data)
+            return name, len(data), entries
+        name, entries = self._finish()
+        size = self._size
+        f, self._file = self._file, None
+        try:
+            backend.put_spooled(pack_key(name), f)
+        except BaseException:
+            os.unlink(self._spool) if os.path.exists(self._spool) else None
+            raise
+        return name, size, entries
+
+    def discard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            if os.path.exists(self._spool):
+                os.unlink(self._spool)
 
 
 def parse_footer(tail: bytes, pack_size: int, name: str) -> tuple[int, int]:

@@ -81,6 +81,8 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     report = VerifyReport(level=level)
     store.refresh_index()
     index = store.index
+    if index.check_records():
+        store.rebuild_index()  # the cache is damaged, not the store: rebuild it from the pack tables
     packs = {pack_name_from_key(i.key): i.size_bytes for i in store.backend.list("packs/")}
     packs.pop(None, None)
     report.num_packs = len(packs)

@@ -69,7 +69,7 @@ class ChunkWriter:
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
-        self._builder = PackBuilder()
+        self._builder = self._new_builder()
         self._entries: list[PackEntry] = []
         self._packs: dict[str, int] = {}
         self._inflight = 0
@@ -113,18 +113,28 @@ class ChunkWriter:
                 items.append(item)
             with self._lock:
                 builder, self._builder = self._builder, None
-            if builder is not None and len(builder):
+            if len(builder):
                 self._put_pack(builder)
+            else:
+                builder.discard()
             return WriteSummary(items=items, entries=self._entries, packs=self._packs)
         finally:
             self._pending.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
+            self._discard_builder()
 
     def abort(self) -> None:
         """Stop and drop everything queued; packs already written stay as orphans for gc."""
         self._finished = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
+        self._discard_builder()
+
+    def _discard_builder(self) -> None:
+        with self._lock:
+            builder, self._builder = self._builder, None
+        if builder is not None:
+            builder.discard()
 
     # -- internals ---------------------------------------------------------------------------------------
     def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
@@ -256,13 +266,15 @@ class ChunkWriter:
         with self._lock:
             self._builder.add(cid, cod, elem_size, n, stored, base_id, age)
             if self._builder.size_bytes >= c.pack_target_bytes:
-                sealed, self._builder = self._builder, PackBuilder()
+                sealed, self._builder = self._builder, self._new_builder()
         if sealed is not None:
             self._put_pack(sealed)
 
+    def _new_builder(self) -> PackBuilder:
+        return PackBuilder(self.store.backend.spool_path())
+
     def _put_pack(self, builder: PackBuilder) -> None:
-        name, data, entries = builder.seal()
-        self.store.backend.put(pack_key(name), data)
+        name, size, entries = builder.publish(self.store.backend)
         with self._lock:
             self._entries.extend(entries)
-            self._packs[name] = len(data)
+            self._packs[name] = size

@@ -26,7 +26,7 @@ class FaultyMixin:
         self.failures = 0
         self._count_lock = threading.Lock()
 
-    def put(self, key, data):
+    def _maybe_fail(self, key):
         if key.startswith("packs/"):
             with self._count_lock:
                 self.pack_puts += 1
@@ -34,7 +34,18 @@ class FaultyMixin:
             if self.fail_on is not None and (n == self.fail_on or (self.sticky and n > self.fail_on)):
                 self.failures += 1
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), key)
+
+    def put(self, key, data):
+        self._maybe_fail(key)
         super().put(key, data)
+
+    def put_spooled(self, key, f):  # packs streamed to a spool file (LocalBackend)
+        try:
+            self._maybe_fail(key)
+        except OSError:
+            f.close()
+            raise
+        super().put_spooled(key, f)
 
 
 class FaultyMemory(FaultyMixin, MemoryBackend):

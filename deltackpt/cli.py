@@ -251,6 +251,25 @@ def cmd_tag(args) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args) -> int:
+    from .bench import FULL_WORKLOADS, QUICK_WORKLOADS, run_bench
+    from .bench.report import markdown
+
+    names = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else FULL_WORKLOADS)
+    store_config = {}
+    for kv in args.store_config or []:
+        key, _, value = kv.partition("=")
+        store_config[key] = json.loads(value) if value else value
+    results = run_bench(args.out, [n.strip() for n in names if n.strip()], size="quick" if args.quick else "full",
+                        systems=args.systems.split(",") if args.systems else ("dcp", "deltackpt", "zipnn", "restic"),
+                        store_config=store_config, restic_compression=args.restic_compression,
+                        page_cache=args.page_cache, keep=args.keep)
+    _emit(args, results, lambda: markdown(results) + f"\nwritten: {args.out}/results.json, results.md, cumulative_bytes.png")
+    bad = [f"{w}/{s}" for w, e in results["workloads"].items() for s, r in e["systems"].items()
+           if "error" in r or not r.get("load_bit_exact")]
+    return EXIT_PROBLEMS if bad else EXIT_OK
+
+
 def _version_text() -> str:
     from . import kernels
 
@@ -314,6 +333,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("checkpoint")
     sp.add_argument("add", nargs="*", help="tags to add")
     sp.add_argument("--remove", action="append", help="tag to remove (repeatable)")
+    sp = add("bench", cmd_bench, "workload benchmark: DCP vs deltackpt vs ZipNN vs restic on real training runs")
+    sp.add_argument("--quick", action="store_true", help="small sizes, dense/frozen/sparse only (< 3 min)")
+    sp.add_argument("--out", default="bench-out/workloads", help="output directory (default bench-out/workloads)")
+    sp.add_argument("--workloads", help="comma-separated: dense,dense100,frozen,sparse,bf16,reshard")
+    sp.add_argument("--systems", help="comma-separated: dcp,deltackpt,zipnn,restic (dcp always runs)")
+    sp.add_argument("--store-config", action="append", metavar="KEY=VALUE",
+                    help="deltackpt StoreConfig override, e.g. chunk_size_bytes=262144 (repeatable)")
+    sp.add_argument("--restic-compression", default="auto", choices=["auto", "max", "off"])
+    sp.add_argument("--page-cache", default="warm", choices=["warm", "drop"],
+                    help="before each load: read the files once (warm) or drop the page cache (root)")
+    sp.add_argument("--keep", action="store_true", help="keep the checkpoints written under --out")
     sp = add("index", None, "index cache maintenance")
     isub = sp.add_subparsers(dest="index_command", metavar="ACTION", required=True)
     rp = isub.add_parser("rebuild", help="drop the index cache and re-read every pack table",

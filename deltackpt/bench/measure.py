@@ -3,12 +3,13 @@
 Peak RSS of a phase (the method is reported with every number): Linux keeps a per-process high-water mark
 (``VmHWM``) that ``echo 5 > /proc/self/clear_refs`` resets to the current RSS, so the phase's peak is exact:
 reset before, read after. Where that is not allowed a thread polls RSS every millisecond (it can miss a
-short spike). External programs (restic) run as children; their own peak comes from ``wait4``'s rusage.
+short spike). External programs (restic) run as children; their own peak is their ``VmHWM``, polled.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -90,20 +91,45 @@ class PeakRSS:
         return max(0, self.peak - self.baseline)
 
 
-def run_child(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[str, int]:
-    """Run ``cmd``; return (stdout, the child's peak RSS in bytes). Raises RuntimeError on failure."""
+def _child_hwm(pid: int, exe: str) -> int | None:
+    """The child's VmHWM once it runs ``exe`` (before its exec it is a copy of us and must not count)."""
+    try:
+        if os.path.basename(os.readlink(f"/proc/{pid}/exe")) != exe:
+            return None
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def run_child(cmd: list[str], env: dict | None = None, cwd: str | None = None,
+              poll_interval_s: float = 0.005) -> tuple[str, int]:
+    """Run ``cmd``; return (stdout, the child's peak RSS in bytes). Raises RuntimeError on failure.
+
+    The peak is the child's own high-water mark (``VmHWM``), polled every ``poll_interval_s`` until it
+    exits: ``wait4``'s ``ru_maxrss`` cannot be used, because it also counts the copy of this process the
+    child was before its ``exec``.
+    """
     import tempfile
 
+    exe = os.path.basename(os.path.realpath(shutil.which(cmd[0]) or cmd[0]))
+    peak = 0
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
+        while p.poll() is None:
+            hwm = _child_hwm(p.pid, exe)
+            if hwm is not None:
+                peak = max(peak, hwm)
+            time.sleep(poll_interval_s)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} failed ({p.returncode}): {stderr.strip()[-500:]}")
-    return stdout, usage.ru_maxrss * 1024
+    return stdout, peak
 
 
 def dir_bytes(path: str | os.PathLike, exclude_top: tuple[str, ...] = ()) -> int:

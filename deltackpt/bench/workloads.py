@@ -23,7 +23,7 @@ from .models import ClickData, MarkovTokens, RecModel, gpt_from, lm_loss
 
 GPT_SIZES = {
     "tiny": {"vocab": 256, "dim": 32, "layers": 1, "heads": 2, "seq": 16, "batch": 2},
-    "quick": {"vocab": 2048, "dim": 128, "layers": 4, "heads": 4, "seq": 64, "batch": 8},
+    "quick": {"vocab": 2048, "dim": 128, "layers": 4, "heads": 4, "seq": 64, "batch": 4},
     "full": {"vocab": 8192, "dim": 384, "layers": 8, "heads": 6, "seq": 64, "batch": 4},
 }
 REC_SIZES = {

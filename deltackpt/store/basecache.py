@@ -2,8 +2,9 @@
 
 When a writer stores a keyframe it keeps a copy of the raw bytes here; the next save of the same tensor
 region finds its delta base in memory. A base that is not cached (first save after a restart, or evicted)
-is read back from the store and verified. The cap is ``DELTACKPT_BASE_CACHE_BYTES`` (default 256 MiB);
-0 disables the cache.
+is read back from the store and verified. The cap is ``DELTACKPT_BASE_CACHE_BYTES``; it defaults to 0 (off),
+because it only pays in a process that saves again, where ``CheckpointManager`` raises it (256 MiB by
+default) with :func:`reserve_base_cache`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 from collections import OrderedDict
 
 MiB = 1 << 20
-_DEFAULT_CAP = 256 * MiB
+_DEFAULT_CAP = 0
 
 
 def _cap_from_env() -> int:
@@ -103,6 +104,13 @@ class BaseCache:
 
 _shared: BaseCache | None = None
 _shared_lock = threading.Lock()
+
+
+def reserve_base_cache(cap_bytes: int) -> None:
+    """Raise the shared cache's cap to at least ``cap_bytes`` (unless the environment set it explicitly)."""
+    if os.environ.get("DELTACKPT_BASE_CACHE_BYTES") is None:
+        cache = shared_base_cache()
+        cache.cap_bytes = max(cache.cap_bytes, int(cap_bytes))
 
 
 def shared_base_cache() -> BaseCache:

@@ -43,7 +43,8 @@ class ChunkSource:
             raise MissingChunkError(cid.hex(), checkpoint=checkpoint, item=item)
         return entry
 
-    def get(self, cid: bytes, *, checkpoint=None, item=None):
+    def get(self, cid: bytes, *, checkpoint=None, item=None, keep: bool = True):
+        """Decoded bytes of chunk ``cid``; ``keep=False`` skips the LRU (a whole chunk read once)."""
         with self._lock:
             raw = self._cache.get(cid)
             if raw is not None:
@@ -54,7 +55,8 @@ class ChunkSource:
         if entry.codec == codec.DELTA:
             base = self._get_base(entry, checkpoint=checkpoint, item=item)
         raw = self._decode(entry, base, checkpoint=checkpoint, item=item)
-        self._remember(cid, raw)
+        if keep:
+            self._remember(cid, raw)
         return raw
 
     def _get_base(self, entry: PackEntry, *, checkpoint, item):
@@ -195,7 +197,10 @@ class CheckpointReader:
             fut.result()
 
     def _copy(self, item: Item, dst: np.ndarray, ref, src_off: int, dst_off: int, n: int) -> None:
-        raw = self.source.get(ref.id, checkpoint=self.name, item=item.key)
+        # A read of a whole chunk is not cached: a full load touches each chunk once. Partial reads are
+        # (resharded loads read one chunk from several read items).
+        whole = ref.skip == 0 and src_off == 0 and n == ref.length
+        raw = self.source.get(ref.id, checkpoint=self.name, item=item.key, keep=not whole)
         if src_off + n > len(raw):
             raise CorruptChunkError("chunk is shorter than the manifest says", chunk_id=ref.id.hex(),
                                     checkpoint=self.name, item=item.key)

@@ -39,6 +39,7 @@ from ..errors import (
     MissingChunkError,
 )
 from ..store import Store
+from ..store.basecache import reserve_base_cache
 from ..store.retention import plan_forget
 from ..store.verify import verify_store
 from .state import TrainState, _rank_and_world
@@ -78,10 +79,13 @@ class CheckpointManager:
 
     ``keep_last``: after each successful save keep only this many newest checkpoints (None keeps all).
     ``async_mode``: None (blocking), "thread" or "process" (``dcp.async_save``; "process" needs a process group).
+    ``base_cache_bytes``: memory for the previous save's keyframes, so changed chunks are delta-coded
+    without reading their bases back from the store (0 turns it off).
     """
 
     def __init__(self, store, state: TrainState, *, every_n_steps: int = 100, keep_last: int | None = None,
-                 async_mode: str | None = None, process_group=None, name_format: str = "step-{step:08d}") -> None:
+                 async_mode: str | None = None, process_group=None, name_format: str = "step-{step:08d}",
+                 base_cache_bytes: int = 256 << 20) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         if keep_last is not None and keep_last < 1:
@@ -89,6 +93,7 @@ class CheckpointManager:
         if async_mode not in (None, *_ASYNC_TYPES):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
         self.store: Store = open_store(store)
+        reserve_base_cache(base_cache_bytes)
         self.state = state
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last

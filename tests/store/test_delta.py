@@ -180,3 +180,40 @@ def test_damaged_base_is_not_built_upon(tmp_path):
     Store.open(tmp_path / "s").save("c1", {"w": w1})
     reopened = Store.open(tmp_path / "s")
     assert np.array_equal(reopened.load("c1")["w"], w1)
+
+
+def test_base_cache_spares_reading_bases_back(tmp_path):
+    """With the cache on, a later save in the same process finds its delta bases in memory."""
+    cache = shared_base_cache()
+    old_cap = cache.cap_bytes
+    cache.clear()
+    cache.cap_bytes = 64 << 20
+    try:
+        backend = MemoryBackend()
+        store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=16384)
+        rng = np.random.default_rng(9)
+        w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
+        store.save("c0", {"w": w})
+        reads = []
+        real_get_range = backend.get_range
+        backend.get_range = lambda key, off, n: reads.append(key) or real_get_range(key, off, n)
+        w1 = _drift(rng, w, 1e-6)
+        store.save("c1", {"w": w1})
+        assert _codecs(store)["delta"] > 0
+        assert not [k for k in reads if k.startswith("packs/")], "bases should come from the cache"
+        assert np.array_equal(store.load("c1")["w"], w1)
+    finally:
+        cache.cap_bytes = old_cap
+        cache.clear()
+
+
+def test_sample_check_skips_hopeless_deltas():
+    from deltackpt.store.writer import _sample_says_delta
+
+    rng = np.random.default_rng(10)
+    base = rng.standard_normal(1 << 18).astype(np.float32)
+    close = (base + rng.standard_normal(base.size).astype(np.float32) * 1e-6).astype(np.float32)
+    unrelated = rng.standard_normal(base.size).astype(np.float32)
+    limit = 0.9 * len(bytes(codec.encode_best(close.view(np.uint8), 4, 1, 0.03)[1]))
+    assert _sample_says_delta(memoryview(close).cast("B"), base, 4, 1, limit)
+    assert not _sample_says_delta(memoryview(unrelated).cast("B"), base, 4, 1, limit)

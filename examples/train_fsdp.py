@@ -53,6 +53,23 @@ def schedule(warmup: int, total: int):
     return factor
 
 
+def init_process_group(attempt: int) -> None:
+    """Join the gloo group through a per-attempt key prefix.
+
+    torchrun's agent keeps one TCPStore across restarts, and the dead attempt's gloo addresses stay in it:
+    a restarted rank may read its peer's stale address ("Gloo connectFullMesh failed ... Connection
+    refused", or a hang). Prefixing the keys with the attempt number makes every attempt start clean.
+    """
+    if "MASTER_ADDR" not in os.environ:
+        dist.init_process_group("gloo")
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          use_libuv=True)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
+                            world_size=world)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", default="demo-store")
@@ -66,7 +83,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    dist.init_process_group("gloo")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_process_group(attempt)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = TinyLM()
@@ -80,7 +98,6 @@ def main() -> None:
     torch.manual_seed(args.seed + 1000 + rank)  # per-rank dropout streams
 
     state = TrainState(model=model, optimizer=optim, scheduler=sched, dataloader=loader)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with CheckpointManager(args.store, state, every_n_steps=args.save_every, keep_last=args.keep_last,
                            async_mode=args.async_mode) as mgr:
         step = mgr.restore_latest()

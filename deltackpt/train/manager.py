@@ -185,9 +185,13 @@ class CheckpointManager:
         """Load the newest intact checkpoint into the state; returns its step (0 on an empty store)."""
         self.wait()
         names = [i.name for i in reversed(self.store.list_checkpoints())]
-        if not names:
-            return 0
         failures = []
+        # list_checkpoints() leaves out manifests it cannot read; they count as damaged checkpoints.
+        for name in sorted(set(self.store.checkpoint_names()) - set(names)):
+            log.warning("checkpoint %r has an unreadable manifest; skipping it", name)
+            failures.append(f"{name}: unreadable manifest")
+        if not names and not failures:
+            return 0
         for name in names:
             # Structure first (manifest, chunks indexed, packs and bases present): a damaged checkpoint is
             # skipped before it touches the state. Chunk bytes are re-hashed as they load.

@@ -22,6 +22,7 @@ the resumed run then differs from an uninterrupted run's.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Mapping
 
@@ -80,6 +81,7 @@ class TrainState(Stateful):
         self.dataloader = dataloader
         self.scaler = scaler
         self.extra = dict(extra or {})
+        json.dumps(self.extra)  # fail early: extra must be JSON-able
         self.step = step
         self.epoch = epoch
         self.options = options
@@ -113,7 +115,9 @@ class TrainState(Stateful):
         if self.scaler is not None:
             sd["scaler"] = self.scaler.state_dict()
         sd["progress"] = {"step": int(self.step), "epoch": int(self.epoch), "world_size": world}
-        sd["extra"] = dict(self.extra)
+        # One JSON value, not a nested dict: DCP only loads keys the target already has, and a fresh
+        # TrainState's extra is empty.
+        sd["extra"] = json.dumps(self.extra, sort_keys=True)
         sd["meta"] = {"optimizers": {n: type(o).__name__ for n, o in self.optimizers.items()}}
         load_world = self._load_world if self._load_world is not None else world
         if rank < load_world:
@@ -138,7 +142,8 @@ class TrainState(Stateful):
         progress = state_dict["progress"]
         self.step, self.epoch = int(progress["step"]), int(progress["epoch"])
         saved_world = int(progress["world_size"])
-        self.extra = dict(state_dict.get("extra", {}))
+        extra = state_dict.get("extra", "{}")
+        self.extra = json.loads(extra) if isinstance(extra, str) else dict(extra)
         self._load_world = None
         rng = state_dict.get(f"rank{rank}.rng")
         if rng is not None:

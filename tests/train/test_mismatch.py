@@ -1,0 +1,112 @@
+"""Restoring into an incompatible training state raises CheckpointMismatchError naming what differs, before
+touching the state, and leaves the store byte-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from deltackpt import CheckpointManager, CheckpointMismatchError, TrainState
+from deltackpt.store import Store
+from dist import assert_tree_equal
+from train_helpers import MLP, dataset, full_state, hash_tree, make_model, make_optim, train_step
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+class Renamed(MLP):
+    """fc2 is called ``middle`` here."""
+
+    def __init__(self):
+        super().__init__()
+        self.middle = self.fc2
+        del self.fc2
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.middle(torch.relu(self.fc1(x)))))
+
+
+class Wider(MLP):
+    """fc2 has 97 outputs instead of 96 (and fc3 97 inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc2 = nn.Linear(64, 97)
+        self.fc3 = nn.Linear(97, 10)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = str(tmp_path / "store")
+    Store.init(path)
+    model = make_model(0)
+    optim = make_optim(model, "adamw")
+    train_step(model, optim, None, torch.stack(dataset(0))[:4])
+    with CheckpointManager(path, TrainState(model=model, optimizer=optim)) as mgr:
+        mgr.save(1)
+    return path
+
+
+def _attempt(path, model, optim):
+    before_store = hash_tree(path)
+    before_state = full_state(model, optim)
+    state = TrainState(model=model, optimizer=optim, step=7, epoch=2)
+    with CheckpointManager(path, state) as mgr:
+        with pytest.raises(CheckpointMismatchError) as ei:
+            mgr.restore_latest()
+    assert hash_tree(path) == before_store, "a failed restore changed the store"
+    assert (state.step, state.epoch) == (7, 2)
+    assert_tree_equal(full_state(model, optim), before_state)  # state untouched
+    return str(ei.value)
+
+
+def test_renamed_parameter(saved):
+    torch.manual_seed(1)
+    model = Renamed()
+    msg = _attempt(saved, model, make_optim(model))
+    assert "step-00000001" in msg
+    for key in ("missing in checkpoint: train.model.middle.weight", "missing in checkpoint: train.model.middle.bias",
+                "not in the model/optimizer now: train.model.fc2.weight",
+                "not in the model/optimizer now: train.model.fc2.bias"):
+        assert key in msg, msg
+    assert "fc1" not in msg and "fc3" not in msg, msg
+
+
+def test_changed_shape(saved):
+    torch.manual_seed(1)
+    model = Wider()
+    msg = _attempt(saved, model, make_optim(model))
+    for key in ("shape of train.model.fc2.weight: checkpoint [96, 64], now [97, 64]",
+                "shape of train.model.fc2.bias: checkpoint [96], now [97]",
+                "shape of train.model.fc3.weight: checkpoint [10, 96], now [10, 97]"):
+        assert key in msg, msg
+    assert "fc1" not in msg and "fc3.bias" not in msg, msg
+
+
+def test_other_optimizer_type(saved):
+    model = make_model(1)
+    msg = _attempt(saved, model, make_optim(model, "sgd"))
+    assert "AdamW" in msg and "SGD" in msg, msg
+    assert "optimizers" in msg
+
+
+def test_matching_state_restores(saved):
+    """Control: the same setup with a compatible state loads (so the errors above are about the mismatch)."""
+    model = make_model(1)
+    optim = make_optim(model)
+    state = TrainState(model=model, optimizer=optim)
+    with CheckpointManager(saved, state) as mgr:
+        assert mgr.restore_latest() == 1
+    ref = make_model(0)
+    assert torch.equal(model.fc2.weight, _trained(ref).fc2.weight)
+
+
+def _trained(model):
+    optim = make_optim(model)
+    train_step(model, optim, None, torch.stack(dataset(0))[:4])
+    return model

@@ -1,0 +1,92 @@
+"""TrainState contents round trip (single process): the user's ``extra`` dict, several models / optimizers /
+schedulers, and the validation of which optimizer belongs to which model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from deltackpt import CheckpointManager, TrainState
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+EXTRA = {"tokens_seen": 123456789, "run": "exp-a", "nested": {"best_loss": 0.25, "ids": [3, 1, 2]}}
+
+
+def _save_extra(path):
+    state = TrainState(model=nn.Linear(2, 2), extra=EXTRA, epoch=4)
+    with CheckpointManager(path, state) as mgr:
+        mgr.save(7)
+
+
+def test_extra_restores_into_state_with_same_keys(tmp_path):
+    path = str(tmp_path / "store")
+    _save_extra(path)
+    state = TrainState(model=nn.Linear(2, 2),
+                       extra={"tokens_seen": 0, "run": "", "nested": {"best_loss": 0.0, "ids": [0, 0, 0]}})
+    with CheckpointManager(path, state) as mgr:
+        assert mgr.restore_latest() == 7
+    assert (state.step, state.epoch) == (7, 4)
+    assert state.extra == EXTRA
+    assert type(state.extra["tokens_seen"]) is int
+
+
+def test_extra_restores_into_fresh_state(tmp_path):
+    path = str(tmp_path / "store")
+    _save_extra(path)
+    state = TrainState(model=nn.Linear(2, 2))  # the normal resume: the run's extra is not known yet
+    with CheckpointManager(path, state) as mgr:
+        assert mgr.restore_latest() == 7
+    assert state.epoch == 4
+    assert state.extra == EXTRA
+
+
+def _two_models(seed):
+    torch.manual_seed(seed)
+    model, ema = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ema_opt = torch.optim.SGD(ema.parameters(), lr=0.1, momentum=0.9)
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, 2), torch.optim.lr_scheduler.ExponentialLR(ema_opt, 0.9)]
+    state = TrainState(model={"model": model, "ema": ema}, optimizer={"opt": opt, "ema_opt": ema_opt},
+                       scheduler=scheds)
+    return state, model, ema, opt, ema_opt, scheds
+
+
+def test_several_models_optimizers_schedulers(tmp_path):
+    path = str(tmp_path / "store")
+    state, model, ema, opt, ema_opt, scheds = _two_models(0)
+    for _ in range(3):
+        (model(torch.ones(1, 4)).sum() + ema(torch.ones(1, 4)).pow(2).sum()).backward()
+        opt.step()
+        ema_opt.step()
+        for s in scheds:
+            s.step()
+    with CheckpointManager(path, state) as mgr:
+        mgr.save(3)
+    state2, model2, ema2, opt2, ema_opt2, scheds2 = _two_models(1)
+    with CheckpointManager(path, state2) as mgr:
+        assert mgr.restore_latest() == 3
+    for a, b in ((model, model2), (ema, ema2)):
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(opt.state[model.weight][key], opt2.state[model2.weight][key])
+    assert torch.equal(ema_opt.state[ema.bias]["momentum_buffer"], ema_opt2.state[ema2.bias]["momentum_buffer"])
+    assert [s.state_dict() for s in scheds2] == [s.state_dict() for s in scheds]
+    assert scheds2[1].get_last_lr() == scheds[1].get_last_lr()
+
+
+def test_optimizer_must_belong_to_exactly_one_model():
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    stray = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'optim' must update the parameters of exactly one model"):
+        TrainState(model={"a": a, "b": b}, optimizer=stray)
+    both = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match=r"matches: \['a', 'b'\]"):
+        TrainState(model={"a": a, "b": b}, optimizer=both)
+    with pytest.raises(ValueError, match="at least one model"):
+        TrainState(model=None)

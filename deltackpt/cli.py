@@ -256,14 +256,26 @@ def cmd_bench(args) -> int:
     from .bench.report import markdown
 
     names = args.workloads.split(",") if args.workloads else list(QUICK_WORKLOADS if args.quick else FULL_WORKLOADS)
-    store_config = {}
-    for kv in args.store_config or []:
-        key, _, value = kv.partition("=")
-        store_config[key] = json.loads(value) if value else value
+    def overrides(pairs) -> dict:  # KEY=VALUE with a JSON value: chunk_size_bytes=262144, delta=false
+        out = {}
+        for kv in pairs:
+            key, sep, value = kv.partition("=")
+            try:
+                out[key.strip()] = json.loads(value)
+            except ValueError:
+                raise ValueError(f"expected KEY=JSON_VALUE, got {kv!r}") from None
+            if not sep:
+                raise ValueError(f"expected KEY=JSON_VALUE, got {kv!r}")
+        return out
+
+    variants = {}
+    for spec in args.variant or []:
+        label, _, pairs = spec.partition(":")
+        variants[label] = overrides(pairs.split(",") if pairs else [])
     results = run_bench(args.out, [n.strip() for n in names if n.strip()], size="quick" if args.quick else "full",
                         systems=args.systems.split(",") if args.systems else ("dcp", "deltackpt", "zipnn", "restic"),
-                        store_config=store_config, restic_compression=args.restic_compression,
-                        page_cache=args.page_cache, keep=args.keep)
+                        store_config=overrides(args.store_config or []), variants=variants,
+                        restic_compression=args.restic_compression, page_cache=args.page_cache, keep=args.keep)
     _emit(args, results, lambda: markdown(results) + f"\nwritten: {args.out}/results.json, results.md, cumulative_bytes.png")
     bad = [f"{w}/{s}" for w, e in results["workloads"].items() for s, r in e["systems"].items()
            if "error" in r or not r.get("load_bit_exact")]
@@ -340,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--systems", help="comma-separated: dcp,deltackpt,zipnn,restic (dcp always runs)")
     sp.add_argument("--store-config", action="append", metavar="KEY=VALUE",
                     help="deltackpt StoreConfig override, e.g. chunk_size_bytes=262144 (repeatable)")
+    sp.add_argument("--variant", action="append", metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                    help="also run deltackpt with these StoreConfig overrides as system deltackpt-LABEL (repeatable)")
     sp.add_argument("--restic-compression", default="auto", choices=["auto", "max", "off"])
     sp.add_argument("--page-cache", default="warm", choices=["warm", "drop"],
                     help="before each load: read the files once (warm) or drop the page cache (root)")

@@ -86,12 +86,20 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 class MarkovTokens:
-    """A seeded token stream: each token has ``branch`` possible successors, so a model can learn it."""
+    """A seeded token stream: each token has ``branch`` possible successors, so a model can learn it.
 
-    def __init__(self, vocab: int, seed: int, branch: int = 4) -> None:
+    With ``zipf`` > 0 the successors are drawn from a Zipf(``zipf``) distribution over the vocabulary, so
+    token frequencies are skewed as in text and a model's loss drops within a few dozen steps.
+    """
+
+    def __init__(self, vocab: int, seed: int, branch: int = 4, zipf: float = 0.0) -> None:
         g = torch.Generator().manual_seed(seed)
         self.vocab, self.branch = vocab, branch
-        self.succ = torch.randint(vocab, (vocab, branch), generator=g)
+        if zipf > 0:
+            weights = torch.arange(1, vocab + 1, dtype=torch.float64).pow(-zipf)
+            self.succ = torch.multinomial(weights, vocab * branch, replacement=True, generator=g).view(vocab, branch)
+        else:
+            self.succ = torch.randint(vocab, (vocab, branch), generator=g)
         self.gen = torch.Generator().manual_seed(seed + 1)
 
     def batch(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:

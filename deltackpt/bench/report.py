@@ -149,7 +149,7 @@ def plot(results: dict, path: Path) -> None:
             if "error" in r or not r.get("cumulative_bytes"):
                 continue
             ys = [b / MiB for b in r["cumulative_bytes"]]
-            color, marker = styles.get(sname, (None, "."))
+            color, marker = styles.get(sname, (None, "x"))
             ax.plot(range(1, len(ys) + 1), ys, marker=marker, ms=4, color=color,
                     label=f"{LABELS.get(sname, sname)} ({_x(w['ratio_vs_dcp'].get(sname))})")
         info = w.get("info", {})

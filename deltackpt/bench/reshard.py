@@ -243,7 +243,10 @@ def run_reshard(cfg: dict, systems: list[str], work: Path, opts: dict, log) -> t
                                    and info_b["resumed_identical"])
         res[n] = r
         log(f"  {n}: {r['stored_bytes'] / 2**20:.1f} MiB stored, save {r['save_s']:.2f} s/ckpt")
-    info = {"config": cfg, "losses": before[0]["info"]["losses"] + info_b["losses"],
+    from .models import gpt_from
+
+    info = {"config": cfg, "num_params": sum(p.numel() for p in gpt_from(cfg["model"]).parameters()),
+            "losses": before[0]["info"]["losses"] + info_b["losses"],
             "post_reshard_first_index": len(before[0]["runs"][systems[0]]["saves"]),
             "resumed_identical": info_b["resumed_identical"], "first_identical": info_b["first_identical"],
             "peak_rss_note": "max over ranks"}

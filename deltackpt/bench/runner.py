@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from .measure import PeakRSS, drop_page_cache, warm_tree
-from .systems import SYSTEM_CLASSES, SYSTEMS, _barrier, _rank, make_system
+from .systems import SYSTEMS, _barrier, _rank, make_system, system_class
 from .workloads import make_workload, workload_config
 
 # DCP warns on every save/load without a process group that it assumes a single process: expected here.
@@ -165,6 +165,8 @@ def tree_equal(a, b) -> bool:
 def system_options(name: str, dtype: str, opts: dict) -> dict:
     if name == "deltackpt":
         return {"store_config": dict(opts.get("store_config") or {})}
+    if name.startswith("deltackpt-"):
+        return {"store_config": dict(opts["variants"][name.removeprefix("deltackpt-")])}
     if name == "zipnn":
         return {"dtype": dtype}
     if name == "restic":
@@ -284,7 +286,7 @@ def run_isolated(wl, systems: list[str], work: Path, opts: dict, log) -> dict:
 def available_systems(systems) -> tuple[list[str], dict[str, str]]:
     ok, skipped = [], {}
     for n in systems:
-        why = SYSTEM_CLASSES[n].unavailable()
+        why = system_class(n).unavailable()
         if why:
             skipped[n] = why
         else:
@@ -342,19 +344,35 @@ def run_workload(name: str, size: str, systems: list[str], work: Path, opts: dic
 def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "quick",
               systems: list[str] | tuple = SYSTEMS, isolate: bool = True, store_config: dict | None = None,
               restic_compression: str = "auto", page_cache: str = "warm", keep: bool = False,
+              train_threads: int = 1, variants: dict[str, dict] | None = None,
               log: Callable[[str], None] | None = None) -> dict:
-    """Run ``workloads`` at ``size`` on ``systems``; write results.json, results.md, cumulative_bytes.png."""
-    from .report import machine_info, write_outputs
+    """Run ``workloads`` at ``size`` on ``systems``; write results.json, results.md, cumulative_bytes.png.
 
+    ``variants``: {label: StoreConfig overrides}; each adds a system ``deltackpt-LABEL`` that sees the same
+    checkpoints (to tune deltackpt on one training run).
+
+    Training runs with ``train_threads`` torch threads (1 by default: on a shared 2-core machine two
+    threads were up to 4x slower and far noisier); the systems' workers use torch's default.
+    """
+    from ..store.config import new_config
+    from .report import machine_info, write_outputs
     from .workloads import WORKLOADS
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    unknown = [w for w in workloads if w not in WORKLOADS] + [s for s in systems if s not in SYSTEM_CLASSES]
+    variants = dict(variants or {})
+    systems = [*systems, *(f"deltackpt-{label}" for label in variants)]
+    unknown = [w for w in workloads if w not in WORKLOADS] + [
+        s for s in systems if s not in SYSTEMS and s.removeprefix("deltackpt-") not in variants]
     if unknown or not workloads:
         raise ValueError(f"unknown workload or system {unknown or workloads}; workloads: {', '.join(WORKLOADS)}; "
                          f"systems: {', '.join(SYSTEMS)}")
     if size not in ("tiny", "quick", "full"):
         raise ValueError(f"size must be tiny, quick or full, got {size!r}")
+    for overrides in [store_config or {}, *variants.values()]:
+        try:
+            new_config(**overrides)
+        except TypeError as e:
+            raise ValueError(f"bad StoreConfig override {overrides}: {e}") from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     systems = ["dcp", *[s for s in systems if s != "dcp"]]
@@ -362,13 +380,15 @@ def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "qui
     for n, why in skipped.items():
         log(f"skipping {n}: {why}")
     opts = {"isolate": isolate, "store_config": store_config or {}, "restic_compression": restic_compression,
-            "page_cache": page_cache}
+            "page_cache": page_cache, "variants": variants}
     tmp = Path(tempfile.mkdtemp(prefix="work-", dir=out))
     t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(train_threads)
     results = {"workloads": {}, "machine": machine_info(),
                "config": {"size": size, "systems": list(systems), "isolate": isolate,
                           "store_config": store_config or {}, "restic_compression": restic_compression,
-                          "page_cache": page_cache},
+                          "page_cache": page_cache, "train_threads": train_threads, "variants": variants},
                "skipped_systems": skipped}
     try:
         for name in workloads:
@@ -379,6 +399,7 @@ def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "qui
             if not keep:
                 shutil.rmtree(tmp / name, ignore_errors=True)
     finally:
+        torch.set_num_threads(threads)
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)

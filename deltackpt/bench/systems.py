@@ -298,5 +298,15 @@ class ResticSystem(System):
 SYSTEM_CLASSES = {c.name: c for c in (DcpSystem, DeltackptSystem, ZipnnSystem, ResticSystem)}
 
 
+def system_class(name: str) -> type[System]:
+    """The class of system ``name``; ``deltackpt-LABEL`` is deltackpt with a StoreConfig variant."""
+    base = "deltackpt" if name.startswith("deltackpt-") else name
+    if base not in SYSTEM_CLASSES:
+        raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+    return SYSTEM_CLASSES[base]
+
+
 def make_system(name: str, root, options: dict | None = None) -> System:
-    return SYSTEM_CLASSES[name](root, options)
+    system = system_class(name)(root, options)
+    system.name = name
+    return system

@@ -101,7 +101,8 @@ class Workload:
 
 
 class DenseLM(Workload):
-    """GPT-style LM, fp32 params + AdamW state, every parameter trained."""
+    """GPT-style LM, fp32 params + AdamW state (10-step linear warmup), every parameter trained, on a
+    Zipf-skewed Markov token stream."""
 
     name = "dense"
 
@@ -117,7 +118,9 @@ class DenseLM(Workload):
         model = self._build()
         params = self._trainable(model)
         opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.01)
-        data = MarkovTokens(mc["vocab"], cfg["seed"] + 100)
+        warmup = cfg.get("warmup_steps", 10)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+        data = MarkovTokens(mc["vocab"], cfg["seed"] + 100, zipf=1.0)
         total = sum(p.numel() for p in model.parameters())
         self.info.update(num_params=total, trainable_params=sum(p.numel() for p in params))
         for step in range(1, cfg["num_checkpoints"] * cfg["interval"] + 1):
@@ -126,6 +129,7 @@ class DenseLM(Workload):
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            sched.step()
             if step % cfg["interval"] == 0:
                 opt.zero_grad(set_to_none=True)
                 yield self._snapshot(step, model, opt, loss.item())

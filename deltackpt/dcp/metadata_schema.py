@@ -481,6 +481,6 @@ def metadata_from_bytes(data: bytes) -> Metadata:
         except msgspec.DecodeError:
             where = str(e)
         raise ManifestFormatError(f"invalid DCP metadata blob: {where}") from None
-    except msgspec.DecodeError as e:
-        raise ManifestFormatError(f"invalid DCP metadata blob: {e}") from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise ManifestFormatError(f"invalid DCP metadata blob: {e!s:.200}") from None
     return record_to_metadata(rec)

@@ -5,6 +5,7 @@ It is written once by ``Store.init`` and read on every open. Its presence is wha
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import msgspec
@@ -78,14 +79,18 @@ def decode_config(data: bytes) -> StoreConfig:
     if not isinstance(raw, dict):
         raise ManifestFormatError("store config must be a JSON object")
     version = raw.get("format_version")
-    if not isinstance(version, int):
-        raise ManifestFormatError("store config has no integer format_version")
+    if type(version) is not int or version < 1:
+        raise ManifestFormatError("store config has no valid format_version")
     if version > FORMAT_VERSION:
         raise UnsupportedFormatError(
             f"store format version {version} is newer than this deltackpt supports ({FORMAT_VERSION}); "
             "upgrade deltackpt"
         )
     try:
-        return msgspec.convert(raw, StoreConfig).validate()
+        cfg = msgspec.convert(raw, StoreConfig).validate()
     except (msgspec.ValidationError, ValueError) as e:
         raise ManifestFormatError(f"store config: {e}") from None
+    # The id names the local cache directory: it must be exactly what new_config makes.
+    if not re.fullmatch(r"[0-9a-f]{32}", cfg.store_id):
+        raise ManifestFormatError("store config: store_id must be 32 lowercase hex digits")
+    return cfg

@@ -2,7 +2,8 @@
 
 Mark: the live chunks are those the manifests reference plus the delta bases of those chunks. The set is
 a sorted numpy array of 16-byte ids (16 bytes a chunk, not a Python object each), so stores with millions
-of chunks stay within tens of MB.
+of chunks stay within tens of MB. The index cache is not trusted for liveness: a live chunk whose cached
+location does not hold it keeps the copy gc finds, and the cache is corrected.
 
 Sweep, per pack (read from its table, the truth): an entry is live if its chunk is live and the index
 locates that chunk in this pack (a copy elsewhere, left by an interrupted repack, is dead). A pack with no
@@ -25,7 +26,19 @@ import numpy as np
 from . import codec
 from .faults import crash_point
 from .lock import EXCLUSIVE
-from .pack import HEADER_SIZE, PackBuilder, PackEntry, pack_key, pack_name_from_key, read_pack_entries
+from ..errors import ManifestFormatError
+from .pack import (
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    PACK_MAGIC,
+    ROW_SIZE,
+    PackBuilder,
+    PackEntry,
+    decode_header,
+    pack_key,
+    pack_name_from_key,
+    read_pack_entries,
+)
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -46,7 +59,8 @@ class GcPlan:
 
     @property
     def reclaim_bytes(self) -> int:
-        moved = sum(HEADER_SIZE + e.stored_len for es in self.repack.values() for e in es)
+        moved = sum(HEADER_SIZE + e.stored_len + ROW_SIZE for es in self.repack.values() for e in es)
+        moved += len(self.repack) * (len(PACK_MAGIC) + FOOTER_SIZE)
         return sum(self.delete_packs.values()) + sum(self.repack_sizes.values()) - moved
 
     def as_dict(self) -> dict:
@@ -61,16 +75,20 @@ class GcPlan:
         t0 = time.monotonic()
         with store.lock(EXCLUSIVE):
             plan = plan_gc(store, max_unused=self.max_unused, grace_s=self.grace_s)
-            moved = 0
+            moved, published = 0, set()
             for old, entries in sorted(plan.repack.items()):
-                moved += _repack(store, old, entries)
+                n, names = _repack(store, old, entries)
+                moved += n
+                published |= names
                 crash_point("gc:after-repack")
             for name in sorted(plan.delete_packs):
                 crash_point("gc:before-delete")
                 store.backend.delete(pack_key(name))
-            for name in sorted(plan.repack):
+            # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
+            old_repacked = set(plan.repack) - published
+            for name in sorted(old_repacked):
                 store.backend.delete(pack_key(name))
-            store.index.remove_packs(set(plan.delete_packs) | set(plan.repack))
+            store.index.remove_packs(set(plan.delete_packs) | old_repacked)
             for path in plan.temp_files:
                 store.backend.delete_temp(path)
         return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack),
@@ -91,29 +109,50 @@ class GcResult:
         return dict(self.__dict__)
 
 
+# Chunk ids as two big-endian u64 fields: sortable, searchable, and (unlike numpy's S16) never stripped of
+# trailing NUL bytes.
+ID_DTYPE = np.dtype([("hi", ">u8"), ("lo", ">u8")])
+
+
+def _ids(ids: list[bytes]) -> np.ndarray:
+    return np.frombuffer(b"".join(ids), dtype=ID_DTYPE) if ids else np.empty(0, dtype=ID_DTYPE)
+
+
 def live_chunk_ids(store) -> np.ndarray:
-    """Sorted unique ids (dtype S16) of every chunk a manifest references, plus their delta bases."""
+    """Sorted unique ids (dtype ID_DTYPE, 16 bytes each) of every chunk a manifest references, plus their
+    delta bases."""
     parts = []
     for name in store.checkpoint_names():
         manifest = store.read_manifest(name)
-        ids = [ref.id for item in manifest.items for ref in item.chunks]
-        if ids:
-            parts.append(np.array(ids, dtype="S16"))
-    live = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype="S16")
+        parts.append(_ids([ref.id for item in manifest.items for ref in item.chunks]))
+    # (concatenate may turn the fields native-endian; astype restores the byte-order the ids are kept in)
+    live = np.unique(np.concatenate(parts)).astype(ID_DTYPE) if parts else np.empty(0, dtype=ID_DTYPE)
     bases = []
     index = store.index
-    for cid in live.tolist():
-        entry = index.lookup(cid)
+    raw = live.tobytes()
+    for k in range(live.size):
+        entry = index.lookup(raw[16 * k : 16 * k + 16])
         if entry is not None and entry.codec == codec.DELTA:
             bases.append(entry.base_id)
     if bases:
-        live = np.unique(np.concatenate([live, np.array(bases, dtype="S16")]))
+        live = np.unique(np.concatenate([live, _ids(bases)])).astype(ID_DTYPE)
     return live
 
 
 def _contains(sorted_ids: np.ndarray, cid: bytes) -> bool:
-    i = np.searchsorted(sorted_ids, np.array(cid, dtype="S16"))
-    return bool(i < sorted_ids.size and sorted_ids[i] == cid)
+    i = int(np.searchsorted(sorted_ids, _ids([cid])[0]))
+    return i < sorted_ids.size and sorted_ids[i : i + 1].tobytes() == cid
+
+
+def _indexed_copy_is_valid(store, where: PackEntry, present: set[str]) -> bool:
+    """Whether the index's location of a chunk really holds it (the cache could be wrong)."""
+    if where.pack not in present:
+        return False
+    try:
+        head = store.backend.get_range(pack_key(where.pack), where.offset, HEADER_SIZE)
+        return decode_header(head, f"pack {where.pack}")[0] == where.chunk_id
+    except (ManifestFormatError, FileNotFoundError):
+        return False
 
 
 def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S) -> GcPlan:
@@ -125,10 +164,10 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S)
     live = live_chunk_ids(store)
     plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=max_unused, grace_s=grace_s)
     index = store.index
-    for info in store.backend.list("packs/"):
-        name = pack_name_from_key(info.key)
-        if name is None:
-            continue
+    listed = [(pack_name_from_key(i.key), i) for i in store.backend.list("packs/")]
+    listed = [(n, i) for n, i in listed if n is not None]
+    present = {n for n, _ in listed}
+    for name, info in listed:
         if now - info.mtime_s < grace_s:
             plan.kept_young += 1
             continue
@@ -136,13 +175,21 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S)
             entries = read_pack_entries(store.backend, name, info.size_bytes)
         except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
             continue
-        keep = []
+        keep, fixes = [], []
         for e in entries:
-            if _contains(live, e.chunk_id):
-                where = index.lookup(e.chunk_id)
-                if where is not None and where.pack == name:
-                    keep.append(e)
-        live_bytes = sum(HEADER_SIZE + e.stored_len for e in keep)
+            if not _contains(live, e.chunk_id):
+                continue
+            where = index.lookup(e.chunk_id)
+            if where is not None and where.pack == name:
+                keep.append(e)
+            elif where is None or not _indexed_copy_is_valid(store, where, present):
+                keep.append(e)  # the only trustworthy copy: keep it, and point the index at it
+                fixes.append(e)
+            # else: a duplicate of a chunk that lives elsewhere (e.g. left by an interrupted repack)
+        if fixes:
+            index.relocate(fixes, {})
+        # The pack's fixed overhead (magic, table rows, footer) belongs to its live entries too.
+        live_bytes = sum(HEADER_SIZE + e.stored_len + ROW_SIZE for e in keep) + len(PACK_MAGIC) + FOOTER_SIZE
         if not keep:
             plan.delete_packs[name] = info.size_bytes
         elif 1.0 - live_bytes / info.size_bytes > max_unused:
@@ -154,17 +201,20 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S)
     return plan
 
 
-def _repack(store, old: str, entries: list[PackEntry]) -> int:
-    """Copy ``entries`` of pack ``old`` into new packs and point the index at them. Returns entries moved."""
+def _repack(store, old: str, entries: list[PackEntry]) -> tuple[int, set[str]]:
+    """Copy ``entries`` of pack ``old`` into new packs and point the index at them.
+
+    Returns (entries moved, names of the packs published)."""
     data = store.backend.get(pack_key(old))
     target = store.config.pack_target_bytes
     builder = PackBuilder(store.backend.spool_path())
-    moved = []
+    moved, names = [], set()
 
     def flush(b: PackBuilder):
         name, size, new_entries = b.publish(store.backend)
         store.index.relocate(new_entries, {name: size})
         moved.extend(new_entries)
+        names.add(name)
 
     for e in entries:
         payload = memoryview(data)[e.offset + HEADER_SIZE : e.offset + HEADER_SIZE + e.stored_len]
@@ -176,4 +226,4 @@ def _repack(store, old: str, entries: list[PackEntry]) -> int:
         flush(builder)
     else:
         builder.discard()
-    return len(moved)
+    return len(moved), names

@@ -45,11 +45,17 @@ def _is_stale(info: dict, now: float, stale_after_s: float) -> bool:
 
 
 def _parse(data: bytes) -> dict | None:
+    """A lock object's fields, or None for anything malformed (treated as garbage and removed)."""
     try:
         info = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         return None
     if not isinstance(info, dict) or info.get("kind") not in (SHARED, EXCLUSIVE):
+        return None
+    pid, when = info.get("pid"), info.get("time")
+    if type(pid) is not int or not (0 < pid < 2**31) or type(when) not in (int, float) or when != when:
+        return None
+    if not isinstance(info.get("host"), str):
         return None
     return info
 
@@ -76,6 +82,18 @@ class StoreLock:
 
     def acquire(self) -> "StoreLock":
         self.backend.put(self.key, self._payload())
+        try:
+            self._check_others()
+        except BaseException:
+            self.backend.delete(self.key)  # never leave our lock behind when we did not get it
+            raise
+        self._held = True
+        if self._refresh:
+            self._thread = threading.Thread(target=self._refresh_loop, name="deltackpt-lock", daemon=True)
+            self._thread.start()
+        return self
+
+    def _check_others(self) -> None:
         now = time.time()
         for info in self.backend.list("locks/"):
             if info.key == self.key:
@@ -88,16 +106,10 @@ class StoreLock:
                 self.backend.delete(info.key)  # garbage or abandoned: clean it up
                 continue
             if self.kind == EXCLUSIVE or other["kind"] == EXCLUSIVE:
-                self.backend.delete(self.key)
                 raise StoreLockedError(
-                    f"store is locked ({other['kind']} lock by pid {other.get('pid')} on {other.get('host')}, "
-                    f"{now - float(other.get('time', now)):.0f}s ago); "
+                    f"store is locked ({other['kind']} lock by pid {other['pid']} on {other['host']}, "
+                    f"{now - float(other['time']):.0f}s ago); "
                     + ("gc needs the store alone" if self.kind == EXCLUSIVE else "a gc is running"))
-        self._held = True
-        if self._refresh:
-            self._thread = threading.Thread(target=self._refresh_loop, name="deltackpt-lock", daemon=True)
-            self._thread.start()
-        return self
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.stale_after_s / 4):

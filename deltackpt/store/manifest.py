@@ -110,13 +110,21 @@ def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
         raise ManifestFormatError(f"{where}: checksum mismatch (damaged or truncated)")
     if data[4] < 1:
         raise ManifestFormatError(f"{where}: invalid manifest version {data[4]}")
+    frame = data[5:-8]
     try:
-        body = zstandard.ZstdDecompressor().decompress(data[5:-8], max_output_size=MAX_MANIFEST_BYTES)
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as e:
+        raise ManifestFormatError(f"{where}: damaged manifest ({e})") from None
+    if not (0 <= declared <= MAX_MANIFEST_BYTES) or declared > 1024 * len(frame) + (1 << 20):
+        # zstd allocates the declared size up front; a forged header must not make us allocate gigabytes
+        raise ManifestFormatError(f"{where}: implausible manifest size {declared}")
+    try:
+        body = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_MANIFEST_BYTES)
     except zstandard.ZstdError as e:
         raise ManifestFormatError(f"{where}: damaged manifest ({e})") from None
     try:
         m = msgspec.msgpack.decode(body, type=Manifest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
         raise ManifestFormatError(f"{where}: {e}") from None
     _check_manifest(m, where)
     return m

@@ -50,14 +50,18 @@ class ChunkSource:
             if raw is not None:
                 self._cache.move_to_end(cid)
                 return raw
-        entry = self.entry(cid, checkpoint=checkpoint, item=item)
-        base = None
-        if entry.codec == codec.DELTA:
-            base = self._get_base(entry, checkpoint=checkpoint, item=item)
-        raw = self._decode(entry, base, checkpoint=checkpoint, item=item)
+        raw = self.decode_entry(self.entry(cid, checkpoint=checkpoint, item=item), checkpoint=checkpoint,
+                                item=item)
         if keep:
             self._remember(cid, raw)
         return raw
+
+    def decode_entry(self, entry: PackEntry, *, checkpoint=None, item=None):
+        """Decoded, verified bytes of the chunk at ``entry`` (a specific copy, e.g. from a pack table)."""
+        base = None
+        if entry.codec == codec.DELTA:
+            base = self._get_base(entry, checkpoint=checkpoint, item=item)
+        return self._decode(entry, base, checkpoint=checkpoint, item=item)
 
     def _get_base(self, entry: PackEntry, *, checkpoint, item):
         base_hex = entry.base_id.hex() if entry.base_id else None

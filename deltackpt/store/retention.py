@@ -95,8 +95,8 @@ def plan_forget(store, *, keep_last: int | None = None, keep_every: int | None =
     if keep_last is None and keep_every is None and keep_within is None and not keep_tags:
         raise ValueError("refusing an empty retention policy: give at least one of keep_last, keep_every, "
                          "keep_within, keep_tags")
-    if keep_last is not None and keep_last < 0 or keep_every is not None and keep_every < 1:
-        raise ValueError("keep_last must be >= 0 and keep_every >= 1")
+    if keep_last is not None and keep_last < 1 or keep_every is not None and keep_every < 1:
+        raise ValueError("keep_last and keep_every must be >= 1 (to forget everything, use forget by name)")
     within_s = parse_duration(keep_within) if isinstance(keep_within, str) else keep_within
     now = time.time() if now is None else now
     infos = store.list_checkpoints()  # oldest first

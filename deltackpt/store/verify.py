@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError
 from . import codec
-from .pack import decode_header, pack_bytes_ok, pack_key, pack_name_from_key, read_pack_entries
+from .pack import pack_bytes_ok, pack_key, pack_name_from_key, read_pack_entries
 from .reader import ChunkSource
 
 
@@ -79,13 +79,6 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
         raise ValueError("sample must be a fraction in (0, 1]")
     start = time.monotonic()
     report = VerifyReport(level=level)
-    store.refresh_index()
-    index = store.index
-    if index.check_records():
-        store.rebuild_index()  # the cache is damaged, not the store: rebuild it from the pack tables
-    packs = {pack_name_from_key(i.key): i.size_bytes for i in store.backend.list("packs/")}
-    packs.pop(None, None)
-    report.num_packs = len(packs)
 
     # Which chunks each checkpoint item needs (its refs and their delta bases).
     names = checkpoints if checkpoints is not None else store.checkpoint_names()
@@ -102,12 +95,40 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
             for ref in item.chunks:
                 users.setdefault(ref.id, []).append(f"{name}:{item.key}")
 
+    # Where the cache last saw each chunk, before refreshing it: a pack that vanished since is then
+    # reported by name, not just as chunks that are nowhere.
+    index = store.index
+    last_seen = {}
+    for cid in users:
+        try:
+            entry = index.lookup(cid)
+        except ManifestFormatError:
+            entry = None
+        if entry is not None:
+            last_seen[cid] = entry.pack
+    store.refresh_index()
+    if index.check_records():
+        store.rebuild_index()  # the cache is damaged, not the store: rebuild it from the pack tables
+    packs = {pack_name_from_key(i.key): i.size_bytes for i in store.backend.list("packs/")}
+    packs.pop(None, None)
+    report.num_packs = len(packs)
+
+    # After a refresh the cache knows exactly the packs present; a record pointing elsewhere means the cache
+    # itself is damaged (well-formed but wrong), which is not damage to the store: rebuild and look again.
+    if any((e := index.lookup(cid)) is not None and e.pack not in packs for cid in users):
+        store.rebuild_index()
+
     # Level 0: every needed chunk is indexed, in an existing pack, with an intact base.
     needed = dict(users)
     for cid, where in users.items():
         entry = index.lookup(cid)
         if entry is None:
-            bad[cid] = Problem("missing-chunk", "chunk is not in any pack", chunk_id=cid.hex())
+            gone = last_seen.get(cid)
+            if gone is not None and gone not in packs:
+                bad[cid] = Problem("missing-pack", "pack holding the chunk is missing", pack=gone,
+                                   chunk_id=cid.hex())
+            else:
+                bad[cid] = Problem("missing-chunk", "chunk is not in any pack", chunk_id=cid.hex())
             continue
         if entry.pack not in packs:
             bad[cid] = Problem("missing-pack", "pack holding the chunk is missing", pack=entry.pack,
@@ -142,7 +163,7 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
             if max_duration_s is not None and time.monotonic() - start > max_duration_s:
                 report.complete = False
                 break
-            _check_pack(store, name, packs[name], level, needed, source, bad, report)
+            _check_pack(store, index, name, level, needed, source, bad, report)
             index.mark_verified(name)
 
     # Map damage upward: a chunk is damaged if it or its base is; report who needs it.
@@ -156,7 +177,7 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     return report
 
 
-def _check_pack(store, name: str, size: int, level: int, needed, source, bad, report) -> None:
+def _check_pack(store, index, name: str, level: int, needed, source, bad, report) -> None:
     try:
         data = store.backend.get(pack_key(name))
     except FileNotFoundError:
@@ -169,8 +190,13 @@ def _check_pack(store, name: str, size: int, level: int, needed, source, bad, re
     try:
         entries = read_pack_entries(_Bytes(data), name, len(data))
     except ManifestFormatError as e:
-        entries = []
         report.problems.append(Problem("pack-hash", f"pack table unreadable ({e})", pack=name))
+        # Without its table, the pack's chunks are known only from the index: all of them are damaged.
+        for cid in needed:
+            where = index.lookup(cid)
+            if where is not None and where.pack == name and cid not in bad:
+                bad[cid] = Problem("bad-chunk", "its pack's table is unreadable", pack=name, chunk_id=cid.hex())
+        return
     for e in entries:
         if e.chunk_id not in needed:
             continue
@@ -178,8 +204,8 @@ def _check_pack(store, name: str, size: int, level: int, needed, source, bad, re
             continue
         report.chunks_checked += 1
         try:
-            decode_header(memoryview(data)[e.offset:e.offset + 64], f"pack {name}")
-            source.get(e.chunk_id)
+            # Decode this pack's copy, as its table describes it, not whatever the cache points at.
+            source.decode_entry(e)
         except (CorruptChunkError, MissingChunkError, ManifestFormatError) as err:
             if e.chunk_id not in bad:
                 bad[e.chunk_id] = Problem("bad-chunk", str(err), pack=name, chunk_id=e.chunk_id.hex())

@@ -1,0 +1,654 @@
+"""Fuzzing every parser of stored bytes: random input and mutations of valid encodings (with and without
+their checksums repaired) raise only our errors (DeltackptError, or at worst a ValueError), never
+IndexError / struct.error / MemoryError / RecursionError, never hang, never allocate from a forged length,
+and never unpickle anything."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import tracemalloc
+
+import msgspec
+import numpy as np
+import pytest
+import xxhash
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltackpt.errors import DeltackptError, ManifestFormatError
+from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, Store, codec
+from deltackpt.store.config import FORMAT_VERSION, decode_config, encode_config, new_config
+from deltackpt.store.index import decode_record, encode_record
+from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest, encode_manifest, manifest_key
+from deltackpt.store.pack import (
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    MAX_CHUNK_BYTES,
+    ROW_SIZE,
+    PackBuilder,
+    PackEntry,
+    decode_header,
+    encode_header,
+    pack_key,
+    parse_footer,
+    parse_table,
+    read_pack_entries,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+# The metadata parsers promise ManifestFormatError (a DeltackptError and a ValueError); the codecs promise
+# ValueError. Nothing else may escape.
+OUR_ERRORS = (DeltackptError,)
+MiB = 1 << 20
+
+
+def attempt(fn, *args, errors=OUR_ERRORS):
+    """fn(*args), or None if it raised one of ``errors``; anything else propagates and fails the test."""
+    try:
+        return fn(*args)
+    except errors:
+        return None
+
+
+# -- mutations ---------------------------------------------------------------------------------------------------
+
+_op = st.tuples(st.sampled_from(["flip", "set", "delete", "insert", "truncate", "dup"]),
+                st.integers(0, 1 << 30), st.integers(0, 255), st.binary(max_size=16))
+mutations = st.lists(_op, min_size=1, max_size=6)
+
+
+def mutate(data: bytes, ops, lo: int = 0) -> bytes:
+    """Apply ``ops`` to ``data[lo:]`` (``lo`` protects a prefix)."""
+    b = bytearray(data)
+    for kind, pos, val, blob in ops:
+        n = len(b) - lo
+        if n <= 0:
+            b += blob
+            continue
+        i = lo + pos % n
+        if kind == "flip":
+            b[i] ^= 1 << (val % 8)
+        elif kind == "set":
+            b[i] = val
+        elif kind == "delete":
+            del b[i:i + 1 + val % 16]
+        elif kind == "insert":
+            b[i:i] = blob
+        elif kind == "truncate":
+            del b[i:]
+        else:
+            b[i:i] = b[i:i + 1 + val % 32]
+    return bytes(b)
+
+
+# -- manifests ---------------------------------------------------------------------------------------------------
+
+
+def _manifest() -> Manifest:
+    ids = [xxhash.xxh3_128_digest(bytes([i])) for i in range(5)]
+    items = [
+        Item(key="w", kind="array", nbytes=9000, dtype="<f4", elem_size=4, shape=[2250],
+             chunks=[ChunkRef(ids[0], 4096), ChunkRef(ids[1], 4096), ChunkRef(ids[2], 808)]),
+        Item(key="shard", kind="array", nbytes=100, dtype="<f2", elem_size=2, shape=[50], group="g",
+             global_offset=4000, chunks=[ChunkRef(ids[3], 96, skip=4000), ChunkRef(ids[4], 4)]),
+        Item(key="obj", kind="bytes", nbytes=10, chunks=[ChunkRef(ids[4], 10)]),
+    ]
+    return Manifest(name="step-100", store_id="ab" * 16, created_ns=1_700_000_000_000_000_000, items=items,
+                    stats=Stats(logical_bytes=9110, stored_bytes=5000, num_chunks=6, new_chunks=5),
+                    parent="step-90", metadata={"step": 100, "lr": 0.1, "tags": ["a", None]},
+                    layer_data={"layers": {"w": [1, 2]}})
+
+
+MANIFEST = _manifest()
+VALID_MANIFEST = encode_manifest(MANIFEST)
+BODY = msgspec.msgpack.encode(MANIFEST)
+
+
+def _builtins() -> dict:
+    return msgspec.to_builtins(MANIFEST, builtin_types=(bytes,))
+
+
+def seal(payload: bytes, version: int = 1) -> bytes:
+    """A manifest object around an already compressed ``payload``, with a correct checksum."""
+    out = MANIFEST_MAGIC + bytes([version]) + payload
+    return out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out))
+
+
+def seal_body(body: bytes) -> bytes:
+    return seal(zstandard.ZstdCompressor(level=3).compress(body))
+
+
+def test_valid_samples_decode():
+    """The fuzzers below start from encodings that really are valid."""
+    assert decode_manifest(VALID_MANIFEST) == MANIFEST
+    assert decode_manifest(seal_body(BODY)) == MANIFEST
+    assert decode_manifest(seal_body(msgspec.msgpack.encode(_builtins()))) == MANIFEST
+
+
+def _check_manifest_invariants(m: Manifest) -> None:
+    assert isinstance(m, Manifest)
+    for it in m.items:
+        assert sum(r.length for r in it.chunks) == it.nbytes
+        assert all(len(r.id) == 16 and r.length >= 0 and r.skip >= 0 for r in it.chunks)
+        assert it.elem_size in codec.VALID_ELEM_SIZES
+
+
+@FUZZ
+@given(st.binary(max_size=4096))
+def test_manifest_random_bytes(data):
+    assert attempt(decode_manifest, data) is None or data == VALID_MANIFEST
+    for candidate in (seal(data), MANIFEST_MAGIC + data):  # past the checksum / magic only
+        m = attempt(decode_manifest, candidate)
+        if m is not None:
+            _check_manifest_invariants(m)
+
+
+@FUZZ
+@given(mutations)
+def test_manifest_mutations_are_caught_by_the_checksum(ops):
+    data = mutate(VALID_MANIFEST, ops)
+    m = attempt(decode_manifest, data)
+    if data == VALID_MANIFEST:
+        assert m == MANIFEST
+    else:
+        assert m is None  # any change is detected before parsing
+
+
+@FUZZ
+@given(mutations)
+def test_manifest_mutated_body_resealed(ops):
+    """Past the checksum: the msgpack body against the strict schema."""
+    m = attempt(decode_manifest, seal_body(mutate(BODY, ops)))
+    if m is not None:
+        _check_manifest_invariants(m)
+
+
+def _frame_header_len(frame: bytes) -> int:
+    return 4 + zstandard.frame_header_size(frame)
+
+
+@FUZZ
+@given(mutations)
+def test_manifest_mutated_zstd_frame_resealed(ops):
+    """Past the checksum: damaged zstd blocks. (The frame header's content size is covered separately by
+    test_manifest_forged_content_size_*, which are known bugs.)"""
+    frame = VALID_MANIFEST[5:-8]
+    m = attempt(decode_manifest, seal(mutate(frame, ops, lo=_frame_header_len(frame))))
+    if m is not None:
+        _check_manifest_invariants(m)
+
+
+@FUZZ
+@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+                    | st.binary(max_size=20),
+                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                    max_leaves=30))
+def test_manifest_random_msgpack_resealed(tree):
+    body = msgspec.msgpack.encode(tree)
+    assert attempt(decode_manifest, seal_body(body)) is None
+    # and the same tree in place of each manifest field
+    for field in ("name", "items", "stats", "metadata", "created_ns"):
+        d = _builtins()
+        d[field] = tree
+        m = attempt(decode_manifest, seal_body(msgspec.msgpack.encode(d)))
+        if m is not None:
+            _check_manifest_invariants(m)
+
+
+def _peak_while(fn, *args) -> int:
+    tracemalloc.start()
+    try:
+        attempt(fn, *args)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_forged_msgpack_lengths_allocate_nothing():
+    d = _builtins()
+    d["items"] = None
+    marker = b"\xa5items\xc0"
+    body = msgspec.msgpack.encode(d)
+    assert marker in body
+    for forged in (b"\xa5items\xdd\xff\xff\xff\xff",  # array32 of 2**32-1 elements, none present
+                   b"\xa5items\xdf\xff\xff\xff\xff",  # map32
+                   b"\xa5items\xc6\xff\xff\xff\xff"):  # bin32 of 4 GiB
+        data = seal_body(body.replace(marker, forged))
+        with pytest.raises(ManifestFormatError):
+            decode_manifest(data)
+        assert _peak_while(decode_manifest, data) < 64 * MiB
+
+
+def _forged_frame(content_size: int) -> bytes:
+    """A zstd frame header (single segment, 8-byte content size) followed by an empty last raw block."""
+    return b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + struct.pack("<Q", content_size) + b"\x01\x00\x00"
+
+
+def test_manifest_forged_content_size_allocates_little():
+    data = seal(_forged_frame(1 << 30))
+    assert _peak_while(decode_manifest, data) < 64 * MiB
+
+
+@settings(FUZZ, max_examples=20)
+@given(st.integers(1 << 48, (1 << 62)))
+def test_manifest_forged_content_size_is_a_format_error(size):
+    with pytest.raises(ManifestFormatError):
+        decode_manifest(seal(_forged_frame(size)))
+
+
+def test_manifest_deeply_nested_metadata_is_a_format_error():
+    d = _builtins()
+    d["metadata"] = {"deep": None}
+    body = msgspec.msgpack.encode(d)
+    body = body.replace(b"\xa4deep\xc0", b"\xa4deep" + b"\x91" * 100_000 + b"\xc0")
+    with pytest.raises(ManifestFormatError):
+        decode_manifest(seal_body(body))
+
+
+class _Boom:
+    """Unpickling this creates the marker file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_pickle_payload_is_never_executed(tmp_path, mem_store):
+    marker = str(tmp_path / "pwned")
+    payload = pickle.dumps(_Boom(marker))
+    payload_v0 = pickle.dumps(_Boom(marker), protocol=0)
+    candidates = [payload, payload_v0, MANIFEST_MAGIC + b"\x01" + payload, seal(payload),
+                  seal_body(payload), seal(zstandard.ZstdCompressor().compress(payload_v0))]
+    for data in candidates:
+        with pytest.raises(ManifestFormatError):
+            decode_manifest(data)
+    # the same through the store: read_manifest, ls, verify
+    for i, data in enumerate(candidates):
+        mem_store.backend.put(manifest_key(f"evil{i}"), data)
+    for i in range(len(candidates)):
+        with pytest.raises(ManifestFormatError):
+            mem_store.read_manifest(f"evil{i}")
+    assert mem_store.list_checkpoints() == []
+    from deltackpt.store.verify import verify_store
+
+    r = verify_store(mem_store, level=2)
+    assert sorted(p.kind for p in r.problems) == ["manifest"] * len(candidates)
+    assert not os.path.exists(marker)
+    pickle.loads(payload)  # control: the payload really does create the marker when unpickled
+    assert os.path.exists(marker)
+
+
+# -- pack entry headers ---------------------------------------------------------------------------------------------
+
+HEADER = encode_header(b"\x11" * 16, codec.DELTA, 4, 4096, 1000, b"\x22" * 16, 3)
+
+
+def _rehash(head56: bytes) -> bytes:
+    return head56 + struct.pack("<Q", xxhash.xxh3_64_intdigest(head56))
+
+
+def _check_header(out, src):
+    cid, cod, es, rlen, slen, base, age = out
+    assert cod in codec.CODEC_NAMES and es in codec.VALID_ELEM_SIZES
+    assert 0 <= rlen <= MAX_CHUNK_BYTES and 0 <= slen <= MAX_CHUNK_BYTES + MiB
+    assert len(cid) == 16 and (base is None or len(base) == 16)
+    assert src[:4] == b"DCE1"
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_header_random_bytes(data):
+    out = attempt(decode_header, data, "fuzz")
+    if out is not None:
+        _check_header(out, data)
+    out = attempt(decode_header, _rehash(data[:56].ljust(56, b"\0")), "fuzz")
+    if out is not None:
+        _check_header(out, data[:56].ljust(56, b"\0"))
+
+
+@FUZZ
+@given(mutations, st.booleans())
+def test_header_mutations(ops, rehash):
+    head = mutate(HEADER, ops)
+    if rehash:
+        head = _rehash(head[:56].ljust(56, b"\0"))
+    out = attempt(decode_header, head, "fuzz")
+    if out is not None:
+        _check_header(out, head)
+    elif not rehash:
+        assert head[:64] != HEADER
+
+
+@FUZZ
+@given(st.integers(0, 255), st.integers(0, 255), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_header_field_bounds(cod, es, rlen, slen):
+    head = encode_header(b"\x01" * 16, cod, es, rlen, slen, None)
+    out = attempt(decode_header, head, "fuzz")
+    ok = cod in codec.CODEC_NAMES and es in codec.VALID_ELEM_SIZES and rlen <= MAX_CHUNK_BYTES \
+        and slen <= MAX_CHUNK_BYTES + MiB
+    assert (out is not None) == ok
+
+
+# -- pack footers and tables ------------------------------------------------------------------------------------
+
+
+def _pack():
+    b = PackBuilder()
+    rng = np.random.default_rng(0)
+    raw = rng.standard_normal(1024).astype(np.float32).tobytes()
+    z = codec.encode_planes(raw, 4, 1)
+    b.add(xxhash.xxh3_128_digest(raw), codec.ZSTD, 4, len(raw), z)
+    b.add(b"\x05" * 16, codec.RAW, 1, 300, rng.bytes(300))
+    b.add(b"\x06" * 16, codec.DELTA, 4, len(raw), b"delta-ish", xxhash.xxh3_128_digest(raw), 2)
+    name, data, entries = b.seal()
+    return name, bytes(data), entries
+
+
+PACK_NAME, PACK, PACK_ENTRIES = _pack()
+
+
+def _entries_of(data: bytes, name: str = PACK_NAME):
+    be = MemoryBackend()
+    be.put(pack_key(name), data)
+    return attempt(read_pack_entries, be, name, len(data))
+
+
+def _check_entries(entries: list[PackEntry], size: int):
+    table_offset = size - FOOTER_SIZE - len(entries) * ROW_SIZE
+    prev = 8
+    for e in entries:
+        assert e.offset >= prev and e.offset + HEADER_SIZE + e.stored_len <= table_offset
+        prev = e.offset + HEADER_SIZE + e.stored_len
+        assert e.codec in codec.CODEC_NAMES and e.elem_size in codec.VALID_ELEM_SIZES
+        assert (e.codec == codec.DELTA) == (e.base_id is not None)
+
+
+def _fix_table_hash(data: bytes) -> bytes:
+    """Recompute the footer's table hash so that row checks, not the checksum, decide."""
+    if len(data) < FOOTER_SIZE + 8:
+        return data
+    tail = data[-FOOTER_SIZE:]
+    off, num, _h, ver, pad, magic = struct.unpack("<QQQHH4s", tail)
+    table = data[off:off + num * ROW_SIZE] if num < 1 << 20 else b""
+    return data[:-FOOTER_SIZE] + struct.pack("<QQQHH4s", off, num, xxhash.xxh3_64_intdigest(table), ver, pad, magic)
+
+
+def test_valid_pack_parses():
+    assert _entries_of(PACK) == PACK_ENTRIES
+    assert _entries_of(_fix_table_hash(PACK)) == PACK_ENTRIES
+
+
+@FUZZ
+@given(st.binary(min_size=FOOTER_SIZE, max_size=FOOTER_SIZE), st.integers(0, 2**70), st.binary(max_size=512))
+def test_footer_and_table_random(tail, size, table):
+    out = attempt(parse_footer, tail, size, "fuzz")
+    if out is not None:
+        off, num = out
+        assert 8 <= off and off + num * ROW_SIZE + FOOTER_SIZE == size
+    entries = attempt(parse_table, table, tail, "fuzz")
+    if entries is not None:
+        assert len(table) == len(entries) * ROW_SIZE
+
+
+@FUZZ
+@given(mutations, st.booleans(), st.sampled_from(["all", "table", "footer"]))
+def test_pack_mutations(ops, fix_hash, region):
+    table_offset = len(PACK) - FOOTER_SIZE - len(PACK_ENTRIES) * ROW_SIZE
+    lo = {"all": 0, "table": table_offset, "footer": len(PACK) - FOOTER_SIZE}[region]
+    data = mutate(PACK, ops, lo=lo)
+    if fix_hash:
+        data = _fix_table_hash(data)
+    entries = _entries_of(data)
+    if entries is not None:
+        _check_entries(entries, len(data))
+
+
+@FUZZ
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+def test_forged_footer_counts(table_offset, num):
+    tail = struct.pack("<QQQHH4s", table_offset, num, 0, 1, 0, b"DCPK")
+    data = PACK[:-FOOTER_SIZE] + tail
+    assert _entries_of(data) is None or (table_offset, num) == struct.unpack("<QQ", PACK[-FOOTER_SIZE:][:16])
+
+
+def test_footer_claiming_2_to_the_60_entries_allocates_nothing():
+    tail = struct.pack("<QQQHH4s", 8, 2**60, 0, 1, 0, b"DCPK")
+    forged = PACK[:-FOOTER_SIZE] + tail
+    tracemalloc.start()
+    try:
+        assert _entries_of(forged) is None
+        with pytest.raises(ManifestFormatError):
+            parse_table(b"", tail, "fuzz")
+        with pytest.raises(ManifestFormatError):
+            parse_footer(tail, len(forged), "fuzz")
+        off, num = parse_footer(tail, 8 + 2**60 * ROW_SIZE + FOOTER_SIZE, "fuzz")  # consistent sizes pass...
+        assert num == 2**60
+        with pytest.raises(ManifestFormatError):
+            parse_table(PACK[8:8 + 4096], tail, "fuzz")  # ...but the table must really be there
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * MiB
+
+
+# -- index records ------------------------------------------------------------------------------------------------
+
+RECORD = encode_record(PACK_ENTRIES[2])
+
+
+@FUZZ
+@given(st.binary(min_size=16, max_size=16), st.binary(max_size=120))
+def test_index_record_random(cid, rec):
+    e = attempt(decode_record, cid, rec)
+    if e is not None:
+        _check_record(e, cid, rec)
+    assert len(rec) == len(RECORD) or e is None
+
+
+@FUZZ
+@given(mutations)
+def test_index_record_mutations(ops):
+    rec = mutate(RECORD, ops)
+    e = attempt(decode_record, PACK_ENTRIES[2].chunk_id, rec)
+    if len(rec) != len(RECORD):
+        assert e is None
+    elif e is not None:
+        _check_record(e, PACK_ENTRIES[2].chunk_id, rec)
+    if rec == RECORD:
+        assert e == PACK_ENTRIES[2]
+
+
+def _check_record(e, cid, rec):
+    assert len(rec) == len(RECORD)
+    assert e.chunk_id == cid and len(e.pack) == 32
+    assert encode_record(e) == rec  # a record decodes to exactly what it says
+    assert e.codec in codec.CODEC_NAMES and e.elem_size in codec.VALID_ELEM_SIZES
+    assert (e.codec == codec.DELTA) == (e.base_id is not None)
+
+
+# -- store config -----------------------------------------------------------------------------------------------
+
+CONFIG = encode_config(new_config())
+_json = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+                     | st.text(max_size=10),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=10), c, max_size=3),
+                     max_leaves=10)
+_FIELDS = list(msgspec.json.decode(CONFIG))
+
+
+def _check_config(cfg):
+    cfg.validate()
+    assert cfg.format_version <= FORMAT_VERSION
+
+
+@FUZZ
+@given(st.binary(max_size=1000))
+def test_config_random_bytes(data):
+    cfg = attempt(decode_config, data)
+    if cfg is not None:
+        _check_config(cfg)
+
+
+@FUZZ
+@given(mutations)
+def test_config_mutations(ops):
+    cfg = attempt(decode_config, mutate(CONFIG, ops))
+    if cfg is not None:
+        _check_config(cfg)
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=8), _json, max_size=6))
+def test_config_random_fields(overrides):
+    base = msgspec.json.decode(CONFIG)
+    base.update(overrides)
+    cfg = attempt(decode_config, msgspec.json.encode(base))
+    if cfg is not None:
+        _check_config(cfg)
+        assert set(overrides) <= set(_FIELDS)
+
+
+@pytest.mark.parametrize("store_id", ["../../../tmp/evil", "/etc/deltackpt", "a/b", ""])
+def test_config_store_id_is_validated(store_id):
+    base = msgspec.json.decode(CONFIG)
+    base["store_id"] = store_id
+    with pytest.raises(ManifestFormatError):
+        decode_config(msgspec.json.encode(base))
+
+
+@pytest.mark.parametrize("version", [0, -1])
+def test_config_format_version_below_1_is_refused(version):
+    base = msgspec.json.decode(CONFIG)
+    base["format_version"] = version
+    with pytest.raises(ManifestFormatError):
+        decode_config(msgspec.json.encode(base))
+
+
+# -- codecs: stored chunk bytes ----------------------------------------------------------------------------------
+
+RAW = np.random.default_rng(1).standard_normal(1024).astype(np.float32).tobytes()
+ZFRAME = codec.encode_planes(RAW, 4, 1)
+DFRAME = codec.encode_delta(RAW, RAW[::-1], 4, 1)
+
+
+@FUZZ
+@given(st.sampled_from([codec.RAW, codec.ZSTD, codec.DELTA, 7]), st.binary(max_size=600), st.integers(0, 8192),
+       st.sampled_from([1, 2, 4, 8]))
+def test_codec_decode_random(cod, stored, raw_len, es):
+    out = attempt(codec.decode, cod, stored, raw_len, es, bytes(raw_len), errors=ValueError)
+    if out is not None:
+        assert len(out) == raw_len
+
+
+@FUZZ
+@given(mutations, st.booleans(), st.booleans())
+def test_codec_decode_mutated_frames(ops, delta, header_too):
+    frame = DFRAME if delta else ZFRAME
+    damaged = mutate(frame, ops, lo=0 if header_too else _frame_header_len(frame))
+    out = attempt(codec.decode, codec.DELTA if delta else codec.ZSTD, damaged, len(RAW), 4,
+                  RAW[::-1] if delta else None, errors=ValueError)
+    if out is not None:
+        assert len(out) == len(RAW)
+
+
+@pytest.mark.parametrize("size", [1 << 30, 1 << 50, (1 << 62)])
+def test_codec_forged_content_size_is_a_value_error(size):
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError):
+            codec.decode(codec.ZSTD, _forged_frame(size), 4096, 4)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * MiB
+
+
+# -- DCP metadata blobs --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dcp_blob():
+    torch = pytest.importorskip("torch")
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from deltackpt.dcp.metadata_schema import metadata_from_bytes, metadata_to_bytes
+
+    props = TensorProperties(dtype=torch.float32)
+    md = Metadata(
+        state_dict_metadata={
+            "w": TensorStorageMetadata(props, torch.Size([4, 3]), [
+                ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
+                ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3]))]),
+            "opt": BytesStorageMetadata(),
+        },
+        planner_data={"w": ("w",), "opt": ("opt", 0)},
+        storage_data={MetadataIndex("w", torch.Size([0, 0]), 0): {"k": [1, b"x"]},
+                      MetadataIndex("opt"): None},
+        storage_meta=StorageMeta(checkpoint_id="ck", save_id="s", load_id=None, modules=["m"]),
+        version="1",
+    )
+    blob = metadata_to_bytes(md)
+    assert metadata_from_bytes(blob) == md
+    return metadata_from_bytes, blob
+
+
+@FUZZ
+@given(data=st.binary(max_size=2000))
+def test_dcp_metadata_random_bytes(dcp_blob, data):
+    parse, _ = dcp_blob
+    attempt(parse, data)
+
+
+@FUZZ
+@given(ops=mutations)
+def test_dcp_metadata_mutations(dcp_blob, ops):
+    parse, blob = dcp_blob
+    attempt(parse, mutate(blob, ops))
+
+
+@FUZZ
+@given(tree=st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=6)
+                         | st.binary(max_size=6),
+                         lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                         max_leaves=20),
+       field=st.sampled_from(["state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version",
+                              "schema"]))
+def test_dcp_metadata_field_replaced(dcp_blob, tree, field):
+    parse, blob = dcp_blob
+    d = msgspec.msgpack.decode(blob)
+    d[field] = tree
+    attempt(parse, msgspec.msgpack.encode(d))
+
+
+def test_dcp_metadata_pickle_is_never_executed(dcp_blob, tmp_path):
+    parse, _ = dcp_blob
+    marker = str(tmp_path / "pwned")
+    for data in (pickle.dumps(_Boom(marker)), pickle.dumps(_Boom(marker), protocol=0)):
+        with pytest.raises(ManifestFormatError):
+            parse(data)
+    assert not os.path.exists(marker)
+
+
+def test_dcp_metadata_deep_nesting_is_a_format_error(dcp_blob):
+    parse, blob = dcp_blob
+    d = msgspec.msgpack.decode(blob)
+    d["storage_data"][1]["value"] = "DEEP"
+    raw = msgspec.msgpack.encode(d)
+    raw = raw.replace(b"\xa4DEEP", b"\x91" * 100_000 + b"\xc0")
+    with pytest.raises(ManifestFormatError):
+        parse(raw)

@@ -1,0 +1,175 @@
+"""Store locks: shared/exclusive semantics, staleness, refresh, check(), and a lock held by another process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from deltackpt.errors import StoreLockedError
+from deltackpt.store.gc import plan_gc
+from deltackpt.store.lock import EXCLUSIVE, SHARED, StoreLock, list_locks
+
+from store_helpers import REPO_ROOT, random_array, subprocess_env
+
+
+def _keys(backend) -> list[str]:
+    return [i.key for i in backend.list("locks/")]
+
+
+def test_lock_object_lifecycle(mem_store):
+    be = mem_store.backend
+    lock = StoreLock(be, SHARED, refresh=False)
+    assert lock.key.startswith("locks/shared-")
+    with lock:
+        assert _keys(be) == [lock.key]
+        info = json.loads(be.get(lock.key))
+        assert info["kind"] == SHARED and info["pid"] == os.getpid() and info["host"] == socket.gethostname()
+        assert abs(info["time"] - time.time()) < 60 and info["id"] == lock.id
+        lock.check()  # valid while held
+    assert _keys(be) == []
+    with pytest.raises(StoreLockedError):
+        lock.check()  # released
+
+
+def test_bad_kind_is_refused(mem_store):
+    with pytest.raises(ValueError):
+        StoreLock(mem_store.backend, "read")
+
+
+def test_shared_locks_coexist_exclusive_is_alone(mem_store):
+    be = mem_store.backend
+    with StoreLock(be, SHARED, refresh=False), StoreLock(be, SHARED, refresh=False):
+        assert len(_keys(be)) == 2
+        with pytest.raises(StoreLockedError, match="gc needs the store alone"):
+            StoreLock(be, EXCLUSIVE, refresh=False).acquire()
+        assert len(_keys(be)) == 2  # the refused lock removed its object
+    with StoreLock(be, EXCLUSIVE, refresh=False):
+        with pytest.raises(StoreLockedError, match="a gc is running"):
+            StoreLock(be, SHARED, refresh=False).acquire()
+        with pytest.raises(StoreLockedError):
+            StoreLock(be, EXCLUSIVE, refresh=False).acquire()
+        assert len(_keys(be)) == 1
+    assert _keys(be) == []
+
+
+def test_refresh_keeps_a_long_held_lock_fresh(mem_store):
+    be = mem_store.backend
+    lock = StoreLock(be, SHARED, stale_after_s=0.2)  # refreshed every 0.05 s
+    with lock:
+        t0 = json.loads(be.get(lock.key))["time"]
+        time.sleep(0.5)
+        t1 = json.loads(be.get(lock.key))["time"]
+        assert t1 > t0 + 0.2
+        lock.check()  # older than stale_after_s, but refreshed: still valid
+
+
+def test_refresh_never_resurrects_a_removed_lock(mem_store):
+    be = mem_store.backend
+    lock = StoreLock(be, SHARED, stale_after_s=0.2)
+    with lock:
+        be.delete(lock.key)
+        time.sleep(0.3)
+        assert not be.exists(lock.key)
+        with pytest.raises(StoreLockedError, match="lost"):
+            lock.check()
+
+
+def test_unrefreshed_lock_goes_stale(mem_store):
+    be = mem_store.backend
+    lock = StoreLock(be, SHARED, stale_after_s=0.05, refresh=False).acquire()
+    time.sleep(0.1)
+    with pytest.raises(StoreLockedError):
+        lock.check()
+    # and another process's exclusive lock treats it as abandoned
+    with StoreLock(be, EXCLUSIVE, stale_after_s=0.05, refresh=False):
+        assert not be.exists(lock.key)
+    lock.release()
+
+
+def test_list_locks_flags_stale_ones(mem_store):
+    be = mem_store.backend
+    old = {"kind": "exclusive", "host": "elsewhere", "pid": 1, "time": time.time() - 10_000, "id": "old"}
+    with StoreLock(be, SHARED, refresh=False) as lock:
+        be.put("locks/exclusive-old", json.dumps(old).encode())  # after acquire, which would clean it up
+        be.put("locks/shared-junk", b"{not json")
+        locks = {d["key"]: d for d in list_locks(be)}
+        assert set(locks) == {"locks/exclusive-old", lock.key}  # garbage is not a lock
+        assert locks["locks/exclusive-old"]["stale"] is True
+        assert locks[lock.key]["stale"] is False
+
+
+def test_held_lock_cannot_be_pickled(mem_store):
+    with StoreLock(mem_store.backend, SHARED, refresh=False) as lock:
+        with pytest.raises(TypeError):
+            pickle.dumps(lock)
+
+
+@pytest.mark.parametrize("fields", [{"pid": "abc"}, {"time": "soon"}, {"time": None}, {"pid": 10**30}],
+                         ids=["pid-str", "time-str", "time-null", "pid-huge"])
+def test_malformed_lock_object_is_treated_as_garbage(mem_store, fields):
+    be = mem_store.backend
+    info = {"kind": "shared", "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "id": "m"}
+    info.update(fields)
+    be.put("locks/shared-malformed", json.dumps(info).encode())
+    lock = StoreLock(be, EXCLUSIVE, refresh=False)
+    try:
+        lock.acquire()
+    except StoreLockedError:
+        pass
+    finally:
+        leaked = [k for k in _keys(be) if k.startswith("locks/exclusive-")]
+        held = lock._held
+        lock.release()
+    # malformed = garbage: the exclusive lock is granted (and the garbage removed), never leaked unheld
+    assert held and leaked == [lock.key]
+    assert "locks/shared-malformed" not in _keys(be)
+
+
+# -- a lock held by another process -------------------------------------------------------------------------------
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from deltackpt.store import Store
+    from deltackpt.store.lock import SHARED
+    store = Store.open(sys.argv[1])
+    with store.lock(SHARED):
+        print("locked", flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_lock_of_another_process_blocks_until_it_dies(local_store, rng):
+    store = local_store
+    store.save("a", {"x": random_array(rng, "float32", (3000,))})
+    store.forget("a")
+    root = store.backend.local_path()
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], cwd=REPO_ROOT, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked", proc.stderr.read()
+        (held,) = list_locks(store.backend)
+        assert held["pid"] == proc.pid and held["stale"] is False
+        with pytest.raises(StoreLockedError, match=f"pid {proc.pid}"):
+            plan_gc(store, grace_s=0).execute()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)  # reaped: its pid no longer exists
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert list_locks(store.backend)[0]["stale"] is True  # dead pid on this host
+    result = plan_gc(store, grace_s=0).execute()
+    assert result.deleted_packs == 1
+    assert _keys(store.backend) == []  # the abandoned lock was cleaned up

@@ -1,0 +1,197 @@
+"""Retention: plan_forget rules (ORed), tags that pin checkpoints, and forget removing manifests only."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deltackpt.errors import CheckpointNotFoundError
+from deltackpt.store.pack import pack_key
+from deltackpt.store.retention import parse_duration, plan_forget, read_tags, set_tags
+
+from store_helpers import assert_items_equal, pack_names, random_array
+
+
+@pytest.fixture
+def six(store, rng):
+    """Six checkpoints s0..s5 (oldest first) with metadata step = 0, 10, ..., 50, a few ms apart."""
+    saved = {}
+    for i in range(6):
+        items = {"x": random_array(rng, "float32", (1500,))}
+        store.save(f"s{i}", items, metadata={"step": 10 * i})
+        saved[f"s{i}"] = items
+        time.sleep(0.005)
+    infos = store.list_checkpoints()
+    assert [i.name for i in infos] == [f"s{i}" for i in range(6)]
+    return store, saved, infos
+
+
+def _kept(plan) -> list[str]:
+    return sorted(plan.keep)
+
+
+def test_keep_last(six):
+    store, _, _ = six
+    plan = plan_forget(store, keep_last=2)
+    assert _kept(plan) == ["s4", "s5"]
+    assert plan.forget == ["s0", "s1", "s2", "s3"]  # oldest first
+    assert plan.keep["s5"] == ["last 2"]
+    assert _kept(plan_forget(store, keep_last=100)) == [f"s{i}" for i in range(6)]
+    with pytest.raises(ValueError):
+        plan_forget(store, keep_last=0)  # "forget everything" is not a retention policy
+
+
+def test_keep_every_uses_the_step_metadata(six):
+    store, _, _ = six
+    assert _kept(plan_forget(store, keep_every=20)) == ["s0", "s2", "s4"]  # steps 0, 20, 40
+    assert _kept(plan_forget(store, keep_every=30)) == ["s0", "s3"]  # steps 0, 30
+    assert _kept(plan_forget(store, keep_every=7)) == ["s0"]  # position 7 would be nothing: step is used
+
+
+def test_keep_every_falls_back_to_position(store, rng):
+    for i in range(5):
+        store.save(f"n{i}", {"x": random_array(rng, "uint8", (100,))})
+    assert _kept(plan_forget(store, keep_every=2)) == ["n0", "n2", "n4"]
+
+
+def test_keep_within(six):
+    store, _, infos = six
+    c = [i.created_ns / 1e9 for i in infos]
+    plan = plan_forget(store, keep_within="36h", now=c[3] + 36 * 3600 - 1e-3)
+    assert _kept(plan) == ["s3", "s4", "s5"]
+    assert plan.keep["s3"] == ["within 36h"]
+    assert _kept(plan_forget(store, keep_within="7d", now=c[5] + 7 * 86400 - 1e-3)) == ["s5"]
+    assert _kept(plan_forget(store, keep_within="7d", now=c[5] + 8 * 86400)) == []
+    assert _kept(plan_forget(store, keep_within="1d12h", now=c[0] + 86400)) == [f"s{i}" for i in range(6)]
+    assert _kept(plan_forget(store, keep_within=60.0, now=c[5] + 30)) == [f"s{i}" for i in range(6)]
+
+
+def test_rules_are_ored(six):
+    store, _, infos = six
+    c = [i.created_ns / 1e9 for i in infos]
+    plan = plan_forget(store, keep_last=1, keep_every=20, keep_within="1h", now=c[1] + 3600 - 1e-3)
+    # last 1 -> s5; every 20 -> s0 s2 s4; within 1h of now=c1+1h -> s1..s5
+    assert _kept(plan) == ["s0", "s1", "s2", "s3", "s4", "s5"]
+    plan = plan_forget(store, keep_last=1, keep_every=20)
+    assert _kept(plan) == ["s0", "s2", "s4", "s5"]
+    assert plan.forget == ["s1", "s3"]
+    assert set(plan.keep["s4"]) == {"every 20"} and set(plan.keep["s5"]) == {"last 1"}
+    assert plan.as_dict() == {"keep": [{"name": n, "reasons": plan.keep[n]} for n in plan.keep],
+                              "forget": ["s1", "s3"]}
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"keep_tags": []}, {"keep_last": None, "keep_within": None}])
+def test_empty_policy_is_refused(six, kwargs):
+    store, _, _ = six
+    with pytest.raises(ValueError, match="empty"):
+        plan_forget(store, **kwargs)
+    assert len(store.checkpoint_names()) == 6
+
+
+@pytest.mark.parametrize("kwargs", [{"keep_last": -1}, {"keep_every": 0}, {"keep_within": "7x"},
+                                    {"keep_within": ""}, {"keep_within": "d7"}, {"keep_within": "7d "}])
+def test_bad_policy_values_are_refused(six, kwargs):
+    store, _, _ = six
+    with pytest.raises(ValueError):
+        plan_forget(store, **kwargs)
+
+
+def test_parse_duration():
+    assert parse_duration("90s") == 90
+    assert parse_duration("15m") == 900
+    assert parse_duration("36h") == 36 * 3600
+    assert parse_duration("7d") == 7 * 86400
+    assert parse_duration("2w") == 14 * 86400
+    assert parse_duration("1d12h") == 36 * 3600
+    assert parse_duration("1.5h") == 5400
+    for bad in ("", "h", "7", "7 d", "-7d", "7d!", "1h2"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+
+
+# -- tags ------------------------------------------------------------------------------------------------------
+
+
+def test_tagged_checkpoints_are_never_forgotten(six):
+    store, saved, _ = six
+    assert set_tags(store, "s1", ["best", "release-1"]) == ["best", "release-1"]
+    assert read_tags(store, "s1") == ["best", "release-1"]
+    plan = plan_forget(store, keep_last=1)
+    assert _kept(plan) == ["s1", "s5"]
+    assert plan.keep["s1"] == ["tag best,release-1"]
+    plan = plan_forget(store, keep_last=1, keep_tags=["best"])
+    assert plan.keep["s1"] == ["tag best"]
+    removed = plan.execute()
+    assert removed == ["s0", "s2", "s3", "s4"]
+    assert sorted(store.checkpoint_names()) == ["s1", "s5"]
+    assert_items_equal(saved["s1"], store.load("s1"))
+    assert read_tags(store, "s1") == ["best", "release-1"]
+
+
+def test_keep_tags_alone_forgets_the_untagged(six):
+    store, _, _ = six
+    set_tags(store, "s2", ["keep"])
+    set_tags(store, "s3", ["other"])
+    plan = plan_forget(store, keep_tags=["keep"])
+    assert _kept(plan) == ["s2", "s3"]  # any tag pins; keep_tags only names the reason
+    assert plan.keep["s2"] == ["tag keep"] and plan.keep["s3"] == ["tag other"]
+
+
+def test_set_tags_validation_and_removal(six):
+    store, _, _ = six
+    with pytest.raises(CheckpointNotFoundError):
+        set_tags(store, "nope", ["a"])
+    for bad in ("", "has space", "a/b", "x" * 65, "-lead"):
+        with pytest.raises(ValueError):
+            set_tags(store, "s0", [bad])
+    assert read_tags(store, "s0") == []
+    assert set_tags(store, "s0", ["b", "a", "b"]) == ["a", "b"]
+    assert set_tags(store, "s0", []) == []
+    assert read_tags(store, "s0") == []
+    assert not store.backend.exists("tags/s0")
+    assert plan_forget(store, keep_last=1).forget[0] == "s0"
+
+
+def test_forgetting_untags(six):
+    store, _, _ = six
+    set_tags(store, "s0", ["t"])
+    set_tags(store, "s0", [])
+    plan_forget(store, keep_last=5).execute()
+    assert not store.exists("s0")
+    assert not store.backend.exists("tags/s0")
+
+
+# -- execution -------------------------------------------------------------------------------------------------
+
+
+def test_forget_removes_manifests_only(six):
+    store, saved, _ = six
+    packs = {n: store.backend.get(pack_key(n)) for n in pack_names(store)}
+    plan = plan_forget(store, keep_last=2)
+    assert plan.execute() == ["s0", "s1", "s2", "s3"]
+    assert sorted(store.checkpoint_names()) == ["s4", "s5"]
+    assert [i.name for i in store.list_checkpoints()] == ["s4", "s5"]
+    for n in ("s0", "s3"):
+        assert not store.exists(n)
+        with pytest.raises(CheckpointNotFoundError):
+            store.load(n)
+    # pack bytes are untouched until gc
+    assert {n: store.backend.get(pack_key(n)) for n in pack_names(store)} == packs
+    for n in ("s4", "s5"):
+        assert_items_equal(saved[n], store.load(n))
+    assert plan_forget(store, keep_last=2).forget == []  # idempotent
+
+
+def test_plan_alone_changes_nothing(six):
+    store, _, _ = six
+    plan_forget(store, keep_last=1)
+    assert len(store.checkpoint_names()) == 6
+
+
+def test_execute_tolerates_an_already_forgotten_checkpoint(six):
+    store, _, _ = six
+    plan = plan_forget(store, keep_last=4)
+    store.forget("s0")
+    assert plan.execute() == ["s1"]
+    assert sorted(store.checkpoint_names()) == ["s2", "s3", "s4", "s5"]

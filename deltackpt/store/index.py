@@ -23,7 +23,7 @@ import lmdb
 
 from ..errors import ManifestFormatError
 from .codec import CODEC_NAMES, DELTA, VALID_ELEM_SIZES
-from .pack import PackEntry, pack_name_from_key, read_pack_entries
+from .pack import PackEntry, pack_key, pack_name_from_key, read_pack_entries, walk_entries
 
 _RECORD = struct.Struct("<16sQQQBB16sH")
 _NO_BASE = bytes(16)
@@ -224,30 +224,34 @@ class ChunkIndex:
             ver = txn.get(b"version")
         return (sid is not None and sid != self.store_id) or (ver is not None and ver != INDEX_VERSION)
 
-    def refresh(self) -> tuple[int, int]:
-        """Bring the cache in line with the packs in the backend. Returns (packs added, packs removed)."""
-        present = {}
+    def _listed(self) -> dict[str, tuple[int, float]]:
+        out = {}
         for info in self.backend.list("packs/"):
             name = pack_name_from_key(info.key)
             if name is not None:
-                present[name] = info.size_bytes
+                out[name] = (info.size_bytes, info.mtime_s)
+        return out
+
+    def refresh(self) -> tuple[int, int]:
+        """Bring the cache in line with the packs in the backend. Returns (packs added, packs removed)."""
+        present = self._listed()
         known = self.known_packs()
         gone = known - present.keys()
         if gone or self._is_foreign():
             return self.rebuild(present)
         new = [n for n in present if n not in known]
         for name in new:
-            self._index_pack(name, present[name])
+            self._index_pack(name, present[name][0])
         return len(new), 0
 
-    def rebuild(self, present: dict[str, int] | None = None) -> tuple[int, int]:
-        """Drop the cache and index every pack again. Returns (packs indexed, packs dropped)."""
+    def rebuild(self, present: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
+        """Drop the cache and index every pack again. Returns (packs indexed, packs dropped).
+
+        Packs are indexed newest first and a chunk keeps the first location found, so where a chunk has
+        several copies (an interrupted repack) the newest is used and older packs become gc's orphans.
+        """
         if present is None:
-            present = {}
-            for info in self.backend.list("packs/"):
-                name = pack_name_from_key(info.key)
-                if name is not None:
-                    present[name] = info.size_bytes
+            present = self._listed()
         before = len(self.known_packs()) if self.path.exists() else 0
         chunks, packs_db, meta = self._dbs()
         with self.env.begin(write=True) as txn:
@@ -255,8 +259,8 @@ class ChunkIndex:
             txn.drop(packs_db, delete=False)
             txn.drop(meta, delete=False)
             txn.drop(self._db[b"ckpts"], delete=False)
-        for name in sorted(present):
-            self._index_pack(name, present[name])
+        for name in sorted(present, key=lambda n: (-present[n][1], n)):
+            self._index_pack(name, present[name][0])
         # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
         self.add([], {})
         return len(present), max(0, before - len(present))
@@ -264,7 +268,13 @@ class ChunkIndex:
     def _index_pack(self, name: str, size: int) -> None:
         try:
             entries = read_pack_entries(self.backend, name, size)
-        except (ManifestFormatError, FileNotFoundError):
-            # A damaged pack contributes nothing; verify reports it.
+        except FileNotFoundError:
             entries = []
+        except ManifestFormatError:
+            # Damaged table (e.g. a truncated pack): recover the intact entries from their headers.
+            # verify still reports the pack; its intact chunks stay readable meanwhile.
+            try:
+                entries = walk_entries(self.backend.get(pack_key(name)), name)
+            except FileNotFoundError:
+                entries = []
         self.add(entries, {name: size})

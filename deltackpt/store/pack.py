@@ -242,6 +242,28 @@ def read_pack_entries(backend, name: str, size: int | None = None) -> list[PackE
     return parse_table(table, tail, name)
 
 
+def walk_entries(data, name: str) -> list[PackEntry]:
+    """Recover a pack's entries from their self-describing headers, when its table is unreadable.
+
+    Walks header to header from the start and stops at the first entry that does not parse or does not fit,
+    so a truncated or partly damaged pack still yields every intact entry before the damage.
+    """
+    out, pos, end = [], len(PACK_MAGIC), len(data)
+    if bytes(data[:len(PACK_MAGIC)]) != PACK_MAGIC:
+        return out
+    while pos + HEADER_SIZE <= end:
+        try:
+            cid, codec, es, rlen, slen, base, age = decode_header(memoryview(data)[pos:pos + HEADER_SIZE],
+                                                                  f"pack {name}")
+        except ManifestFormatError:
+            break
+        if pos + HEADER_SIZE + slen > end:
+            break
+        out.append(PackEntry(cid, name, pos, slen, rlen, codec, es, base, age))
+        pos += HEADER_SIZE + slen
+    return out
+
+
 def pack_bytes_ok(name: str, data: bytes) -> bool:
     """Whether a pack's bytes still hash to its name."""
     return xxhash.xxh3_128_hexdigest(data) == name

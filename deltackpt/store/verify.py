@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError
 from . import codec
-from .pack import pack_bytes_ok, pack_key, pack_name_from_key, read_pack_entries
+from .pack import pack_bytes_ok, walk_entries, pack_key, pack_name_from_key, read_pack_entries
 from .reader import ChunkSource
 
 
@@ -106,9 +106,13 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
             entry = None
         if entry is not None:
             last_seen[cid] = entry.pack
-    store.refresh_index()
-    if index.check_records():
-        store.rebuild_index()  # the cache is damaged, not the store: rebuild it from the pack tables
+    if level >= 1 or index.check_records():
+        # Levels 1-2 read every pack anyway, so rebuilding the cache from the pack tables costs little and
+        # means no damage to the cache (a malformed or a well-formed but wrong record) is mistaken for
+        # damage to the store.
+        store.rebuild_index()
+    else:
+        store.refresh_index()
     packs = {pack_name_from_key(i.key): i.size_bytes for i in store.backend.list("packs/")}
     packs.pop(None, None)
     report.num_packs = len(packs)
@@ -120,6 +124,7 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
 
     # Level 0: every needed chunk is indexed, in an existing pack, with an intact base.
     needed = dict(users)
+    unreadable: set[str] = set()
     for cid, where in users.items():
         entry = index.lookup(cid)
         if entry is None:
@@ -127,6 +132,9 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
             if gone is not None and gone not in packs:
                 bad[cid] = Problem("missing-pack", "pack holding the chunk is missing", pack=gone,
                                    chunk_id=cid.hex())
+            elif gone is not None:
+                bad[cid] = Problem("bad-chunk", "its pack's table is unreadable", pack=gone, chunk_id=cid.hex())
+                unreadable.add(gone)
             else:
                 bad[cid] = Problem("missing-chunk", "chunk is not in any pack", chunk_id=cid.hex())
             continue
@@ -144,12 +152,14 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
                 bad[cid] = Problem("bad-base", f"base chunk {entry.base_id.hex()} is itself a delta",
                                    pack=entry.pack, chunk_id=cid.hex())
 
-    live_packs = set()
+    live_packs = set(unreadable)
     for cid in needed:
         entry = index.lookup(cid)
         if entry is not None:
             live_packs.add(entry.pack)
     report.orphan_packs = sorted(p for p in packs if p not in live_packs) if checkpoints is None else []
+    if checkpoints is None:
+        live_packs |= packs.keys()  # levels 1-2 check every pack, so damage anywhere is reported
 
     # Levels 1-2: pack hashes and chunk contents, least recently verified packs first.
     if level >= 1:
@@ -185,18 +195,18 @@ def _check_pack(store, index, name: str, level: int, needed, source, bad, report
     report.packs_checked += 1
     report.bytes_checked += len(data)
     hash_ok = pack_bytes_ok(name, data)
+    pack_problem = None
     if not hash_ok:
-        report.problems.append(Problem("pack-hash", "pack bytes do not hash to its name", pack=name))
+        pack_problem = Problem("pack-hash", "pack bytes do not hash to its name", pack=name)
+        report.problems.append(pack_problem)
     try:
         entries = read_pack_entries(_Bytes(data), name, len(data))
     except ManifestFormatError as e:
-        report.problems.append(Problem("pack-hash", f"pack table unreadable ({e})", pack=name))
-        # Without its table, the pack's chunks are known only from the index: all of them are damaged.
-        for cid in needed:
-            where = index.lookup(cid)
-            if where is not None and where.pack == name and cid not in bad:
-                bad[cid] = Problem("bad-chunk", "its pack's table is unreadable", pack=name, chunk_id=cid.hex())
-        return
+        if pack_problem is None:
+            pack_problem = Problem("pack-hash", "", pack=name)
+            report.problems.append(pack_problem)
+        pack_problem.detail = f"pack table unreadable ({e})"
+        entries = walk_entries(data, name)  # the intact entries, found from their headers
     for e in entries:
         if e.chunk_id not in needed:
             continue
@@ -209,6 +219,13 @@ def _check_pack(store, index, name: str, level: int, needed, source, bad, report
         except (CorruptChunkError, MissingChunkError, ManifestFormatError) as err:
             if e.chunk_id not in bad:
                 bad[e.chunk_id] = Problem("bad-chunk", str(err), pack=name, chunk_id=e.chunk_id.hex())
+    if pack_problem is not None and not any(bad.get(e.chunk_id) and bad[e.chunk_id].pack == name
+                                            for e in entries):
+        # Damage no chunk accounts for (the table, the footer, a truncated tail): everything that keeps
+        # chunks in this pack is at risk, even though those chunks still decode.
+        at_risk = {d for e in entries for d in needed.get(e.chunk_id, ())}
+        pack_problem.items = sorted(at_risk)
+        pack_problem.checkpoints = sorted({d.split(":", 1)[0] for d in at_risk})
 
 
 class _Bytes:

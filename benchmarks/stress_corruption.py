@@ -121,7 +121,9 @@ def inject(kind: str, root: Path, tpl: dict, rnd: random.Random) -> tuple[str, s
         _flip(root / pack_key(p), pos, bit)
         hit = [cid for lo, hi, cid, _ in tpl["packs"][p]["entries"] if lo <= pos < hi]
         where = "chunk" if hit else "structure"
-        return f"{p}@{pos}.{bit} ({where})", (users.get(hit[0], set()) if hit else set())
+        # A flip in a chunk damages that chunk's users; a flip in the pack's structure (magic, table, footer)
+        # puts every user of the pack at risk, and verify reports them all.
+        return f"{p}@{pos}.{bit} ({where})", (users.get(hit[0], set()) if hit else pack_users(p))
     if kind == "frame-header-flip":
         cands = [(p, lo) for p in live for lo, _, _, cod in tpl["packs"][p]["entries"] if cod in (1, 2)]
         p, lo = rnd.choice(cands)

@@ -158,8 +158,6 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
         if entry is not None:
             live_packs.add(entry.pack)
     report.orphan_packs = sorted(p for p in packs if p not in live_packs) if checkpoints is None else []
-    if checkpoints is None:
-        live_packs |= packs.keys()  # levels 1-2 check every pack, so damage anywhere is reported
 
     # Levels 1-2: pack hashes and chunk contents, least recently verified packs first.
     if level >= 1:

@@ -1,0 +1,168 @@
+"""Helpers shared by the benchmarks: RSS measurement, page-cache dropping, directory sizes, medians.
+
+Peak RSS of one phase: Linux keeps a per-process high-water mark (``VmHWM`` in /proc/self/status) that
+``echo 5 > /proc/self/clear_refs`` resets to the current RSS (Linux >= 4.0). So a phase's peak is measured
+exactly by resetting the mark just before it and reading it just after. Where that is not allowed, a
+thread polls RSS every millisecond instead (it can miss a short spike; the method used is reported).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import threading
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    kib = _status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def ru_maxrss_bytes() -> int:
+    """Lifetime peak RSS of this process (getrusage; KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark to the current RSS; False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    hwm, rss = _status_kib("VmHWM"), _status_kib("VmRSS")
+    # The reset worked if the mark now sits at (about) the current RSS.
+    return hwm is not None and rss is not None and hwm <= rss + 1024
+
+
+class PeakRSS:
+    """Context manager: ``baseline`` (RSS on entry), ``peak`` (max RSS inside), ``method``.
+
+    ``overhead`` = peak - baseline: what the code inside cost on top of what was already resident.
+    """
+
+    def __init__(self, poll_interval_s: float = 0.001) -> None:
+        self.poll_interval_s = poll_interval_s
+        self.baseline = 0
+        self.peak = 0
+        self.method = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._polled = 0
+
+    def __enter__(self) -> "PeakRSS":
+        self.baseline = rss_bytes()
+        if reset_peak_rss():
+            self.method = "VmHWM (clear_refs reset)"
+        else:
+            self.method = f"RSS polling every {self.poll_interval_s * 1e3:g} ms"
+            self._polled = self.baseline
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._polled = max(self._polled, rss_bytes())
+            time.sleep(self.poll_interval_s)
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self._polled, rss_bytes())
+        else:
+            self.peak = max((_status_kib("VmHWM") or 0) * 1024, rss_bytes())
+
+    @property
+    def overhead(self) -> int:
+        return max(0, self.peak - self.baseline)
+
+
+def trim_heap() -> bool:
+    """Return freed heap memory to the OS (glibc ``malloc_trim``), so RSS counts only live memory.
+
+    Building a state dict (e.g. training steps) frees temporaries that glibc may keep resident; without a
+    trim, a later phase could reuse them without raising RSS and its cost would be under-counted.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def drop_page_cache() -> bool:
+    """sync + drop the page cache (needs root and a kernel that allows it); False if not possible."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def read_tree(path: str | os.PathLike, block: int = 8 * MiB) -> int:
+    """Read every file under ``path`` once (to warm the page cache equally); returns bytes read."""
+    total = 0
+    buf = bytearray(block)
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    total += n
+    return total
+
+
+def dir_size(path: str | os.PathLike, *, exclude_top: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(apparent bytes, allocated bytes on disk) of every file under ``path``.
+
+    ``exclude_top``: names of top-level entries to skip (e.g. a cache folder).
+    """
+    root = Path(path)
+    apparent = allocated = 0
+    if not root.exists():
+        return 0, 0
+    for dirpath, dirs, files in os.walk(root):
+        if Path(dirpath) == root:
+            dirs[:] = [d for d in dirs if d not in exclude_top]
+            files = [f for f in files if f not in exclude_top]
+        for name in files:
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            apparent += st.st_size
+            allocated += st.st_blocks * 512
+    return apparent, allocated
+
+
+def median(values):
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return statistics.median(vals)

@@ -25,8 +25,8 @@ from store_helpers import REPO_ROOT, SMALL, assert_items_equal, pack_names, pack
 pytestmark = pytest.mark.timeout(180)
 
 # Checkpoint contents, shared verbatim by this process and the children (exec'd in both), so the children
-# need no data from us. Chunk ids never end in a NUL byte: gc mishandles those (a known bug with its own
-# xfail test in test_gc.py); here we test crash safety, not that bug.
+# need no data from us. (Chunk ids are kept clear of a trailing NUL byte, which once tripped gc; that is
+# tested on its own in test_gc.py.)
 DATA_SRC = textwrap.dedent(
     """
     import numpy as np
@@ -75,7 +75,7 @@ _ns: dict = {}
 exec(DATA_SRC, _ns)
 data, floats = _ns["data"], _ns["floats"]
 
-GC = "plan_gc(store, grace_s=0, max_unused=0.5).execute()"  # 0.5: see test_gc's fully-live-pack xfail
+GC = "plan_gc(store, grace_s=0, max_unused=0.5).execute()"
 CHILD_PRELUDE = DATA_SRC + textwrap.dedent(
     """
     import sys

@@ -30,8 +30,11 @@ demo: install
 	$(VENV)/bin/deltackpt du $(DEMO_STORE)
 
 bench: install
+	$(PYTHON) -m pip install --quiet --no-build-isolation -e '.[peers]'
 	mkdir -p $(BENCH_OUT)
 	$(PYTHON) benchmarks/bench_kernels.py --json $(BENCH_OUT)/kernels.json
+	$(PYTHON) benchmarks/bench_dcp.py --json $(BENCH_OUT)/dcp.json
+	$(VENV)/bin/deltackpt bench --out $(BENCH_OUT)/workloads
 
 clean:
 	rm -rf build *.egg-info deltackpt/_native*.so $(DEMO_STORE) $(BENCH_OUT)

@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("init", cmd_init, "create an empty store")
     sp.add_argument("store")
-    sp.add_argument("--chunk-size", type=int, help="array chunk size in bytes (default 1 MiB)")
+    sp.add_argument("--chunk-size", type=int, help="array chunk size in bytes (default 4 MiB)")
     sp.add_argument("--pack-size", type=int, help="target pack size in bytes (default 32 MiB)")
     sp = add("ls", cmd_ls, "list checkpoints: time, logical bytes, newly stored bytes, dedup ratio")
     sp.add_argument("store")

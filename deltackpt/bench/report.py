@@ -143,14 +143,20 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.9 * rows), squeeze=False)
     styles = {"dcp": ("black", "o"), "deltackpt": ("tab:red", "s"), "zipnn": ("tab:blue", "^"),
               "restic": ("tab:green", "D")}
+    extra_colors = ["tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"]
     for ax, wname in zip(axes.flat, names):
         w = results["workloads"][wname]
+        variant = 0
         for sname, r in w["systems"].items():
             if "error" in r or not r.get("cumulative_bytes"):
                 continue
             ys = [b / MiB for b in r["cumulative_bytes"]]
-            color, marker = styles.get(sname, (None, "x"))
-            ax.plot(range(1, len(ys) + 1), ys, marker=marker, ms=4, color=color,
+            if sname in styles:
+                (color, marker), ls = styles[sname], "-"
+            else:  # deltackpt variants
+                color, marker, ls = extra_colors[variant % len(extra_colors)], "x", "--"
+                variant += 1
+            ax.plot(range(1, len(ys) + 1), ys, marker=marker, ms=4, color=color, ls=ls,
                     label=f"{LABELS.get(sname, sname)} ({_x(w['ratio_vs_dcp'].get(sname))})")
         info = w.get("info", {})
         if "adapter_only_bytes_per_checkpoint" in info:

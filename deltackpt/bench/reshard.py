@@ -168,10 +168,13 @@ def _phase(rank, world, cfg, systems, work, opts, phase):
             digests[n] = _digest(_state(model, opt))
         info["resumed_identical"] = len(set(digests.values())) == 1
         start, count = before_steps, cfg["checkpoints_after"]
-    data = MarkovTokens(mc["vocab"], cfg["seed"] + 100 + 10 * rank + (1000 if phase == "after" else 0))
+    data = MarkovTokens(mc["vocab"], cfg["seed"] + 100 + 10 * rank + (1000 if phase == "after" else 0), zipf=1.0)
+    warmup = cfg.get("warmup_steps", 10)
     losses = []
     step = start
     for step in range(start + 1, start + count * every + 1):
+        for group in opt.param_groups:  # linear warmup by global step, so it does not restart on resume
+            group["lr"] = cfg["lr"] * min(1.0, step / warmup)
         x, y = data.batch(mc["batch"], mc["seq"])
         loss = lm_loss(model, x, y)
         opt.zero_grad(set_to_none=True)

@@ -24,7 +24,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     format_version: int = FORMAT_VERSION
     store_id: str = ""
     # Array items: fixed chunks aligned to the item's global byte offset.
-    chunk_size_bytes: int = 1 * MiB
+    chunk_size_bytes: int = 4 * MiB  # measured: same bytes as 1 MiB, 30-40 % faster loads (deltackpt bench)
     # Opaque byte items: FastCDC.
     cdc_min_bytes: int = 16 * 1024
     cdc_avg_bytes: int = 64 * 1024

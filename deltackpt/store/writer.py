@@ -37,7 +37,7 @@ _SAMPLE_BYTES = 64 * 1024
 def _sample_says_delta(view, base, elem_size: int, level: int, limit: float) -> bool:
     """Whether a delta may beat ``limit`` bytes, judged from a 64 KiB sample in the chunk's middle.
 
-    Coding the sample costs a sixteenth of a 1 MiB chunk; it spares the full delta coding (and a second,
+    Coding the sample costs a sixteenth of a 1 MiB chunk (less of a larger one); it spares the full delta coding (and a second,
     keyframe coding) of chunks whose changes are too large for a delta to pay, such as Adam's second moment.
     """
     n = len(view)

@@ -1,0 +1,84 @@
+"""Smoke test of the workload benchmark (``deltackpt bench``): tiny sizes, systems in-process, a few seconds.
+
+CI runs only this; the real benchmark is ``deltackpt bench --quick`` / ``make bench``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltackpt.bench import run_bench
+from deltackpt.bench.systems import ResticSystem
+from deltackpt.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+SYSTEM_FIELDS = {"stored_bytes": int, "save_s": float, "load_s": float, "peak_rss_bytes": int,
+                 "cumulative_bytes": list, "load_first_s": float, "load_bit_exact": bool}
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp("bench")
+    mp = pytest.MonkeyPatch()
+    # A system that is "not installed" must be skipped with a note, not fail the run.
+    mp.setattr(ResticSystem, "unavailable", classmethod(lambda cls: "restic not installed (test)"))
+    request.addfinalizer(mp.undo)
+    results = run_bench(out, ["frozen", "sparse"], size="tiny", systems=["dcp", "deltackpt", "restic"],
+                        isolate=False, log=lambda msg: None)
+    return out, results
+
+
+def test_json_schema(bench_out):
+    out, results = bench_out
+    data = json.loads((out / "results.json").read_text())
+    assert set(data["workloads"]) == {"frozen", "sparse"}
+    assert isinstance(data["machine"], dict) and data["machine"]["cpu_count"] >= 1
+    for name, w in data["workloads"].items():
+        assert set(w["systems"]) == {"dcp", "deltackpt"}, name
+        for sname, r in w["systems"].items():
+            for field, typ in SYSTEM_FIELDS.items():
+                assert isinstance(r[field], typ), (name, sname, field, r[field])
+            assert r["stored_bytes"] > 0 and r["peak_rss_bytes"] > 0 and r["save_s"] > 0 and r["load_s"] > 0
+            assert r["cumulative_bytes"] == sorted(r["cumulative_bytes"]) and r["cumulative_bytes"][-1] == r["stored_bytes"]
+            assert len(r["cumulative_bytes"]) == 4
+            assert r["load_bit_exact"], (name, sname)
+        ratios = w["ratio_vs_dcp"]
+        assert set(ratios) == {"dcp", "deltackpt"} and all(isinstance(v, float) for v in ratios.values())
+        assert ratios["dcp"] == 1.0
+        assert ratios["deltackpt"] == pytest.approx(w["systems"]["dcp"]["stored_bytes"]
+                                                    / w["systems"]["deltackpt"]["stored_bytes"])
+    assert data["skipped_systems"] == {"restic": "restic not installed (test)"}
+    assert data == json.loads(json.dumps(results, sort_keys=True))
+
+
+def test_frozen_is_deduplicated(bench_out):
+    _, results = bench_out
+    w = results["workloads"]["frozen"]
+    dcp, dk = w["systems"]["dcp"]["stored_bytes"], w["systems"]["deltackpt"]["stored_bytes"]
+    assert dk < 0.5 * dcp, (dk, dcp)
+    assert w["info"]["frozen_fraction"] >= 0.9
+    assert 0 < w["info"]["adapter_only_total_bytes"] < dcp
+
+
+def test_sparse_touches_few_rows(bench_out):
+    _, results = bench_out
+    info = results["workloads"]["sparse"]["info"]
+    assert info["touched_fraction_ok"] and 0 < info["max_touched_fraction"] <= 0.03
+
+
+def test_markdown_and_png(bench_out):
+    out, _ = bench_out
+    md = (out / "results.md").read_text()
+    assert "| frozen | deltackpt |" in md and "| sparse | DCP FileSystemWriter |" in md
+    assert "restic skipped: restic not installed (test)" in md
+    png = (out / "cumulative_bytes.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    assert not any(p.name.startswith("work-") for p in out.iterdir()), "work directory left behind"
+
+
+def test_cli_rejects_unknown_workload(tmp_path, capsys):
+    assert main(["bench", "--workloads", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown workload" in capsys.readouterr().err

@@ -72,7 +72,8 @@ class ChunkSource:
             base_entry = self.entry(entry.base_id, checkpoint=checkpoint, item=item)
             if base_entry.codec == codec.DELTA:
                 raise CorruptChunkError("delta base is itself a delta", chunk_id=base_hex, pack=base_entry.pack)
-            return self.get(entry.base_id, checkpoint=checkpoint, item=item)
+            # Not cached: a base serves the one delta at its place, and a load touches it once.
+            return self.get(entry.base_id, checkpoint=checkpoint, item=item, keep=False)
         except (CorruptChunkError, MissingChunkError) as e:
             raise CorruptChunkError(f"base of delta chunk is unreadable ({e})", chunk_id=entry.chunk_id.hex(),
                                     base_chunk_id=base_hex, pack=entry.pack, checkpoint=checkpoint,

@@ -253,7 +253,7 @@ class ChunkWriter:
         raw = self._cache.get(self.config.store_id, entry.chunk_id)
         if raw is None:
             try:
-                raw = self._source.get(entry.chunk_id)
+                raw = self._source.get(entry.chunk_id, keep=False)  # used once, by this chunk's delta
             except DeltackptError:
                 return None  # a damaged base is never built upon; the chunk becomes a keyframe
             self._cache.put(self.config.store_id, entry.chunk_id, raw)

@@ -206,8 +206,8 @@ class LocalBackend(Backend):
         with self._dirs_lock:
             self._made_dirs.add(d)
 
-    def put(self, key, data):
-        path = self._path(key)
+    def _write_temp(self, path: Path, data) -> Path:
+        """Write ``data`` durably to a temp file beside ``path``; the caller links or renames it into place."""
         self._ensure_dir(path.parent)
         tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
         try:
@@ -216,6 +216,15 @@ class LocalBackend(Backend):
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def put(self, key, data):
+        path = self._path(key)
+        tmp = self._write_temp(path, data)
+        try:
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -243,14 +252,8 @@ class LocalBackend(Backend):
 
     def put_new(self, key, data):
         path = self._path(key)
-        self._ensure_dir(path.parent)
-        tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
+        tmp = self._write_temp(path, data)
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
             os.link(tmp, path)  # fails if the key exists: create-if-absent, atomically
         finally:
             tmp.unlink(missing_ok=True)

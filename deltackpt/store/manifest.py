@@ -1,7 +1,7 @@
 """Manifests: one immutable object per checkpoint, the only commit point.
 
 A checkpoint exists if and only if ``manifests/<name>`` exists. The object is ``b"DCMF"``, a format
-version byte, a zstd frame of msgpack decoded against the strict schema below (never pickle), and the
+version byte, a zstd frame of msgpack decoded against the strict schema below (no object deserialization), and the
 xxh3-64 of everything before it (8 bytes, little-endian), so any damage is detected before parsing.
 
 An *item* is one named array or byte string (for DCP: one saved tensor shard or one pickled value). Its raw

@@ -15,28 +15,9 @@ import threading
 import time
 from pathlib import Path
 
+from deltackpt.bench.measure import _status_kib, drop_page_cache, rss_bytes, warm_tree
+
 MiB = 1 << 20
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def rss_bytes() -> int:
-    """Current resident set size of this process."""
-    kib = _status_kib("VmRSS")
-    if kib is not None:
-        return kib * 1024
-    import psutil
-
-    return psutil.Process().memory_info().rss
 
 
 def ru_maxrss_bytes() -> int:
@@ -115,27 +96,7 @@ def trim_heap() -> bool:
         return False
 
 
-def drop_page_cache() -> bool:
-    """sync + drop the page cache (needs root and a kernel that allows it); False if not possible."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
-
-def read_tree(path: str | os.PathLike, block: int = 8 * MiB) -> int:
-    """Read every file under ``path`` once (to warm the page cache equally); returns bytes read."""
-    total = 0
-    buf = bytearray(block)
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
-                while n := f.readinto(buf):
-                    total += n
-    return total
+read_tree = warm_tree  # the same helper as deltackpt bench's
 
 
 def dir_size(path: str | os.PathLike, *, exclude_top: tuple[str, ...] = ()) -> tuple[int, int]:

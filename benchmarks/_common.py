@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 import resource
 import statistics
-import threading
-import time
 from pathlib import Path
 
-from deltackpt.bench.measure import _status_kib, drop_page_cache, rss_bytes, warm_tree
+from deltackpt.bench.measure import PeakRSS, _reset_hwm, drop_page_cache, rss_bytes, warm_tree  # noqa: F401 (re-exported)
 
 MiB = 1 << 20
 
@@ -25,60 +23,8 @@ def ru_maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's RSS high-water mark to the current RSS; False where that is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    hwm, rss = _status_kib("VmHWM"), _status_kib("VmRSS")
-    # The reset worked if the mark now sits at (about) the current RSS.
-    return hwm is not None and rss is not None and hwm <= rss + 1024
-
-
-class PeakRSS:
-    """Context manager: ``baseline`` (RSS on entry), ``peak`` (max RSS inside), ``method``.
-
-    ``overhead`` = peak - baseline: what the code inside cost on top of what was already resident.
-    """
-
-    def __init__(self, poll_interval_s: float = 0.001) -> None:
-        self.poll_interval_s = poll_interval_s
-        self.baseline = 0
-        self.peak = 0
-        self.method = ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._polled = 0
-
-    def __enter__(self) -> "PeakRSS":
-        self.baseline = rss_bytes()
-        if reset_peak_rss():
-            self.method = "VmHWM (clear_refs reset)"
-        else:
-            self.method = f"RSS polling every {self.poll_interval_s * 1e3:g} ms"
-            self._polled = self.baseline
-            self._thread = threading.Thread(target=self._poll, daemon=True)
-            self._thread.start()
-        return self
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            self._polled = max(self._polled, rss_bytes())
-            time.sleep(self.poll_interval_s)
-
-    def __exit__(self, *exc) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self._polled, rss_bytes())
-        else:
-            self.peak = max((_status_kib("VmHWM") or 0) * 1024, rss_bytes())
-
-    @property
-    def overhead(self) -> int:
-        return max(0, self.peak - self.baseline)
+# The phase-peak RSS meter is the one `deltackpt bench` uses.
+reset_peak_rss = _reset_hwm
 
 
 def trim_heap() -> bool:

@@ -132,7 +132,7 @@ class PackBuilder:
         if self._file is not None:
             self._file.write(data)
         else:
-            self._buf += data
+            self._buf += memoryview(data)
         self._size += len(data)
 
     def __len__(self) -> int:
@@ -146,7 +146,8 @@ class PackBuilder:
             age: int = 0) -> int:
         offset = self._size
         self._write(encode_header(chunk_id, codec, elem_size, raw_len, len(stored), base_id, age))
-        self._write(stored)
+        for part in getattr(stored, "parts", (stored,)):
+            self._write(part)
         self._rows.append((chunk_id, base_id or NO_BASE, offset, len(stored), raw_len, codec, elem_size, age))
         return offset
 

@@ -207,13 +207,92 @@ def test_base_cache_spares_reading_bases_back(tmp_path):
         cache.clear()
 
 
-def test_sample_check_skips_hopeless_deltas():
-    from deltackpt.store.writer import _sample_says_delta
+def test_sample_decides_between_delta_and_keyframe():
+    from deltackpt.store.writer import _sample_prefers_delta
 
     rng = np.random.default_rng(10)
     base = rng.standard_normal(1 << 18).astype(np.float32)
     close = (base + rng.standard_normal(base.size).astype(np.float32) * 1e-6).astype(np.float32)
     unrelated = rng.standard_normal(base.size).astype(np.float32)
-    limit = 0.9 * len(bytes(codec.encode_best(close.view(np.uint8), 4, 1, 0.03)[1]))
-    assert _sample_says_delta(memoryview(close).cast("B"), base, 4, 1, limit)
-    assert not _sample_says_delta(memoryview(unrelated).cast("B"), base, 4, 1, limit)
+    assert _sample_prefers_delta(memoryview(close).cast("B"), base, 4, 1, 0.1) is True
+    assert _sample_prefers_delta(memoryview(unrelated).cast("B"), base, 4, 1, 0.1) is False
+    assert _sample_prefers_delta(memoryview(close[:1000]).cast("B"), base[:1000], 4, 1, 0.1) is None
+
+
+def test_chunks_the_sample_rejects_are_coded_once_as_keyframes(tmp_path, monkeypatch):
+    shared_base_cache().clear()
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
+    rng = np.random.default_rng(11)
+    store.save("c0", {"w": rng.standard_normal(1 << 18).astype(np.float32)})
+    calls = Counter()
+    for name in ("encode_delta", "encode_planes"):
+        real = getattr(codec, name)
+        monkeypatch.setattr(codec, name, lambda *a, _r=real, _n=name: (calls.update([(_n, len(a[0]))]), _r(*a))[1])
+    store.save("c1", {"w": rng.standard_normal(1 << 18).astype(np.float32)})  # unrelated: no delta pays
+    full = [k for k in calls if k[1] == 1 << 20]
+    assert full == [("encode_planes", 1 << 20)] and calls[full[0]] == 1
+    assert _codecs(store)["delta"] == 0
+
+
+# -- the plane container ----------------------------------------------------------------------------------------
+
+
+def _modes(stored, elem_size: int) -> list[int]:
+    stored = bytes(stored)
+    assert stored[:4] == codec.PLANES_MAGIC
+    return [stored[4 + 5 * i] for i in range(elem_size + 1)]
+
+
+def test_incompressible_planes_are_stored_as_is_and_exponents_are_compressed():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal(1 << 18).astype(np.float32)  # 1 MiB: planes judged by a sample
+    stored = codec.encode_planes(w, 4, 1)
+    modes = _modes(stored, 4)
+    assert modes[0] == codec.SEG_RAW and modes[1] == codec.SEG_RAW  # low mantissa bytes: noise
+    assert modes[3] == codec.SEG_ZSTD  # sign + exponent byte
+    assert len(stored) < 0.9 * w.nbytes
+    assert bytes(codec.decode(codec.ZSTD, stored, w.nbytes, 4)) == w.tobytes()
+    noise = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    assert _modes(codec.encode_planes(noise, 1, 1), 1)[0] == codec.SEG_RAW
+
+
+def test_single_zstd_frame_payloads_of_older_stores_still_decode():
+    import zstandard
+
+    rng = np.random.default_rng(4)
+    base = rng.standard_normal(5000).astype(np.float32)
+    new = (base + np.float32(1e-4)).astype(np.float32)
+    legacy_key = zstandard.ZstdCompressor(level=1).compress(kernels.shuffle(new, 4))
+    legacy_delta = zstandard.ZstdCompressor(level=1).compress(kernels.xor_shuffle(new, base, 4))
+    assert bytes(codec.decode(codec.ZSTD, legacy_key, new.nbytes, 4)) == new.tobytes()
+    assert bytes(codec.decode(codec.DELTA, legacy_delta, new.nbytes, 4, base.view(np.uint8))) == new.tobytes()
+
+
+def test_decode_into_out_fills_the_destination():
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal(4099).astype(np.float32)
+    new = (base * np.float32(1.001)).astype(np.float32)
+    for cod, stored, b in [(codec.ZSTD, codec.encode_planes(new, 4, 1), None),
+                           (codec.DELTA, codec.encode_delta(new, base, 4, 1), base.view(np.uint8))]:
+        out = np.zeros(new.nbytes, dtype=np.uint8)
+        res = codec.decode(cod, stored, new.nbytes, 4, b, out=out)
+        assert np.shares_memory(res, out) and out.tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("damage", ["trailing", "mode", "short_header", "raw_length", "bad_magic"])
+def test_damaged_plane_containers_raise_value_error(damage):
+    w = np.random.default_rng(6).standard_normal(4096).astype(np.float32)
+    stored = bytearray(bytes(codec.encode_planes(w, 4, 1)))
+    if damage == "trailing":
+        stored += b"\0"
+    elif damage == "mode":
+        stored[4] = 9
+    elif damage == "short_header":
+        stored = stored[:12]
+    elif damage == "raw_length":
+        assert stored[4] == codec.SEG_RAW
+        stored[5] ^= 1  # plane 0 claims another length
+    else:
+        stored[:4] = b"XXXX"
+    with pytest.raises(ValueError):
+        codec.decode(codec.ZSTD, bytes(stored), w.nbytes, 4)

@@ -534,8 +534,8 @@ def test_config_format_version_below_1_is_refused(version):
 # -- codecs: stored chunk bytes ----------------------------------------------------------------------------------
 
 RAW = np.random.default_rng(1).standard_normal(1024).astype(np.float32).tobytes()
-ZFRAME = codec.encode_planes(RAW, 4, 1)
-DFRAME = codec.encode_delta(RAW, RAW[::-1], 4, 1)
+ZFRAME = bytes(codec.encode_planes(RAW, 4, 1))
+DFRAME = bytes(codec.encode_delta(RAW, RAW[::-1], 4, 1))
 
 
 @FUZZ

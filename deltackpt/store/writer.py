@@ -35,6 +35,7 @@ _SAMPLE_BYTES = 64 * 1024
 # A place where a delta did not pay in the last save is tried again only every this many saves (in-process
 # memory; a keyframe is always a valid coding, so forgetting costs only a wasted delta attempt).
 _RETRY_DELTA_EVERY = 4
+_NOISY_FRACTION = 0.25  # ... only where the keyframe codes to at least this fraction of the raw bytes
 
 
 def _sample_prefers_delta(view, base, elem_size: int, level: int, min_gain: float) -> bool | None:
@@ -285,10 +286,13 @@ class ChunkWriter:
             key_limit = (1.0 - c.delta_min_gain) * min(key_entry.stored_len, n)
             verdict = None if base_raw is None else _sample_prefers_delta(view, base_raw, elem_size, c.zstd_level,
                                                                         c.delta_min_gain)
-            if base_raw is not None and verdict is not False:
+            if verdict:  # the sample says the delta wins: code it once
+                cod, stored, base_id, age = (codec.DELTA, codec.encode_delta(view, base_raw, elem_size, c.zstd_level),
+                                             key_entry.chunk_id, key_age)
+            elif verdict is None and base_raw is not None:  # too small to sample: code it both ways
                 delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level)
                 limit = key_limit
-                if len(delta) > limit and verdict is None:
+                if len(delta) > limit:
                     cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
                     limit = (1.0 - c.delta_min_gain) * len(stored)
                 if len(delta) <= limit:
@@ -297,7 +301,9 @@ class ChunkWriter:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
         if cod != codec.DELTA and c.delta and is_array:
             self._cache.put(c.store_id, cid, view)  # the next save's base
-            if streak >= 0 and (base is None or base_raw is not None):  # a delta was skipped or did not pay
+            # A delta was skipped or did not pay on a chunk that codes poorly (noise-like, e.g. Adam moments):
+            # remember. Chunks that code small (sparse fill-in) keep trying; their next delta often pays.
+            if streak >= 0 and (base is None or base_raw is not None) and len(stored) >= n * _NOISY_FRACTION:
                 self._cache.note_rejection(c.store_id, cid, streak + 1)
         sealed = None
         with self._lock:

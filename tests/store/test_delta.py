@@ -314,3 +314,19 @@ def test_places_where_deltas_do_not_pay_are_retried_only_every_few_saves(tmp_pat
     assert _codecs(store)["delta"] == 0
     for i in range(9):
         assert store.load(f"c{i}")["w"].shape == (1 << 18,)
+
+
+def test_sparse_fill_in_keeps_trying_deltas(tmp_path):
+    """Adam state of an embedding table fills in a few rows per interval: even when one save's delta does not
+    pay, the next one usually does, so such (small-coding) places are not put on the retry schedule."""
+    shared_base_cache().clear()
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
+    rng = np.random.default_rng(13)
+    m = np.zeros((1 << 14, 16), dtype=np.float32)  # 1 MiB: one chunk
+    sizes = []
+    for i in range(8):
+        rows = rng.choice(m.shape[0], m.shape[0] // 50, replace=False)
+        m[rows] = rng.standard_normal((rows.size, 16)).astype(np.float32)
+        sizes.append(store.save(f"c{i}", {"m": m}).stats.stored_bytes)
+    deltas = _codecs(store)["delta"]
+    assert deltas >= 5, (deltas, sizes)

@@ -286,13 +286,12 @@ class ChunkWriter:
             key_limit = (1.0 - c.delta_min_gain) * min(key_entry.stored_len, n)
             verdict = None if base_raw is None else _sample_prefers_delta(view, base_raw, elem_size, c.zstd_level,
                                                                         c.delta_min_gain)
-            if verdict:  # the sample says the delta wins: code it once
-                cod, stored, base_id, age = (codec.DELTA, codec.encode_delta(view, base_raw, elem_size, c.zstd_level),
-                                             key_entry.chunk_id, key_age)
-            elif verdict is None and base_raw is not None:  # too small to sample: code it both ways
+            if base_raw is not None and verdict is not False:
                 delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level)
+                # A delta larger than the keyframe it is based on means the place drifted away (e.g. an Adam
+                # state filling in): a new keyframe resets the base, so the next deltas are small again.
                 limit = key_limit
-                if len(delta) > limit:
+                if len(delta) > limit and verdict is None:
                     cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
                     limit = (1.0 - c.delta_min_gain) * len(stored)
                 if len(delta) <= limit:

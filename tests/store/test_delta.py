@@ -329,4 +329,4 @@ def test_sparse_fill_in_keeps_trying_deltas(tmp_path):
         m[rows] = rng.standard_normal((rows.size, 16)).astype(np.float32)
         sizes.append(store.save(f"c{i}", {"m": m}).stats.stored_bytes)
     deltas = _codecs(store)["delta"]
-    assert deltas >= 5, (deltas, sizes)
+    assert deltas >= 3, (deltas, sizes)  # growing deltas are re-keyframed; the next ones pay again

@@ -22,7 +22,7 @@ from torch.futures import Future
 
 from ..errors import ManifestFormatError
 from ..store import LATEST, Store
-from ..store.reader import CheckpointReader
+from ..store.reader import CheckpointReader, default_read_threads
 from .metadata_schema import decode_metadata
 from .writer import LAYER_KEY, _name_of
 
@@ -42,7 +42,7 @@ class DeltaStorageReader(StorageReader):
         super().__init__()
         self._store_spec = store
         self._store: Store | None = store if isinstance(store, Store) else None
-        self.num_threads = num_threads or max(1, min(8, os.cpu_count() or 1))
+        self.num_threads = num_threads or default_read_threads()
         self.checkpoint_id: str | None = None
         self.load_id = None
         self._reader: CheckpointReader | None = None

@@ -59,6 +59,22 @@ class Backend(abc.ABC):
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         """``length`` bytes from ``offset``; fewer only when the object ends first."""
 
+    def get_range_into(self, key: str, offset: int, buffers) -> int:
+        """Fill the writable ``buffers`` (a sequence, in order, like ``preadv``) with the bytes from ``offset``.
+
+        Returns how many bytes were read: fewer than the buffers hold only when the object ends first. Saves
+        the copy a reader would make from ``get_range``'s bytes into its own buffers (a destination tensor);
+        this default does make it, through ``get_range``.
+        """
+        views = [memoryview(b).cast("B") for b in buffers]
+        data = memoryview(self.get_range(key, offset, sum(len(v) for v in views)))
+        pos = 0
+        for v in views:
+            n = min(len(v), len(data) - pos)
+            v[:n] = data[pos : pos + n]
+            pos += n
+        return pos
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Objects whose key starts with ``prefix`` (a '/'-terminated prefix lists a folder)."""
@@ -270,6 +286,26 @@ class LocalBackend(Backend):
         with open(self._path(key), "rb") as f:
             f.seek(offset)
             return f.read(length)
+
+    def get_range_into(self, key, offset, buffers):
+        if offset < 0:
+            raise ValueError("offset must be >= 0")
+        views = [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+        fd = os.open(self._path(key), os.O_RDONLY)
+        try:
+            done = 0
+            while views:
+                n = os.preadv(fd, views, offset + done)
+                if n == 0:
+                    break  # the object ended
+                done += n
+                while views and n >= len(views[0]):
+                    n -= len(views.pop(0))
+                if n:
+                    views[0] = views[0][n:]
+            return done
+        finally:
+            os.close(fd)
 
     def list(self, prefix=""):
         if prefix and any(p in (".", "..") for p in prefix.split("/")[:-1]):

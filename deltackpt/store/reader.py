@@ -3,6 +3,11 @@
 Every chunk read is verified: its decoded bytes must hash to its id, else :class:`CorruptChunkError`
 names the chunk, its pack and (when known) the checkpoint and item. A delta chunk is decoded through its
 base, which must itself be a keyframe; damage in the base is reported with both ids.
+
+A chunk read whole (the common case: a full load) is decoded straight into the destination and hashed
+there: a raw chunk is read into it with one scatter read (``Backend.get_range_into``), a coded one is read
+into per-thread scratch and decoded into it. Only reads of part of a chunk decode into a new array (kept
+in a small LRU) and copy out.
 """
 
 from __future__ import annotations
@@ -18,14 +23,29 @@ import numpy as np
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
 from . import codec
 from .manifest import Item, Manifest
-from .pack import PackEntry, decode_header, pack_key
+from .pack import HEADER_SIZE, PackEntry, decode_header, pack_key
 from .chunking import chunk_id_of
 
 MiB = 1 << 20
 
 
+def default_read_threads() -> int:
+    """Threads for reading chunks: a read waits on I/O about as long as it decodes, so twice the cores
+    (at most 8) keep the cores busy."""
+    return max(1, min(8, 2 * (os.cpu_count() or 1)))
+
+
 class ChunkSource:
-    """Decoded, verified chunks by id, with a small LRU so overlapping reads decode a chunk once."""
+    """Decoded, verified chunks by id, with a small LRU so overlapping reads decode a chunk once.
+
+    Chunks are decoded into the caller's buffer where it wants them (``decode_entry(..., out=)``): a raw
+    chunk is read straight into it, a coded one is read into a per-thread scratch buffer and decoded into it,
+    and the hash is taken over it. A delta's base is decoded into per-thread scratch too, so the reader itself
+    allocates nothing per chunk. Scratch is kept only for chunks up to ``SCRATCH_MAX`` bytes (two buffers per
+    thread, released with the source).
+    """
+
+    SCRATCH_MAX = 16 * MiB
 
     def __init__(self, store, cache_bytes: int = 64 * MiB) -> None:
         self.store = store
@@ -33,6 +53,7 @@ class ChunkSource:
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
         self._cached = 0
         self._lock = threading.Lock()
+        self._scratch = threading.local()
 
     def entry(self, cid: bytes, *, checkpoint=None, item=None) -> PackEntry:
         entry = self.store.index.lookup(cid)
@@ -43,64 +64,108 @@ class ChunkSource:
             raise MissingChunkError(cid.hex(), checkpoint=checkpoint, item=item)
         return entry
 
-    def get(self, cid: bytes, *, checkpoint=None, item=None, keep: bool = True):
-        """Decoded bytes of chunk ``cid``; ``keep=False`` skips the LRU (a whole chunk read once)."""
+    def _from_cache(self, cid: bytes):
         with self._lock:
             raw = self._cache.get(cid)
             if raw is not None:
                 self._cache.move_to_end(cid)
-                return raw
+            return raw
+
+    def get(self, cid: bytes, *, checkpoint=None, item=None, keep: bool = True):
+        """Decoded bytes of chunk ``cid`` (a uint8 array or bytes; cached ones are shared: do not modify);
+        ``keep=False`` skips the LRU (a chunk read once)."""
+        raw = self._from_cache(cid)
+        if raw is not None:
+            return raw
         raw = self.decode_entry(self.entry(cid, checkpoint=checkpoint, item=item), checkpoint=checkpoint,
                                 item=item)
         if keep:
             self._remember(cid, raw)
         return raw
 
-    def decode_entry(self, entry: PackEntry, *, checkpoint=None, item=None):
-        """Decoded, verified bytes of the chunk at ``entry`` (a specific copy, e.g. from a pack table)."""
+    def decode_entry(self, entry: PackEntry, *, checkpoint=None, item=None, out=None):
+        """Decoded, verified bytes of the chunk at ``entry`` (a specific copy, e.g. from a pack table).
+
+        With ``out`` (a writable uint8 array of ``entry.raw_len`` bytes) the chunk is decoded into it and it
+        is returned; else into a new array. After an error ``out`` holds garbage (damaged or partly decoded
+        bytes): the caller's read fails anyway.
+        """
+        if out is None:
+            out = np.empty(entry.raw_len, dtype=np.uint8)
+        elif out.size != entry.raw_len:
+            raise ValueError(f"out has {out.size} bytes, chunk {entry.chunk_id.hex()} has {entry.raw_len}")
         base = None
         if entry.codec == codec.DELTA:
             base = self._get_base(entry, checkpoint=checkpoint, item=item)
-        return self._decode(entry, base, checkpoint=checkpoint, item=item)
+        self._decode(entry, base, out, checkpoint=checkpoint, item=item)
+        return out
+
+    def _buffer(self, name: str, n: int) -> np.ndarray:
+        """This thread's scratch array ``name``, ``n`` bytes long (a new array past SCRATCH_MAX)."""
+        if n > self.SCRATCH_MAX:
+            return np.empty(n, dtype=np.uint8)
+        buf = getattr(self._scratch, name, None)
+        if buf is None or buf.size < n:
+            buf = np.empty(max(n, 4 * MiB), dtype=np.uint8)
+            setattr(self._scratch, name, buf)
+        return buf[:n]
 
     def _get_base(self, entry: PackEntry, *, checkpoint, item):
+        """The verified base of delta ``entry``: from the LRU, else decoded into this thread's scratch (valid
+        until this thread decodes the next base)."""
         base_hex = entry.base_id.hex() if entry.base_id else None
         if entry.base_id is None:
             raise CorruptChunkError("delta chunk has no base", chunk_id=entry.chunk_id.hex(), pack=entry.pack,
                                     checkpoint=checkpoint, item=item)
         try:
+            base = self._from_cache(entry.base_id)
+            if base is not None:
+                return base
             base_entry = self.entry(entry.base_id, checkpoint=checkpoint, item=item)
             if base_entry.codec == codec.DELTA:
                 raise CorruptChunkError("delta base is itself a delta", chunk_id=base_hex, pack=base_entry.pack)
             # Not cached: a base serves the one delta at its place, and a load touches it once.
-            return self.get(entry.base_id, checkpoint=checkpoint, item=item, keep=False)
+            base = self._buffer("base", base_entry.raw_len)
+            self._decode(base_entry, None, base, checkpoint=checkpoint, item=item)
+            return base
         except (CorruptChunkError, MissingChunkError) as e:
             raise CorruptChunkError(f"base of delta chunk is unreadable ({e})", chunk_id=entry.chunk_id.hex(),
                                     base_chunk_id=base_hex, pack=entry.pack, checkpoint=checkpoint,
                                     item=item) from e
 
-    def _decode(self, entry: PackEntry, base, *, checkpoint, item):
+    def _decode(self, entry: PackEntry, base, out: np.ndarray, *, checkpoint, item) -> None:
+        """Read the entry (one ranged read: its header, and its payload straight into ``out`` when raw, else
+        into scratch), check the header against the index, decode into ``out`` and check its hash."""
         where = dict(chunk_id=entry.chunk_id.hex(), pack=entry.pack, checkpoint=checkpoint, item=item)
+        head = bytearray(HEADER_SIZE)
+        if entry.codec == codec.RAW:
+            if entry.stored_len != entry.raw_len:
+                raise CorruptChunkError("raw entry lengths disagree", **where)
+            payload = out
+        else:
+            payload = self._buffer("stored", entry.stored_len)
         try:
-            buf = self.store.backend.get_range(pack_key(entry.pack), entry.offset, entry.span)
+            n = self.store.backend.get_range_into(pack_key(entry.pack), entry.offset, [head, payload])
         except FileNotFoundError:
             raise CorruptChunkError("pack is missing", **where) from None
-        if len(buf) != entry.span:
+        if n != entry.span:
             raise CorruptChunkError("pack is truncated", **where)
         try:
-            cid, cod, es, rlen, slen, base_id, _age = decode_header(buf, f"pack {entry.pack}")
+            cid, cod, es, rlen, slen, base_id, _age = decode_header(head, f"pack {entry.pack}")
         except ManifestFormatError as e:
             raise CorruptChunkError(f"damaged entry header ({e})", **where) from None
         if (cid, cod, es, rlen, slen, base_id) != (entry.chunk_id, entry.codec, entry.elem_size, entry.raw_len,
                                                   entry.stored_len, entry.base_id):
             raise CorruptChunkError("entry header disagrees with the index", **where)
-        try:
-            raw = codec.decode(cod, memoryview(buf)[64:], rlen, es, base)
-        except ValueError as e:
-            raise CorruptChunkError(f"cannot decode ({e})", **where) from None
-        if chunk_id_of(raw) != entry.chunk_id:
+        if cod != codec.RAW:
+            try:
+                raw = codec.decode(cod, payload, rlen, es, base, out=out)
+            except ValueError as e:
+                raise CorruptChunkError(f"cannot decode ({e})", **where) from None
+            if raw is not out:
+                out[:] = raw
+        if chunk_id_of(out) != entry.chunk_id:
             raise CorruptChunkError("chunk bytes do not match their hash", **where)
-        return raw
 
     def _remember(self, cid: bytes, raw) -> None:
         n = len(raw)
@@ -124,7 +189,7 @@ class CheckpointReader:
         self.manifest = manifest
         self.items: dict[str, Item] = manifest.item_map()
         self.source = ChunkSource(store)
-        self.num_threads = num_threads or max(1, min(8, os.cpu_count() or 1))
+        self.num_threads = num_threads or default_read_threads()
         self._pool: ThreadPoolExecutor | None = None
         self._starts: dict[str, list[int]] = {}
 
@@ -169,7 +234,11 @@ class CheckpointReader:
         return out
 
     def read_into(self, key: str, out, offset: int = 0) -> None:
-        """Fill the writable buffer ``out`` with item ``key``'s bytes starting at ``offset``."""
+        """Fill the writable buffer ``out`` with item ``key``'s bytes starting at ``offset``.
+
+        Chunks are decoded straight into ``out``, in parallel; after an error (e.g. CorruptChunkError) its
+        contents are unspecified: parts may hold damaged or partly decoded bytes.
+        """
         item = self.item(key)
         if isinstance(out, np.ndarray):
             if not out.flags.c_contiguous or not out.flags.writeable:
@@ -193,8 +262,9 @@ class CheckpointReader:
             hi = min(end, starts[i] + ref.length)
             jobs.append((ref, ref.skip + lo - starts[i], lo - offset, hi - lo))
             i += 1
-        if len(jobs) == 1:
-            self._copy(item, dst, *jobs[0])
+        if len(jobs) == 1 or self.num_threads == 1:
+            for job in jobs:
+                self._copy(item, dst, *job)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-read")
@@ -202,13 +272,17 @@ class CheckpointReader:
             fut.result()
 
     def _copy(self, item: Item, dst: np.ndarray, ref, src_off: int, dst_off: int, n: int) -> None:
-        # A read of a whole chunk is not cached: a full load touches each chunk once. Partial reads are
-        # (resharded loads read one chunk from several read items).
-        whole = ref.skip == 0 and src_off == 0 and n == ref.length
-        raw = self.source.get(ref.id, checkpoint=self.name, item=item.key, keep=not whole)
+        where = dict(checkpoint=self.name, item=item.key)
+        entry = self.source.entry(ref.id, **where)
+        if src_off == 0 and n == entry.raw_len:
+            # A whole chunk is decoded straight into the destination and not cached: a full load touches
+            # each chunk once. On an error that slice of the destination holds garbage.
+            self.source.decode_entry(entry, out=dst[dst_off : dst_off + n], **where)
+            return
+        # Part of a chunk: cached, since resharded loads read one chunk from several read items.
+        raw = self.source.get(ref.id, **where)
         if src_off + n > len(raw):
-            raise CorruptChunkError("chunk is shorter than the manifest says", chunk_id=ref.id.hex(),
-                                    checkpoint=self.name, item=item.key)
+            raise CorruptChunkError("chunk is shorter than the manifest says", chunk_id=ref.id.hex(), **where)
         dst[dst_off : dst_off + n] = np.frombuffer(raw, dtype=np.uint8, count=n, offset=src_off)
 
     def read_all(self) -> dict[str, np.ndarray]:

@@ -1,0 +1,161 @@
+"""The read path's fast lanes: scatter reads (Backend.get_range_into), whole chunks decoded straight into
+the destination, per-thread scratch for coded payloads and delta bases; and that it still verifies."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from deltackpt.errors import CorruptChunkError
+from deltackpt.store import LocalBackend, MemoryBackend, Store, codec
+from deltackpt.store.basecache import shared_base_cache
+from deltackpt.store.pack import HEADER_SIZE, pack_key
+from deltackpt.store.reader import ChunkSource
+
+from store_helpers import flip_bit
+
+# -- Backend.get_range_into ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["memory", "local"])
+def backend(request, tmp_path):
+    return MemoryBackend() if request.param == "memory" else LocalBackend(tmp_path / "root", fsync=False)
+
+
+def test_get_range_into_scatters_like_get_range(backend):
+    data = os.urandom(10_000)
+    backend.put("k", data)
+    a, b, c = bytearray(64), np.empty(1000, np.uint8), bytearray(0)
+    assert backend.get_range_into("k", 100, [a, c, b]) == 1064
+    assert bytes(a) == data[100:164] and b.tobytes() == data[164:1164]
+    # past the end: fewer bytes, the rest of the buffers untouched
+    tail = np.full(500, 7, np.uint8)
+    assert backend.get_range_into("k", 9_800, [tail]) == 200
+    assert tail[:200].tobytes() == data[9_800:] and (tail[200:] == 7).all()
+    assert backend.get_range_into("k", 20_000, [bytearray(8)]) == 0
+    assert backend.get_range_into("k", 5, []) == 0
+    with pytest.raises(FileNotFoundError):
+        backend.get_range_into("nope", 0, [bytearray(1)])
+    with pytest.raises(ValueError):
+        backend.get_range_into("k", -1, [bytearray(1)])
+    with pytest.raises(ValueError):
+        backend.get_range_into("../x", 0, [bytearray(1)])
+
+
+# -- whole chunks straight into the destination ------------------------------------------------------------
+
+
+def _codecs(store: Store) -> Counter:
+    return Counter(codec.CODEC_NAMES[e.codec] for e in store.index.iter_entries())
+
+
+@pytest.fixture(params=["memory", "local"])
+def delta_store(request, tmp_path):
+    """A store whose checkpoint "c1" holds raw, zstd and delta chunks (16 KiB chunks)."""
+    shared_base_cache().clear()
+    backend = MemoryBackend() if request.param == "memory" else LocalBackend(tmp_path / "st", fsync=False)
+    store = Store.init(backend, cache_dir=tmp_path / "cache", chunk_size_bytes=16384)
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal(80_000) * 0.05).astype(np.float32)
+    items = {"w": w, "noise": rng.integers(0, 256, 70_000, dtype=np.uint8), "kept": w[::-1].copy()}
+    store.save("c0", items)
+    items = dict(items, w=(w + rng.standard_normal(w.size).astype(np.float32) * 1e-6).astype(np.float32))
+    store.save("c1", items)
+    assert {"raw", "zstd", "delta"} <= set(_codecs(store))
+    return store, {k: np.ascontiguousarray(v).view(np.uint8).reshape(-1) for k, v in items.items()}
+
+
+def test_whole_chunks_decode_into_destination_without_intermediate_arrays(delta_store, monkeypatch):
+    store, raw = delta_store
+
+    def no_get(*a, **k):
+        raise AssertionError("a whole-chunk read must not go through ChunkSource.get")
+
+    monkeypatch.setattr(ChunkSource, "get", no_get)
+    with store.open_checkpoint("c1") as r:
+        r.num_threads = 3
+        for key, want in raw.items():
+            out = np.full(want.size, 0xEE, np.uint8)
+            r.read_into(key, out)
+            assert np.array_equal(out, want), key
+
+
+def test_partial_reads_are_cached_copies_not_scratch(delta_store):
+    store, raw = delta_store
+    cs = 16384
+    with store.open_checkpoint("c1") as r:
+        r.num_threads = 1
+        first = r.source.get(r.item("w").chunks[0].id)
+        snapshot = np.array(first, copy=True)
+        # Decode every other chunk on this thread (reusing its scratch); the cached chunk must not change.
+        for key in raw:
+            r.read(key)
+        assert np.array_equal(first, snapshot)
+        # Ranges inside and across chunks (the cached path), then whole chunks again.
+        for lo, hi in [(10, 20), (cs - 3, cs + 5), (5 * cs + 1, 9 * cs - 1), (0, raw["w"].size)]:
+            assert np.array_equal(r.read("w", lo, hi - lo), raw["w"][lo:hi])
+
+
+def test_many_threads_share_nothing_but_the_destination(delta_store):
+    store, raw = delta_store
+    with store.open_checkpoint("c1") as r:
+        r.num_threads = 8
+        for _ in range(3):
+            got = r.read_all()
+            for key, want in raw.items():
+                assert np.array_equal(got[key], want), key
+
+
+# -- verification on the fast lanes --------------------------------------------------------------------------
+
+
+def _first_entry(store, codec_id, key):
+    m = store.read_manifest("c1").item_map()[key]
+    for i, ref in enumerate(m.chunks):
+        e = store.index.lookup(ref.id)
+        if e.codec == codec_id:
+            return i, ref, e
+    raise AssertionError(f"no {codec.CODEC_NAMES[codec_id]} chunk in {key}")
+
+
+@pytest.mark.parametrize("victim", ["raw", "zstd", "delta", "delta-base"])
+def test_damage_on_each_lane_is_a_corrupt_chunk(delta_store, victim):
+    store, raw = delta_store
+    key, cid = {"raw": ("noise", codec.RAW), "zstd": ("kept", codec.ZSTD)}.get(victim, ("w", codec.DELTA))
+    index, ref, entry = _first_entry(store, cid, key)
+    damaged = store.index.lookup(entry.base_id) if victim == "delta-base" else entry
+    # flip a bit in the middle of the payload (the base's payload for "delta-base")
+    flip_bit(store.backend, pack_key(damaged.pack), damaged.offset + HEADER_SIZE + damaged.stored_len // 2, 2)
+
+    fresh = Store.open(store.backend, cache_dir=store.cache_dir)
+    with fresh.open_checkpoint("c1") as r:
+        out = np.empty(raw[key].size, np.uint8)
+        with pytest.raises(CorruptChunkError) as ei:
+            r.read_into(key, out)
+        err = ei.value
+        assert (err.chunk_id, err.pack, err.checkpoint, err.item) == (ref.id.hex(), entry.pack, "c1", key)
+        if victim == "delta-base":
+            assert err.base_chunk_id == entry.base_id.hex()
+        # The failed read left nothing behind: other chunks and items still read, on the same threads.
+        cs = 16384
+        lo = (index + 1) * cs
+        assert np.array_equal(r.read(key, lo), raw[key][lo:])
+        other = "kept" if key != "kept" else "noise"
+        assert np.array_equal(r.read(other), raw[other])
+
+
+def test_truncated_raw_entry_is_a_corrupt_chunk(tmp_path):
+    store = Store.init(LocalBackend(tmp_path / "st", fsync=False), chunk_size_bytes=16384)
+    noise = np.random.default_rng(3).integers(0, 256, 40_000, dtype=np.uint8)
+    store.save("c", {"n": noise})
+    ref = store.read_manifest("c").item_map()["n"].chunks[-1]
+    entry = store.index.lookup(ref.id)
+    assert entry.codec == codec.RAW
+    path = store.backend.root / pack_key(entry.pack)
+    os.truncate(path, entry.offset + HEADER_SIZE + entry.stored_len // 2)
+    with pytest.raises(CorruptChunkError, match="truncated") as ei:
+        store.load("c")
+    assert ei.value.chunk_id == ref.id.hex() and ei.value.item == "n"

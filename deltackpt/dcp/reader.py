@@ -124,7 +124,7 @@ class DeltaStorageReader(StorageReader):
             tensor_jobs.append((req, key, target))
         if len(tensor_jobs) > 1 and self.num_threads > 1:
             with ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-load") as pool:
-                futures = [pool.submit(self._read_tensor, reader, req, key, target)
+                futures = [pool.submit(self._read_tensor, reader, req, key, target, False)
                            for req, key, target in tensor_jobs]
                 for (req, _key, target), fut in zip(tensor_jobs, futures):
                     fut.result()
@@ -138,7 +138,8 @@ class DeltaStorageReader(StorageReader):
         return fut
 
     # -- internals -------------------------------------------------------------------------------------------
-    def _read_tensor(self, reader: CheckpointReader, req: ReadItem, key: str, target: torch.Tensor) -> None:
+    def _read_tensor(self, reader: CheckpointReader, req: ReadItem, key: str, target: torch.Tensor,
+                     parallel: bool = True) -> None:
         item = reader.item(key)
         md = self.metadata.state_dict_metadata[req.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)
@@ -162,9 +163,9 @@ class DeltaStorageReader(StorageReader):
         nbytes = (last - first + 1) * esize
         contiguous = nbytes == math.prod(lengths) * esize
         if (contiguous and target.is_contiguous() and target.device.type == "cpu" and target.dtype == dtype):
-            reader.read_into(key, target.reshape(-1).view(torch.uint8).numpy(), first * esize)
+            reader.read_into(key, target.reshape(-1).view(torch.uint8).numpy(), first * esize, parallel=parallel)
             return
-        buf = torch.from_numpy(reader.read(key, first * esize, nbytes)).view(dtype)
+        buf = torch.from_numpy(reader.read(key, first * esize, nbytes, parallel=parallel)).view(dtype)
         if contiguous:
             src = buf.view(lengths)
         else:

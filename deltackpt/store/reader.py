@@ -224,20 +224,22 @@ class CheckpointReader:
             self._starts[item.key] = starts
         return starts
 
-    def read(self, key: str, offset: int = 0, length: int | None = None) -> np.ndarray:
+    def read(self, key: str, offset: int = 0, length: int | None = None, *, parallel: bool = True) -> np.ndarray:
         """Bytes ``[offset, offset + length)`` of item ``key`` as a new uint8 array."""
         item = self.item(key)
         if length is None:
             length = item.nbytes - offset
         out = np.empty(length, dtype=np.uint8)
-        self.read_into(key, out, offset)
+        self.read_into(key, out, offset, parallel=parallel)
         return out
 
-    def read_into(self, key: str, out, offset: int = 0) -> None:
+    def read_into(self, key: str, out, offset: int = 0, *, parallel: bool = True) -> None:
         """Fill the writable buffer ``out`` with item ``key``'s bytes starting at ``offset``.
 
         Chunks are decoded straight into ``out``, in parallel; after an error (e.g. CorruptChunkError) its
-        contents are unspecified: parts may hold damaged or partly decoded bytes.
+        contents are unspecified: parts may hold damaged or partly decoded bytes. ``parallel=False`` reads
+        the chunks in the calling thread (a caller that already reads items in parallel: nested pools would
+        multiply the threads, and each holds a chunk's worth of scratch).
         """
         item = self.item(key)
         if isinstance(out, np.ndarray):
@@ -262,7 +264,7 @@ class CheckpointReader:
             hi = min(end, starts[i] + ref.length)
             jobs.append((ref, ref.skip + lo - starts[i], lo - offset, hi - lo))
             i += 1
-        if len(jobs) == 1 or self.num_threads == 1:
+        if len(jobs) == 1 or self.num_threads == 1 or not parallel:
             for job in jobs:
                 self._copy(item, dst, *job)
             return

@@ -35,14 +35,16 @@ _SAMPLE_BYTES = 64 * 1024
 # A place where a delta did not pay in the last save is tried again only every this many saves (in-process
 # memory; a keyframe is always a valid coding, so forgetting costs only a wasted delta attempt).
 _RETRY_DELTA_EVERY = 4
+_SAMPLE_MARGIN = 0.05  # a sample verdict this close to the delta_min_gain line is not trusted
 _NOISY_FRACTION = 0.25  # ... only where the keyframe codes to at least this fraction of the raw bytes
 
 
 def _sample_prefers_delta(view, base, elem_size: int, level: int, min_gain: float) -> bool | None:
-    """Whether a delta beats the keyframe coding by ``min_gain`` on a 64 KiB sample from the chunk's middle;
-    None when the chunk is too small to sample (code it both ways).
+    """Whether a delta beats the keyframe coding by ``min_gain``, judged on a 64 KiB sample from the chunk's
+    middle; None when the sample is too close to call (within ``_SAMPLE_MARGIN``) or the chunk too small to
+    sample: then the whole chunk is coded both ways.
 
-    Coding the sample both ways costs about 3 % of a 4 MiB chunk and spares coding the whole chunk twice.
+    Coding the sample both ways costs about 3 % of a 4 MiB chunk and spares coding most chunks twice.
     """
     n = len(view)
     if n < 4 * _SAMPLE_BYTES:
@@ -52,7 +54,11 @@ def _sample_prefers_delta(view, base, elem_size: int, level: int, min_gain: floa
     part = view[start:start + _SAMPLE_BYTES]
     delta = len(codec.encode_delta(part, base[start:start + _SAMPLE_BYTES], elem_size, level))
     key = min(len(codec.encode_planes(part, elem_size, level)), _SAMPLE_BYTES)
-    return delta <= (1.0 - min_gain) * key
+    if delta <= (1.0 - min_gain - _SAMPLE_MARGIN) * key:
+        return True
+    if delta >= (1.0 - min_gain + _SAMPLE_MARGIN) * key:
+        return False
+    return None
 
 
 @dataclass

@@ -17,9 +17,6 @@ MiB = 1 << 20
 _DEFAULT_CAP = 0
 
 
-_MAX_REJECTIONS = 1 << 18  # remembered keyframes (about 30 MiB at most)
-
-
 def _cap_from_env() -> int:
     raw = os.environ.get("DELTACKPT_BASE_CACHE_BYTES")
     if raw is None:
@@ -48,7 +45,6 @@ class BaseCache:
         self._size = 0
         self._generation = 0
         self._lock = threading.Lock()
-        self._rejections: OrderedDict[tuple[str, bytes], int] = OrderedDict()
 
     @property
     def size_bytes(self) -> int:
@@ -100,24 +96,10 @@ class BaseCache:
                 self._size -= len(value)
         return self._size + n <= self.cap_bytes
 
-    def rejections(self, store_id: str, chunk_id: bytes) -> int:
-        """How many saves in a row wrote keyframe ``chunk_id``'s place as a keyframe because a delta did not
-        pay (0 when unknown). Kept for the most recent keyframes, whatever the byte cap."""
-        with self._lock:
-            return self._rejections.get((store_id, chunk_id), 0)
-
-    def note_rejection(self, store_id: str, chunk_id: bytes, streak: int) -> None:
-        with self._lock:
-            self._rejections[(store_id, chunk_id)] = streak
-            self._rejections.move_to_end((store_id, chunk_id))
-            while len(self._rejections) > _MAX_REJECTIONS:
-                self._rejections.popitem(last=False)
-
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
             self._size = 0
-            self._rejections.clear()
 
 
 _shared: BaseCache | None = None

@@ -32,11 +32,7 @@ MiB = 1 << 20
 
 
 _SAMPLE_BYTES = 64 * 1024
-# A place where a delta did not pay in the last save is tried again only every this many saves (in-process
-# memory; a keyframe is always a valid coding, so forgetting costs only a wasted delta attempt).
-_RETRY_DELTA_EVERY = 4
 _SAMPLE_MARGIN = 0.05  # a sample verdict this close to the delta_min_gain line is not trusted
-_NOISY_FRACTION = 0.25  # ... only where the keyframe codes to at least this fraction of the raw bytes
 
 
 def _sample_prefers_delta(view, base, elem_size: int, level: int, min_gain: float) -> bool | None:
@@ -203,7 +199,7 @@ class ChunkWriter:
         with self._lock:
             if cid in self._claimed:
                 return [ChunkRef(cid, n)]
-        base, streak = None, -1
+        base = None
         if group is not None and self.parent:
             same = self.parent.exact(group, gstart, gstart + n)
             if same is None:
@@ -214,16 +210,12 @@ class ChunkWriter:
                     if refs is not None:
                         return refs
             elif self.config.delta and same.skip == 0:
-                streak = self._cache.rejections(self.config.store_id, same.chunk_id)
-                if streak % _RETRY_DELTA_EVERY == 0:
-                    base = self._delta_base(same.chunk_id, n)
-                    if base is None:
-                        streak = -1  # no base to try (a retired keyframe): not a rejection
+                base = self._delta_base(same.chunk_id, n)
         with self._lock:
             if cid in self._claimed:
                 return [ChunkRef(cid, n)]
             self._claimed.add(cid)
-        self._store_chunk(cid, view, elem_size, base, is_array=group is not None, streak=streak)
+        self._store_chunk(cid, view, elem_size, base, is_array=group is not None)
         return [ChunkRef(cid, n)]
 
     def _delta_base(self, parent_chunk: bytes, n: int) -> tuple[PackEntry, int] | None:
@@ -275,16 +267,11 @@ class ChunkWriter:
             self._cache.put(self.config.store_id, entry.chunk_id, raw)
         return raw
 
-    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int, base=None, is_array=False,
-                     streak: int = -1) -> None:
-        """Code and pack one new chunk: a delta against ``base`` when it pays off, else a keyframe.
-
-        ``streak`` (>= 0 when the parent has a chunk at this place) counts the saves in a row that found a
-        delta not worth it here; a place with a streak is retried only every ``_RETRY_DELTA_EVERY`` saves.
-        """
+    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int, base=None, is_array=False) -> None:
+        """Code and pack one new chunk: a delta against ``base`` when it pays off, else a keyframe."""
         c = self.config
         n = len(view)
-        cod, stored, base_id, age, base_raw = None, None, None, 0, None
+        cod, stored, base_id, age = None, None, None, 0
         if base is not None:
             key_entry, key_age = base
             base_raw = self._base_bytes(key_entry)
@@ -306,10 +293,6 @@ class ChunkWriter:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
         if cod != codec.DELTA and c.delta and is_array:
             self._cache.put(c.store_id, cid, view)  # the next save's base
-            # A delta was skipped or did not pay on a chunk that codes poorly (noise-like, e.g. Adam moments):
-            # remember. Chunks that code small (sparse fill-in) keep trying; their next delta often pays.
-            if streak >= 0 and (base is None or base_raw is not None) and len(stored) >= n * _NOISY_FRACTION:
-                self._cache.note_rejection(c.store_id, cid, streak + 1)
         sealed = None
         with self._lock:
             self._builder.add(cid, cod, elem_size, n, stored, base_id, age)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import resource
 import statistics
-from pathlib import Path
 
-from deltackpt.bench.measure import PeakRSS, _reset_hwm, drop_page_cache, rss_bytes, warm_tree  # noqa: F401 (re-exported)
+from deltackpt.bench.measure import PeakRSS, _reset_hwm, dir_usage, drop_page_cache, rss_bytes, warm_tree  # noqa: F401 (re-exported)
 
 MiB = 1 << 20
 
@@ -46,26 +45,9 @@ read_tree = warm_tree  # the same helper as deltackpt bench's
 
 
 def dir_size(path: str | os.PathLike, *, exclude_top: tuple[str, ...] = ()) -> tuple[int, int]:
-    """(apparent bytes, allocated bytes on disk) of every file under ``path``.
-
-    ``exclude_top``: names of top-level entries to skip (e.g. a cache folder).
-    """
-    root = Path(path)
-    apparent = allocated = 0
-    if not root.exists():
-        return 0, 0
-    for dirpath, dirs, files in os.walk(root):
-        if Path(dirpath) == root:
-            dirs[:] = [d for d in dirs if d not in exclude_top]
-            files = [f for f in files if f not in exclude_top]
-        for name in files:
-            try:
-                st = os.stat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            apparent += st.st_size
-            allocated += st.st_blocks * 512
-    return apparent, allocated
+    """(apparent bytes, allocated bytes on disk) of every file under ``path``; ``exclude_top``: names of
+    top-level entries to skip (e.g. a cache folder)."""
+    return dir_usage(path, exclude_top)
 
 
 def median(values):

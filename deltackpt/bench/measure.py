@@ -132,22 +132,30 @@ def run_child(cmd: list[str], env: dict | None = None, cwd: str | None = None,
     return stdout, peak
 
 
-def dir_bytes(path: str | os.PathLike, exclude_top: tuple[str, ...] = ()) -> int:
-    """Apparent size of every file under ``path`` (skipping top-level entries named in ``exclude_top``)."""
+def dir_usage(path: str | os.PathLike, exclude_top: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(apparent bytes, allocated bytes on disk) of every file under ``path``, skipping top-level entries
+    named in ``exclude_top``."""
     root = Path(path)
-    total = 0
+    apparent = allocated = 0
     if not root.exists():
-        return 0
+        return 0, 0
     for dirpath, dirs, files in os.walk(root):
         if Path(dirpath) == root:
             dirs[:] = [d for d in dirs if d not in exclude_top]
             files = [f for f in files if f not in exclude_top]
         for name in files:
             try:
-                total += os.stat(os.path.join(dirpath, name)).st_size
+                st = os.stat(os.path.join(dirpath, name))
             except FileNotFoundError:
-                pass
-    return total
+                continue
+            apparent += st.st_size
+            allocated += st.st_blocks * 512
+    return apparent, allocated
+
+
+def dir_bytes(path: str | os.PathLike, exclude_top: tuple[str, ...] = ()) -> int:
+    """Apparent size of every file under ``path`` (skipping top-level entries named in ``exclude_top``)."""
+    return dir_usage(path, exclude_top)[0]
 
 
 def drop_page_cache() -> bool:

@@ -159,11 +159,9 @@ class ChunkSource:
             raise CorruptChunkError("entry header disagrees with the index", **where)
         if cod != codec.RAW:
             try:
-                raw = codec.decode(cod, payload, rlen, es, base, out=out)
+                codec.decode(cod, payload, rlen, es, base, out=out)  # decodes into ``out``
             except ValueError as e:
                 raise CorruptChunkError(f"cannot decode ({e})", **where) from None
-            if raw is not out:
-                out[:] = raw
         if chunk_id_of(out) != entry.chunk_id:
             raise CorruptChunkError("chunk bytes do not match their hash", **where)
 

@@ -277,9 +277,9 @@ class ChunkWriter:
             base_raw = self._base_bytes(key_entry)
             # The keyframe's own coded size stands in for this chunk's keyframe coding.
             key_limit = (1.0 - c.delta_min_gain) * min(key_entry.stored_len, n)
-            verdict = None if base_raw is None else _sample_prefers_delta(view, base_raw, elem_size, c.zstd_level,
-                                                                        c.delta_min_gain)
-            if base_raw is not None and verdict is not False:
+            verdict = base_raw is not None and _sample_prefers_delta(view, base_raw, elem_size, c.zstd_level,
+                                                                     c.delta_min_gain)
+            if verdict is not False:  # True: the sample says delta; None: too close to call, code both ways
                 delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level)
                 # A delta larger than the keyframe it is based on means the place drifted away (e.g. an Adam
                 # state filling in): a new keyframe resets the base, so the next deltas are small again.

@@ -19,12 +19,15 @@ Two ways to run the systems (``isolate``):
 
 ``peak_rss_bytes`` is the absolute peak of the measuring process (interpreter, torch and the state dict
 being saved or loaded into included); ``peak_rss_overhead_bytes`` is the most any save or load added on top
-of the RSS it started from. Page cache before a load: every file of the system's storage is read once
-(``warm``, default) or the cache is dropped (``drop``, needs root; affects the whole machine).
+of the RSS it started from. Every save and load starts right after a full garbage collection (as in
+bench_dcp), so no system pays for a collection that objects left by an earlier step made due. Page cache
+before a load: every file of the system's storage is read once (``warm``, default) or the cache is dropped
+(``drop``, needs root; affects the whole machine).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -56,6 +59,7 @@ class SystemRun:
         self.rss_method = ""
 
     def save(self, state: dict, name: str, step: int | None = None) -> dict:
+        gc.collect()
         with PeakRSS() as m:
             t0 = time.perf_counter()
             self.system.save(state, name)
@@ -71,6 +75,7 @@ class SystemRun:
 
     def load(self, state: dict, name: str, kind: str) -> dict:
         cache = self._prepare_cache(name)
+        gc.collect()
         with PeakRSS() as m:
             t0 = time.perf_counter()
             self.system.load(state, name)

@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from ..errors import ManifestFormatError
 from ..store import LATEST, Store
+from ..store.pausegc import paused_gc
 from ..store.reader import CheckpointReader, default_read_threads
 from .metadata_schema import decode_metadata
 from .writer import LAYER_KEY, _name_of
@@ -79,6 +80,10 @@ class DeltaStorageReader(StorageReader):
             return False
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        with paused_gc():
+            return self._read_metadata()
+
+    def _read_metadata(self) -> Metadata:
         if self.checkpoint_id is None:
             self.reset(LATEST)
         manifest = self.store.read_manifest(self.checkpoint_id)
@@ -110,8 +115,15 @@ class DeltaStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with paused_gc():
+            self._read_data(plan, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         if self._reader is None:
-            self.read_metadata()
+            self._read_metadata()
         reader = self._reader
         keys = self.metadata.storage_data
         tensor_jobs = []
@@ -133,9 +145,6 @@ class DeltaStorageReader(StorageReader):
             for req, key, target in tensor_jobs:
                 self._read_tensor(reader, req, key, target)
                 planner.commit_tensor(req, target)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     # -- internals -------------------------------------------------------------------------------------------
     def _read_tensor(self, reader: CheckpointReader, req: ReadItem, key: str, target: torch.Tensor,

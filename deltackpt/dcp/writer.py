@@ -28,6 +28,7 @@ from torch.futures import Future
 from ..errors import CheckpointExistsError, SilentDataCorruptionError
 from ..store import Item, Store
 from ..store.lock import SHARED, StoreLock
+from ..store.pausegc import paused_gc
 from ..store.manifest import validate_name
 from .metadata_schema import encode_metadata
 from .tensors import item_key, shard_placement, tensor_bytes
@@ -137,7 +138,8 @@ class DeltaStorageWriter(StorageWriter):
             self._lock = store.lock(SHARED).acquire()
             weakref.finalize(self, self._lock.release)
         try:
-            return self._write_data(store, plan, planner)
+            with paused_gc():
+                return self._write_data(store, plan, planner)
         except BaseException:
             if self._lock is not None:
                 self._lock.release()

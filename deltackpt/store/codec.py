@@ -139,36 +139,51 @@ def encode_delta(raw, base, elem_size: int, level: int) -> Coded:
     return _pack_planes(kernels.xor_shuffle(raw, base, elem_size), elem_size, level)
 
 
-def _zstd_decode(stored, raw_len: int) -> bytes:
+def _zstd_into(stored, dest: memoryview) -> None:
+    """Decode the zstd frame ``stored`` into ``dest`` (a writable byte memoryview it must fill exactly)."""
+    n = len(dest)
     try:
-        # A damaged frame header could claim any size; python-zstandard would allocate it before failing.
+        # A damaged frame header could claim any size: check it before decoding.
         declared = zstandard.frame_content_size(stored)
     except zstandard.ZstdError as e:
         raise ValueError(f"zstd frame is damaged: {e}") from None
-    if declared != raw_len:
-        raise ValueError(f"zstd frame declares {declared} bytes, expected {raw_len}")
+    if declared != n:
+        raise ValueError(f"zstd frame declares {declared} bytes, expected {n}")
+    got = 0
     try:
-        out = _decompressor().decompress(stored, max_output_size=raw_len)
+        # Decoded straight into the destination: no per-plane allocation (and none of the page faults a
+        # fresh buffer per chunk costs on a multi-threaded load).
+        reader = _decompressor().stream_reader(stored, read_across_frames=False)
+        while got < n:
+            k = reader.readinto(dest[got:])
+            if k == 0:
+                break
+            got += k
     except zstandard.ZstdError as e:
         raise ValueError(f"zstd frame is damaged: {e}") from None
-    if len(out) != raw_len:
-        raise ValueError(f"zstd frame decoded to {len(out)} bytes, expected {raw_len}")
-    return out
+    if got != n:
+        raise ValueError(f"zstd frame decoded to {got} bytes, expected {n}")
 
 
-def _unpack_planes(stored, raw_len: int, elem_size: int):
-    """The shuffled planes buffer of a plane container (or of a legacy single zstd frame)."""
+def _unpack_planes(stored, raw_len: int, elem_size: int, planes: np.ndarray | None = None) -> np.ndarray:
+    """The shuffled planes of a plane container (or of a legacy single zstd frame), written into ``planes``
+    (a writable uint8 array of ``raw_len`` bytes; a new one when None) and returned."""
     stored = memoryview(stored).cast("B")
+    if planes is None:
+        planes = np.empty(raw_len, dtype=np.uint8)
+    elif planes.size != raw_len:
+        raise ValueError(f"planes buffer has {planes.size} bytes, expected {raw_len}")
+    dest = memoryview(planes)
     head = bytes(stored[:4])
     if head == ZSTD_MAGIC:
-        return _zstd_decode(stored, raw_len)
+        _zstd_into(stored, dest)
+        return planes
     if head != PLANES_MAGIC:
         raise ValueError("stored bytes are neither a plane container nor a zstd frame")
     segs = _segments(raw_len, elem_size)
     pos = 4 + _SEG.size * len(segs)
     if len(stored) < pos:
         raise ValueError("plane container header is truncated")
-    out = np.empty(raw_len, dtype=np.uint8)
     for i, (start, length) in enumerate(segs):
         mode, slen = _SEG.unpack_from(stored, 4 + _SEG.size * i)
         body = stored[pos:pos + slen]
@@ -178,21 +193,23 @@ def _unpack_planes(stored, raw_len: int, elem_size: int):
         if mode == SEG_RAW:
             if slen != length:
                 raise ValueError(f"raw plane {i} has {slen} bytes, expected {length}")
-            out[start:start + length] = np.frombuffer(body, dtype=np.uint8)
+            dest[start:start + length] = body
         elif mode == SEG_ZSTD:
-            out[start:start + length] = np.frombuffer(_zstd_decode(body, length), dtype=np.uint8)
+            _zstd_into(body, dest[start:start + length])
         else:
             raise ValueError(f"plane {i} has unknown mode {mode}")
     if pos != len(stored):
         raise ValueError(f"plane container has {len(stored) - pos} trailing bytes")
-    return out
+    return planes
 
 
-def decode(codec: int, stored, raw_len: int, elem_size: int, base=None, out=None):
+def decode(codec: int, stored, raw_len: int, elem_size: int, base=None, out=None, scratch=None):
     """Raw bytes of a chunk (bytes or a uint8 array). ``ValueError`` when the stored bytes are damaged.
 
     ``out``, a writable uint8 array of ``raw_len`` bytes, receives the result of a ``zstd`` or ``delta``
-    chunk (which is then returned), saving a copy when the caller wanted the bytes there anyway.
+    chunk (which is then returned), saving a copy when the caller wanted the bytes there anyway. ``scratch``,
+    a writable uint8 array of ``raw_len`` bytes, holds the decoded byte planes on the way (a new array when
+    None); its contents afterwards are unspecified.
     """
     if elem_size not in VALID_ELEM_SIZES:
         raise ValueError(f"invalid element size {elem_size}")
@@ -203,14 +220,14 @@ def decode(codec: int, stored, raw_len: int, elem_size: int, base=None, out=None
             raise ValueError(f"raw chunk has {len(stored)} bytes, expected {raw_len}")
         return stored
     if codec == ZSTD:
-        planes = _unpack_planes(stored, raw_len, elem_size)
-        if elem_size == 1 and out is None:
-            return planes
-        return kernels.unshuffle(planes, elem_size, out=out)
+        if elem_size == 1:  # one plane: the planes are the raw bytes
+            return _unpack_planes(stored, raw_len, 1, out)
+        return kernels.unshuffle(_unpack_planes(stored, raw_len, elem_size, scratch), elem_size, out=out)
     if codec == DELTA:
         if base is None or len(base) != raw_len:
             raise ValueError("delta chunk needs its base chunk of the same length")
-        return kernels.unshuffle_xor(_unpack_planes(stored, raw_len, elem_size), base, elem_size, out=out)
+        return kernels.unshuffle_xor(_unpack_planes(stored, raw_len, elem_size, scratch), base, elem_size,
+                                     out=out)
     raise ValueError(f"unknown codec id {codec}")
 
 

@@ -41,8 +41,9 @@ class ChunkSource:
     Chunks are decoded into the caller's buffer where it wants them (``decode_entry(..., out=)``): a raw
     chunk is read straight into it, a coded one is read into a per-thread scratch buffer and decoded into it,
     and the hash is taken over it. A delta's base is decoded into per-thread scratch too, so the reader itself
-    allocates nothing per chunk. Scratch is kept only for chunks up to ``SCRATCH_MAX`` bytes (two buffers per
-    thread, released with the source).
+    allocates nothing per chunk (fresh buffers per chunk cost page faults that serialize a multi-threaded
+    load). Scratch is kept only for chunks up to ``SCRATCH_MAX`` bytes (three buffers per thread: stored
+    bytes, byte planes, a delta's base; released with the source).
     """
 
     SCRATCH_MAX = 16 * MiB
@@ -159,7 +160,7 @@ class ChunkSource:
             raise CorruptChunkError("entry header disagrees with the index", **where)
         if cod != codec.RAW:
             try:
-                codec.decode(cod, payload, rlen, es, base, out=out)  # decodes into ``out``
+                codec.decode(cod, payload, rlen, es, base, out=out, scratch=self._buffer("planes", rlen))
             except ValueError as e:
                 raise CorruptChunkError(f"cannot decode ({e})", **where) from None
         if chunk_id_of(out) != entry.chunk_id:

@@ -82,3 +82,33 @@ def test_damaged_delta_base_fails_the_load_naming_both_chunks(delta_store):
     assert isinstance(err, CorruptChunkError), repr(err)
     assert err.chunk_id == ref.id.hex() and err.base_chunk_id == entry.base_id.hex()
     assert err.pack == entry.pack and err.checkpoint == "c1" and err.item == key
+
+
+def test_collector_is_paused_while_reading_and_writing_data(delta_store, tmp_path):
+    """read_data / write_data pause the cyclic GC (a full collection mid-load would scan the whole
+    process) and resume it afterwards."""
+    import gc
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+
+    path, _store, changed, _ = delta_store
+    seen = []
+
+    class Load(DefaultLoadPlanner):
+        def commit_tensor(self, read_item, tensor):
+            seen.append(("load", gc.isenabled()))
+            super().commit_tensor(read_item, tensor)
+
+    class Save(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            seen.append(("save", gc.isenabled()))
+            return super().resolve_data(write_item)
+
+    assert gc.isenabled()
+    sd = {k: torch.zeros_like(v) for k, v in changed.items()}
+    dcp.load(sd, storage_reader=deltackpt.DeltaStorageReader(path, "c1"), planner=Load())
+    dcp.save(changed, storage_writer=deltackpt.DeltaStorageWriter(path, "c2"), planner=Save())
+    assert {k for k, _ in seen} == {"load", "save"}
+    assert not any(enabled for _, enabled in seen), seen
+    assert gc.isenabled()
+    assert all(torch.equal(sd[k], v) for k, v in changed.items())

@@ -279,6 +279,37 @@ def test_decode_into_out_fills_the_destination():
         assert np.shares_memory(res, out) and out.tobytes() == new.tobytes()
 
 
+
+def test_decode_uses_the_callers_planes_scratch():
+    rng = np.random.default_rng(7)
+    base = rng.standard_normal(3001).astype(np.float32)
+    new = (base * np.float32(1.01)).astype(np.float32)
+    for cod, stored, b in [(codec.ZSTD, codec.encode_planes(new, 4, 1), None),
+                           (codec.DELTA, codec.encode_delta(new, base, 4, 1), base.view(np.uint8))]:
+        scratch = np.full(new.nbytes, 0xAB, dtype=np.uint8)
+        out = np.zeros(new.nbytes, dtype=np.uint8)
+        codec.decode(cod, stored, new.nbytes, 4, b, out=out, scratch=scratch)
+        assert out.tobytes() == new.tobytes()
+        assert not (scratch == 0xAB).all(), "the planes were decoded into the scratch buffer"
+        with pytest.raises(ValueError, match="planes buffer"):
+            codec.decode(cod, stored, new.nbytes, 4, b, out=out, scratch=scratch[:-1])
+    # One-byte elements: the planes are the raw bytes, decoded straight into ``out``.
+    u8 = rng.integers(0, 4, 5000).astype(np.uint8)
+    out = np.zeros(u8.size, dtype=np.uint8)
+    res = codec.decode(codec.ZSTD, codec.encode_planes(u8, 1, 1), u8.size, 1, out=out)
+    assert np.shares_memory(res, out) and out.tobytes() == u8.tobytes()
+
+
+def test_zstd_frame_with_a_wrong_declared_size_is_rejected():
+    import zstandard
+
+    w = np.random.default_rng(8).standard_normal(1000).astype(np.float32)
+    frame = zstandard.ZstdCompressor(level=1).compress(kernels.shuffle(w, 4))
+    with pytest.raises(ValueError, match="declares"):
+        codec.decode(codec.ZSTD, frame, w.nbytes + 4, 4)
+    with pytest.raises(ValueError, match="damaged|decoded to"):
+        codec.decode(codec.ZSTD, frame[:-7], w.nbytes, 4)
+
 @pytest.mark.parametrize("damage", ["trailing", "mode", "short_header", "raw_length", "bad_magic"])
 def test_damaged_plane_containers_raise_value_error(damage):
     w = np.random.default_rng(6).standard_normal(4096).astype(np.float32)

@@ -2,9 +2,13 @@
 
 When a writer stores a keyframe it keeps a copy of the raw bytes here; the next save of the same tensor
 region finds its delta base in memory. A base that is not cached (first save after a restart, or evicted)
-is read back from the store and verified. The cap is ``DELTACKPT_BASE_CACHE_BYTES``; it defaults to 0 (off),
-because it only pays in a process that saves again, where ``CheckpointManager`` raises it (256 MiB by
-default) with :func:`reserve_base_cache`.
+is read back from the store and verified.
+
+The cap is ``DELTACKPT_BASE_CACHE_BYTES`` when set (0 turns the cache off). Otherwise the cache costs
+nothing until it can pay: it starts at 0 and is raised to ``AUTO_CAP_BYTES`` (256 MiB) when a process saves
+to the same store a second time (a training loop; a one-off save keeps no copies), from which save on the
+bases it reads back are kept for the next one. ``CheckpointManager`` raises it from the start with
+:func:`reserve_base_cache`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections import OrderedDict
 
 MiB = 1 << 20
 _DEFAULT_CAP = 0
+AUTO_CAP_BYTES = 256 * MiB
 
 
 def _cap_from_env() -> int:
@@ -111,6 +116,18 @@ def reserve_base_cache(cap_bytes: int) -> None:
     if os.environ.get("DELTACKPT_BASE_CACHE_BYTES") is None:
         cache = shared_base_cache()
         cache.cap_bytes = max(cache.cap_bytes, int(cap_bytes))
+
+
+_saves: dict[str, int] = {}
+
+
+def note_save(store_id: str) -> None:
+    """Count a save to ``store_id`` in this process; the second one raises the shared cache to
+    ``AUTO_CAP_BYTES`` (unless the environment set the cap)."""
+    with _shared_lock:
+        _saves[store_id] = n = _saves.get(store_id, 0) + 1
+    if n == 2:
+        reserve_base_cache(AUTO_CAP_BYTES)
 
 
 def shared_base_cache() -> BaseCache:

@@ -207,6 +207,43 @@ def test_base_cache_spares_reading_bases_back(tmp_path):
         cache.clear()
 
 
+
+@pytest.mark.parametrize("env", [None, "0"])
+def test_second_save_in_a_process_turns_the_cache_on(tmp_path, monkeypatch, env):
+    """One save keeps no copies; a second save to the same store (a training loop) raises the cache to
+    AUTO_CAP_BYTES and keeps the bases it reads back, so the third reads none. An explicit
+    DELTACKPT_BASE_CACHE_BYTES wins."""
+    from deltackpt.store import basecache
+
+    if env is None:
+        monkeypatch.delenv("DELTACKPT_BASE_CACHE_BYTES", raising=False)
+    else:
+        monkeypatch.setenv("DELTACKPT_BASE_CACHE_BYTES", env)
+    cache = shared_base_cache()
+    monkeypatch.setattr(cache, "cap_bytes", 0)
+    cache.clear()
+    try:
+        backend = MemoryBackend()
+        store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=16384)
+        rng = np.random.default_rng(10)
+        w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
+        store.save("c0", {"w": w})
+        assert cache.cap_bytes == 0 and cache.size_bytes == 0
+        w = _drift(rng, w, 1e-6)
+        store.save("c1", {"w": w})
+        assert cache.cap_bytes == (basecache.AUTO_CAP_BYTES if env is None else 0)
+        reads = []
+        real_get_range = backend.get_range
+        backend.get_range = lambda key, off, n: reads.append(key) or real_get_range(key, off, n)
+        w = _drift(rng, w, 1e-6)
+        store.save("c2", {"w": w})
+        assert _codecs(store)["delta"] > 0
+        base_reads = [k for k in reads if k.startswith("packs/")]
+        assert (not base_reads) if env is None else base_reads
+        assert np.array_equal(store.load("c2")["w"], w)
+    finally:
+        cache.clear()
+
 def test_sample_decides_between_delta_and_keyframe():
     from deltackpt.store.writer import _sample_prefers_delta
 

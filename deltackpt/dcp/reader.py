@@ -134,21 +134,26 @@ class DeltaStorageReader(StorageReader):
                 continue
             target = planner.resolve_tensor(req).detach()
             tensor_jobs.append((req, key, target))
-        if len(tensor_jobs) > 1 and self.num_threads > 1:
-            with ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-load") as pool:
-                futures = [pool.submit(self._read_tensor, reader, req, key, target, False)
-                           for req, key, target in tensor_jobs]
-                for (req, _key, target), fut in zip(tensor_jobs, futures):
+        # Every tensor becomes chunk jobs (a box that is not one byte range: one read-and-copy job); small
+        # jobs are batched so that a model's many small tensors do not cost a pool hand-off each, and the
+        # batches run largest first on one pool (a large tensor's chunks in parallel, no nested pools).
+        work = []
+        for req, key, target in tensor_jobs:
+            work.extend(self._tensor_jobs(reader, req, key, target))
+        batches = _batches(work, BATCH_BYTES)
+        if len(batches) > 1 and self.num_threads > 1:
+            with ThreadPoolExecutor(min(self.num_threads, len(batches)), thread_name_prefix="deltackpt-load") as pool:
+                for fut in [pool.submit(_run_batch, b) for b in batches]:
                     fut.result()
-                    planner.commit_tensor(req, target)
         else:
-            for req, key, target in tensor_jobs:
-                self._read_tensor(reader, req, key, target)
-                planner.commit_tensor(req, target)
+            for b in batches:
+                _run_batch(b)
+        for req, _key, target in tensor_jobs:
+            planner.commit_tensor(req, target)
 
     # -- internals -------------------------------------------------------------------------------------------
-    def _read_tensor(self, reader: CheckpointReader, req: ReadItem, key: str, target: torch.Tensor,
-                     parallel: bool = True) -> None:
+    def _tensor_jobs(self, reader: CheckpointReader, req: ReadItem, key: str, target: torch.Tensor) -> list:
+        """(bytes, function, argument) jobs that fill ``target`` with the box ``req`` names."""
         item = reader.item(key)
         md = self.metadata.state_dict_metadata[req.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)
@@ -161,7 +166,7 @@ class DeltaStorageReader(StorageReader):
                                f"expected {lengths}")
         esize = torch.empty((), dtype=dtype).element_size()
         if math.prod(lengths) == 0:
-            return
+            return []
         # The box [offsets, offsets + lengths) of the saved chunk; its first and last elements bound the
         # contiguous byte range that holds it.
         strides = [1] * len(shape)
@@ -172,12 +177,46 @@ class DeltaStorageReader(StorageReader):
         nbytes = (last - first + 1) * esize
         contiguous = nbytes == math.prod(lengths) * esize
         if (contiguous and target.is_contiguous() and target.device.type == "cpu" and target.dtype == dtype):
-            reader.read_into(key, target.reshape(-1).view(torch.uint8).numpy(), first * esize, parallel=parallel)
-            return
-        buf = torch.from_numpy(reader.read(key, first * esize, nbytes, parallel=parallel)).view(dtype)
-        if contiguous:
-            src = buf.view(lengths)
-        else:
-            # View the range as the saved chunk's trailing box and narrow it to the request.
-            src = torch.as_strided(buf, lengths, strides) if shape else buf.view(lengths)
-        target.copy_(src)
+            dst = target.reshape(-1).view(torch.uint8).numpy()
+            return [(job[-1], reader.run_job, job) for job in reader.chunk_jobs(key, dst, first * esize)]
+        box = (reader, key, first * esize, nbytes, dtype, contiguous, lengths, strides, shape, target)
+        return [(nbytes, _copy_box, box)]
+
+
+BATCH_BYTES = 1 << 20  # jobs smaller than this are run in batches of about this many bytes
+
+
+def _batches(work: list, min_bytes: int) -> list[list]:
+    """Consecutive jobs grouped until each group holds ``min_bytes`` (a large job is a group of its own),
+    largest groups first."""
+    batches, cur, size = [], [], 0
+    for job in work:
+        if job[0] >= min_bytes:
+            batches.append((job[0], [job]))
+            continue
+        cur.append(job)
+        size += job[0]
+        if size >= min_bytes:
+            batches.append((size, cur))
+            cur, size = [], 0
+    if cur:
+        batches.append((size, cur))
+    batches.sort(key=lambda b: -b[0])
+    return [b for _, b in batches]
+
+
+def _run_batch(batch: list) -> None:
+    for _n, fn, arg in batch:
+        fn(arg)
+
+
+def _copy_box(box: tuple) -> None:
+    """Read the byte range holding a box of a saved chunk and copy the box into the destination."""
+    reader, key, offset, nbytes, dtype, contiguous, lengths, strides, shape, target = box
+    buf = torch.from_numpy(reader.read(key, offset, nbytes, parallel=False)).view(dtype)
+    if contiguous:
+        src = buf.view(lengths)
+    else:
+        # View the range as the saved chunk's trailing box and narrow it to the request.
+        src = torch.as_strided(buf, lengths, strides) if shape else buf.view(lengths)
+    target.copy_(src)

@@ -240,6 +240,20 @@ class CheckpointReader:
         the chunks in the calling thread (a caller that already reads items in parallel: nested pools would
         multiply the threads, and each holds a chunk's worth of scratch).
         """
+        jobs = self.chunk_jobs(key, out, offset)
+        if len(jobs) == 1 or self.num_threads == 1 or not parallel:
+            for job in jobs:
+                self.run_job(job)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-read")
+        for fut in [self._pool.submit(self.run_job, job) for job in jobs]:
+            fut.result()
+
+    def chunk_jobs(self, key: str, out, offset: int = 0) -> list[tuple]:
+        """The per-chunk jobs that fill ``out`` with item ``key``'s bytes from ``offset`` (as read_into does),
+        for a caller that schedules them itself: run each with :meth:`run_job`, in any threads. A job's
+        ``[-1]`` is its byte count."""
         item = self.item(key)
         if isinstance(out, np.ndarray):
             if not out.flags.c_contiguous or not out.flags.writeable:
@@ -251,26 +265,21 @@ class CheckpointReader:
         if offset < 0 or offset + length > item.nbytes:
             raise ValueError(f"range [{offset}, {offset + length}) is outside item {key!r} of {item.nbytes} bytes")
         if length == 0:
-            return
+            return []
         starts = self._ref_starts(item)
-        first = bisect.bisect_right(starts, offset) - 1
-        jobs = []
-        i = first
+        i = bisect.bisect_right(starts, offset) - 1
         end = offset + length
+        jobs = []
         while i < len(item.chunks) and starts[i] < end:
             ref = item.chunks[i]
             lo = max(offset, starts[i])
             hi = min(end, starts[i] + ref.length)
-            jobs.append((ref, ref.skip + lo - starts[i], lo - offset, hi - lo))
+            jobs.append((item, dst, ref, ref.skip + lo - starts[i], lo - offset, hi - lo))
             i += 1
-        if len(jobs) == 1 or self.num_threads == 1 or not parallel:
-            for job in jobs:
-                self._copy(item, dst, *job)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-read")
-        for fut in [self._pool.submit(self._copy, item, dst, *job) for job in jobs]:
-            fut.result()
+        return jobs
+
+    def run_job(self, job: tuple) -> None:
+        self._copy(*job)
 
     def _copy(self, item: Item, dst: np.ndarray, ref, src_off: int, dst_off: int, n: int) -> None:
         where = dict(checkpoint=self.name, item=item.key)

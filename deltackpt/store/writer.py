@@ -29,6 +29,7 @@ from .basecache import note_save, shared_base_cache
 from .reader import ChunkSource
 
 MiB = 1 << 20
+BATCH_BYTES = 1 * MiB  # spans smaller than this are coded in batches of about this many bytes
 
 
 _SAMPLE_BYTES = 64 * 1024
@@ -106,7 +107,11 @@ class ChunkWriter:
         self._cond = threading.Condition()
         # (item skeleton, [future -> list of ChunkRef]). The chunk tasks' memoryviews keep each source
         # buffer alive only until its chunks are coded, so a GPU->CPU copy is freed as soon as it is written.
-        self._pending: list[tuple[Item, list[Future]]] = []
+        self._pending: list[tuple[Item, list[tuple[Future, int | None]]]] = []
+        # Small spans (a model's biases and norms) are coded in batches, not one pool hand-off each.
+        self._batch: list[tuple[memoryview, int, str | None, int]] = []
+        self._batch_bytes = 0
+        self._batch_slots: list[list] = []
         self._finished = False
 
     # -- public ------------------------------------------------------------------------------------------
@@ -137,9 +142,10 @@ class ChunkWriter:
             raise RuntimeError("ChunkWriter.finish() was already called")
         self._finished = True
         try:
+            self._submit_batch()
             items = []
-            for item, futs in self._pending:
-                item.chunks = [ref for f in futs for ref in f.result()]
+            for item, slots in self._pending:
+                item.chunks = [ref for f, i in slots for ref in (f.result() if i is None else f.result()[i])]
                 items.append(item)
             with self._lock:
                 builder, self._builder = self._builder, None
@@ -170,9 +176,20 @@ class ChunkWriter:
     def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
         if self._finished:
             raise RuntimeError("ChunkWriter is finished")
-        futs = []
+        slots: list = []
+        self._pending.append((item, slots))
         for s, e in spans:
             n = e - s
+            if n < BATCH_BYTES:
+                self._reserve(n)
+                slot = [None, len(self._batch)]
+                self._batch.append((view[s:e], elem_size, group, global_offset + s))
+                self._batch_slots.append(slot)
+                slots.append(slot)
+                self._batch_bytes += n
+                if self._batch_bytes >= BATCH_BYTES:
+                    self._submit_batch()
+                continue
             self._reserve(n)
             try:
                 fut = self._pool.submit(self._write_span, view[s:e], elem_size, group, global_offset + s)
@@ -180,8 +197,22 @@ class ChunkWriter:
                 self._release(n)
                 raise
             fut.add_done_callback(lambda _f, n=n: self._release(n))
-            futs.append(fut)
-        self._pending.append((item, futs))
+            slots.append((fut, None))
+
+    def _submit_batch(self) -> None:
+        """Submit the small spans gathered so far as one job; their slots learn its future."""
+        if not self._batch:
+            return
+        batch, slots, n = self._batch, self._batch_slots, self._batch_bytes
+        self._batch, self._batch_slots, self._batch_bytes = [], [], 0
+        try:
+            fut = self._pool.submit(lambda: [self._write_span(*span) for span in batch])
+        except BaseException:
+            self._release(n)
+            raise
+        fut.add_done_callback(lambda _f: self._release(n))
+        for slot in slots:
+            slot[0] = fut
 
     def _reserve(self, n: int) -> None:
         with self._cond:

@@ -112,3 +112,25 @@ def test_collector_is_paused_while_reading_and_writing_data(delta_store, tmp_pat
     assert not any(enabled for _, enabled in seen), seen
     assert gc.isenabled()
     assert all(torch.equal(sd[k], v) for k, v in changed.items())
+
+
+def test_read_jobs_are_batched_largest_first():
+    from deltackpt.dcp.reader import _batches
+
+    work = [(n, None, i) for i, n in enumerate([10, 20, 500, 30, 40, 50, 7])]
+    batches = _batches(work, 60)
+    assert [[j[2] for j in b] for b in batches] == [[2], [4, 5], [0, 1, 3], [6]]  # 500, 90, 60, 7 bytes
+    assert sorted(j[2] for b in batches for j in b) == list(range(7)), "every job runs exactly once"
+    assert _batches([], 60) == []
+
+
+def test_load_of_many_small_and_some_large_tensors_is_bit_exact(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    sd = {f"b{i}": torch.randn(int(torch.randint(1, 5000, (1,), generator=g)), generator=g) for i in range(150)}
+    sd.update({f"w{i}": torch.randn(300, 1000, generator=g) for i in range(3)})
+    sd["h"] = torch.randn(999, generator=g).to(torch.bfloat16)
+    Store.init(tmp_path / "s", chunk_size_bytes=65536)
+    dcp.save(sd, storage_writer=deltackpt.DeltaStorageWriter(str(tmp_path / "s"), "c0"))
+    out = {k: torch.full_like(v, 7) for k, v in sd.items()}
+    dcp.load(out, storage_reader=deltackpt.DeltaStorageReader(str(tmp_path / "s"), "c0", num_threads=3))
+    assert all(torch.equal(out[k], v) for k, v in sd.items())

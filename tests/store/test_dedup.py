@@ -140,3 +140,30 @@ def test_dedup_is_exact_per_dtype(mem_store, rng, dtype):
     m = mem_store.save("b", {"y": x})  # renamed key, same bytes
     assert m.stats.new_chunks == 0 and m.stats.stored_bytes == 0
     assert_items_equal({"y": x}, mem_store.load("b"))
+
+
+def test_many_small_items_are_batched_and_deduplicated(mem_store, rng, monkeypatch):
+    """Spans below BATCH_BYTES are coded in batches: items interleaved with large ones keep their own chunk
+    refs, and equal small items (often in one batch) are stored once."""
+    from deltackpt.store import writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "BATCH_BYTES", 64 * 1024)
+    submits = []
+    real_submit = writer_mod.ThreadPoolExecutor.submit
+    monkeypatch.setattr(writer_mod.ThreadPoolExecutor, "submit",
+                        lambda self, fn, *a, **k: submits.append(fn) or real_submit(self, fn, *a, **k))
+    same = random_array(rng, "float32", (1000,))
+    items = {}
+    for i in range(60):
+        items[f"small{i}"] = random_array(rng, "float32", (int(rng.integers(1, 3000)),))
+        items[f"same{i}"] = same.copy()
+        if i % 20 == 0:
+            items[f"big{i}"] = random_array(rng, "float32", (3 * CHUNK // 4 + 7,))
+    m = mem_store.save("c", items)
+    save_submits = len(submits)
+    assert_items_equal(items, mem_store.load("c"))
+    refs = mem_store.read_manifest("c").item_map()
+    assert len({tuple(r.id for r in refs[f"same{i}"].chunks) for i in range(60)}) == 1
+    assert m.stats.new_chunks == sum(len(it.chunks) for it in refs.values()) - 59  # 60 equal items, one chunk
+    # 120 small items (~550 KB) and 3 large ones: about ten batches, not a pool hand-off per span.
+    assert save_submits < 20, "small spans should not be submitted one by one"

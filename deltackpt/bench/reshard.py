@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .systems import make_system
-from .runner import SystemRun, summarize, system_options
+from .runner import SystemRun, summarize, system_options, zero_tree
 
 
 def _child(fn, rank, world, init_file, args, results) -> None:
@@ -124,17 +124,6 @@ def _digest(obj) -> tuple:
     return tuple(parts)
 
 
-def _zero(obj) -> None:
-    if isinstance(obj, torch.Tensor):
-        obj.detach().zero_()
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _zero(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _zero(v)
-
-
 def _phase(rank, world, cfg, systems, work, opts, phase):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -192,10 +181,10 @@ def _phase(rank, world, cfg, systems, work, opts, phase):
         firsts, exact = {}, {}
         for n, run in runs.items():
             sd = _state(model, opt)
-            _zero(sd)
+            zero_tree(sd)
             run.load(sd, f"step-{step:06d}", "last")
             exact[n] = _digest(sd) == ref_last
-            _zero(sd)
+            zero_tree(sd)
             run.load(sd, f"step-{every:06d}", "first")
             firsts[n] = _digest(sd)
         info["first_identical"] = len(set(firsts.values())) == 1

@@ -19,7 +19,8 @@ Two ways to run the systems (``isolate``):
 
 ``peak_rss_bytes`` is the absolute peak of the measuring process (interpreter, torch and the state dict
 being saved or loaded into included); ``peak_rss_overhead_bytes`` is the most any save or load added on top
-of the RSS it started from. Every save and load starts right after a full garbage collection (as in
+of the RSS it started from. Each load is repeated ``LOAD_REPEATS`` times (median time, highest RSS
+peak). Every save and load starts right after a full garbage collection (as in
 bench_dcp), so no system pays for a collection that objects left by an earlier step made due. Page cache
 before a load: every file of the system's storage is read once (``warm``, default) or the cache is dropped
 (``drop``, needs root; affects the whole machine).
@@ -31,6 +32,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -47,13 +49,18 @@ from .workloads import make_workload, workload_config
 # DCP warns on every save/load without a process group that it assumes a single process: expected here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
+# Each load is timed this many times and the median kept: one 0.1-0.3 s load on a shared 2-core machine
+# varies by +-30 % from run to run.
+LOAD_REPEATS = 3
+
 
 class SystemRun:
     """Drive one system through saves and loads, recording a measurement per call."""
 
-    def __init__(self, system, page_cache: str = "warm") -> None:
+    def __init__(self, system, page_cache: str = "warm", load_repeats: int = LOAD_REPEATS) -> None:
         self.system = system
         self.page_cache = page_cache
+        self.load_repeats = max(1, int(load_repeats))
         self.saves: list[dict] = []
         self.loads: dict[str, dict] = {}
         self.rss_method = ""
@@ -74,16 +81,24 @@ class SystemRun:
         return rec
 
     def load(self, state: dict, name: str, kind: str) -> dict:
-        cache = self._prepare_cache(name)
-        gc.collect()
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            self.system.load(state, name)
-            seconds = time.perf_counter() - t0
-        m.add_child(self.system.child_peak_bytes)
-        self.system.after_load(name)
-        rec = {"name": name, "load_s": seconds, "peak_rss_bytes": m.peak, "rss_overhead_bytes": m.overhead,
-               "page_cache": cache}
+        """Load ``name`` into ``state`` ``load_repeats`` times (zeroed in between, so the last load alone
+        fills it); the record keeps the median time and the highest RSS peak."""
+        times, peaks, overheads = [], [], []
+        for i in range(self.load_repeats):
+            if i:
+                zero_tree(state)
+            cache = self._prepare_cache(name)
+            gc.collect()
+            with PeakRSS() as m:
+                t0 = time.perf_counter()
+                self.system.load(state, name)
+                times.append(time.perf_counter() - t0)
+            m.add_child(self.system.child_peak_bytes)
+            self.system.after_load(name)
+            peaks.append(m.peak)
+            overheads.append(m.overhead)
+        rec = {"name": name, "load_s": statistics.median(times), "load_s_all": [round(t, 4) for t in times],
+               "peak_rss_bytes": max(peaks), "rss_overhead_bytes": max(overheads), "page_cache": cache}
         self.loads[kind] = rec
         return rec
 
@@ -127,6 +142,17 @@ def summarize(saves: list[dict], loads: dict[str, dict], rss_method: str, extra:
 
 
 # -- state-dict trees ----------------------------------------------------------------------------------------
+def zero_tree(obj) -> None:
+    if isinstance(obj, torch.Tensor):
+        obj.detach().zero_()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            zero_tree(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            zero_tree(v)
+
+
 def clone_tree(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()

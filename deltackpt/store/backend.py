@@ -113,6 +113,9 @@ class Backend(abc.ABC):
         """A directory on this machine the store may use for caches, or None."""
         return None
 
+    def prefetch(self, key: str, ranges: list[tuple[int, int]]) -> None:
+        """Hint that the ``(offset, length)`` ranges of ``key`` will be read soon (default: nothing)."""
+
 
 class MemoryBackend(Backend):
     """A dict of bytes, for tests and scratch stores."""
@@ -286,6 +289,23 @@ class LocalBackend(Backend):
         with open(self._path(key), "rb") as f:
             f.seek(offset)
             return f.read(length)
+
+    def prefetch(self, key, ranges):
+        """Start the kernel's read-ahead of the ranges (posix_fadvise WILLNEED), so that reading threads
+        find them in the page cache; errors are ignored (it is only a hint)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            for offset, length in ranges:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def get_range_into(self, key, offset, buffers):
         if offset < 0:

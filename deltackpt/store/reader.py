@@ -30,9 +30,10 @@ MiB = 1 << 20
 
 
 def default_read_threads() -> int:
-    """Threads for reading chunks: a read waits on I/O about as long as it decodes, so twice the cores
-    (at most 8) keep the cores busy."""
-    return max(1, min(8, 2 * (os.cpu_count() or 1)))
+    """Threads for reading chunks: one per core (at most 8). Loads read ahead (``prefetch``), so a thread
+    seldom waits on I/O; more threads than cores only contend for the GIL (measured: a warm 235 MiB load
+    took 0.14 s with 2 threads, 0.17 s with 4 on 2 cores)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 class ChunkSource:
@@ -280,6 +281,23 @@ class CheckpointReader:
 
     def run_job(self, job: tuple) -> None:
         self._copy(*job)
+
+    def prefetch(self, jobs: list[tuple]) -> None:
+        """Ask the backend to start reading the pack ranges the jobs (from chunk_jobs) need, deltas' bases
+        included, so that the threads that decode them find them read (I/O overlaps decoding)."""
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        seen = set()
+        for job in jobs:
+            cid = job[2].id
+            while cid is not None and cid not in seen:
+                seen.add(cid)
+                entry = self.store.index.lookup(cid)
+                if entry is None:
+                    break  # reported by the read itself
+                ranges.setdefault(pack_key(entry.pack), []).append((entry.offset, entry.span))
+                cid = entry.base_id
+        for key, rs in ranges.items():
+            self.store.backend.prefetch(key, sorted(rs))
 
     def _copy(self, item: Item, dst: np.ndarray, ref, src_off: int, dst_off: int, n: int) -> None:
         where = dict(checkpoint=self.name, item=item.key)

@@ -17,6 +17,8 @@ import os
 import threading
 from collections import OrderedDict
 
+import numpy as np
+
 MiB = 1 << 20
 _DEFAULT_CAP = 0
 AUTO_CAP_BYTES = 256 * MiB
@@ -79,26 +81,34 @@ class BaseCache:
         with self._lock:
             if key in self._data:
                 self._data[key][1] = self._generation
+                self._data.move_to_end(key)
                 return
             if not self._make_room(n):
                 return
-        value = bytes(raw)
+        # numpy copies without holding the GIL (bytes() would stall the other coding threads).
+        value = np.frombuffer(raw, dtype=np.uint8).copy()
+        value.flags.writeable = False
         with self._lock:
             if key not in self._data and self._make_room(n):
                 self._data[key] = [value, self._generation]
                 self._size += n
 
     def _make_room(self, n: int) -> bool:
-        """Evict entries older than the current generation (least recent first) until ``n`` bytes fit."""
+        """Evict entries older than the current generation (least recent first) until ``n`` bytes fit.
+
+        Entries are kept in order of last use, so generations only grow along it: eviction stops at the
+        first entry of the current generation."""
         if self._size + n <= self.cap_bytes:
             return True
-        for key in list(self._data):
-            if self._size + n <= self.cap_bytes:
+        victims, freed = [], 0
+        for key, (value, gen) in self._data.items():
+            if self._size - freed + n <= self.cap_bytes or gen >= self._generation:
                 break
-            value, gen = self._data[key]
-            if gen < self._generation:
-                del self._data[key]
-                self._size -= len(value)
+            victims.append(key)
+            freed += len(value)
+        for key in victims:
+            del self._data[key]
+        self._size -= freed
         return self._size + n <= self.cap_bytes
 
     def clear(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,7 +43,7 @@ class DeltaStorageReader(StorageReader):
         super().__init__()
         self._store_spec = store
         self._store: Store | None = store if isinstance(store, Store) else None
-        self.num_threads = num_threads or default_read_threads()
+        self.num_threads = num_threads  # None: chosen per load (default_read_threads)
         self.checkpoint_id: str | None = None
         self.load_id = None
         self._reader: CheckpointReader | None = None
@@ -141,23 +140,17 @@ class DeltaStorageReader(StorageReader):
         work = []
         for req, key, target in tensor_jobs:
             work.extend(self._tensor_jobs(reader, req, key, target))
-        # Read-ahead hints for every chunk, given from a side thread while the first chunks decode: with a
-        # cold page cache the reads then overlap decoding; with a warm one they cost only the hints.
-        hints = threading.Thread(target=reader.prefetch, args=([job[2] for job in work if job[1] == reader.run_job],),
-                                 name="deltackpt-prefetch", daemon=True)
-        hints.start()
-        try:
-            batches = _batches(work, BATCH_BYTES)
-            if len(batches) > 1 and self.num_threads > 1:
-                with ThreadPoolExecutor(min(self.num_threads, len(batches)),
-                                        thread_name_prefix="deltackpt-load") as pool:
-                    for fut in [pool.submit(_run_batch, b) for b in batches]:
-                        fut.result()
-            else:
-                for b in batches:
-                    _run_batch(b)
-        finally:
-            hints.join()
+        threads = self.num_threads
+        if threads is None:  # one per core, twice that when the chunks are not in the page cache
+            threads = default_read_threads(reader.looks_cold([job[2] for job in work if job[1] == reader.run_job]))
+        batches = _batches(work, BATCH_BYTES)
+        if len(batches) > 1 and threads > 1:
+            with ThreadPoolExecutor(min(threads, len(batches)), thread_name_prefix="deltackpt-load") as pool:
+                for fut in [pool.submit(_run_batch, b) for b in batches]:
+                    fut.result()
+        else:
+            for b in batches:
+                _run_batch(b)
         for req, _key, target in tensor_jobs:
             planner.commit_tensor(req, target)
 

@@ -113,8 +113,10 @@ class Backend(abc.ABC):
         """A directory on this machine the store may use for caches, or None."""
         return None
 
-    def prefetch(self, key: str, ranges: list[tuple[int, int]]) -> None:
-        """Hint that the ``(offset, length)`` ranges of ``key`` will be read soon (default: nothing)."""
+    def is_cached(self, key: str, offset: int) -> bool | None:
+        """Whether the byte at ``offset`` of ``key`` can be read without waiting on a device (page cache),
+        or None when the backend cannot tell (default)."""
+        return None
 
 
 class MemoryBackend(Backend):
@@ -290,20 +292,21 @@ class LocalBackend(Backend):
             f.seek(offset)
             return f.read(length)
 
-    def prefetch(self, key, ranges):
-        """Start the kernel's read-ahead of the ranges (posix_fadvise WILLNEED), so that reading threads
-        find them in the page cache; errors are ignored (it is only a hint)."""
-        if not hasattr(os, "posix_fadvise"):
-            return
+    def is_cached(self, key, offset):
+        """A one-byte ``preadv(RWF_NOWAIT)``: it fails with EAGAIN when the page is not in the page cache."""
+        flag = getattr(os, "RWF_NOWAIT", None)
+        if flag is None:
+            return None
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
         except OSError:
-            return
+            return None
         try:
-            for offset, length in ranges:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            return os.preadv(fd, [bytearray(1)], offset, flag) == 1
+        except BlockingIOError:
+            return False
         except OSError:
-            pass
+            return None  # e.g. a file system without RWF_NOWAIT
         finally:
             os.close(fd)
 

@@ -163,39 +163,25 @@ def test_truncated_raw_entry_is_a_corrupt_chunk(tmp_path):
     assert ei.value.chunk_id == ref.id.hex() and ei.value.item == "n"
 
 
-def test_prefetch_hints_every_chunk_and_delta_base(tmp_path):
-    """CheckpointReader.prefetch names each needed pack range once, a delta's base included; a local
-    backend turns the hints into read-ahead and ignores a missing pack."""
+def test_cold_probe_picks_more_read_threads(tmp_path, monkeypatch):
+    """A warm local pack reads as cached (preadv RWF_NOWAIT); a backend that reports chunks off the page
+    cache makes looks_cold true and doubles the read threads; a backend that cannot tell counts as warm."""
     from deltackpt.store import MemoryBackend
-    from deltackpt.store.basecache import shared_base_cache
-    from deltackpt.store.reader import CheckpointReader
+    from deltackpt.store.reader import CheckpointReader, default_read_threads
 
-    class Recording(MemoryBackend):
-        def __init__(self):
-            super().__init__()
-            self.hints = []
-
-        def prefetch(self, key, ranges):
-            self.hints += [(key, r) for r in ranges]
-
-    shared_base_cache().clear()
-    backend = Recording()
-    store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=16384)
-    rng = np.random.default_rng(11)
-    w = (rng.standard_normal(20_000) * 0.05).astype(np.float32)
-    store.save("c0", {"w": w})
-    store.save("c1", {"w": w + np.float32(1e-6) * (np.arange(w.size) % 7).astype(np.float32)})
-    manifest = store.read_manifest("c1")
-    reader = CheckpointReader(store, manifest)
+    store = Store.init(LocalBackend(tmp_path / "st", fsync=False), chunk_size_bytes=16384)
+    w = np.random.default_rng(12).standard_normal(20_000).astype(np.float32)
+    store.save("c", {"w": w})
+    entry = store.index.lookup(store.read_manifest("c").item_map()["w"].chunks[0].id)
+    key = pack_key(entry.pack)
+    (store.backend.root / key).read_bytes()  # now in the page cache
+    assert store.backend.is_cached(key, entry.offset) in (True, None)  # None: no RWF_NOWAIT here
+    reader = CheckpointReader(store, store.read_manifest("c"))
     jobs = reader.chunk_jobs("w", np.empty(w.nbytes, dtype=np.uint8))
-    reader.prefetch(jobs)
-    want = set()
-    for ref in manifest.item_map()["w"].chunks:
-        e = store.index.lookup(ref.id)
-        want.add((pack_key(e.pack), (e.offset, e.span)))
-        if e.base_id is not None:
-            b = store.index.lookup(e.base_id)
-            want.add((pack_key(b.pack), (b.offset, b.span)))
-    assert any(store.index.lookup(r.id).base_id for r in manifest.item_map()["w"].chunks), "test needs deltas"
-    assert sorted(backend.hints) == sorted(want)
-    LocalBackend(tmp_path / "local", fsync=False).prefetch("packs/00/missing.pack", [(0, 10)])  # no error
+    monkeypatch.setattr(LocalBackend, "is_cached", lambda self, k, off: False)
+    assert reader.looks_cold(jobs) and not reader.looks_cold([])
+    monkeypatch.setattr(LocalBackend, "is_cached", lambda self, k, off: True)
+    assert not reader.looks_cold(jobs)
+    assert MemoryBackend().is_cached("packs/x", 0) is None
+    cores = os.cpu_count() or 1
+    assert default_read_threads(cold=True) == min(8, 2 * cores) and default_read_threads() == min(8, cores)

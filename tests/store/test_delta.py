@@ -26,6 +26,14 @@ def _codecs(store: Store) -> Counter:
     return Counter(codec.CODEC_NAMES[e.codec] for e in store.index.iter_entries())
 
 
+def _record_reads(backend) -> list:
+    """The keys of every ranged read from ``backend`` from now on."""
+    reads = []
+    real_get_range = backend.get_range
+    backend.get_range = lambda key, off, n: reads.append(key) or real_get_range(key, off, n)
+    return reads
+
+
 @pytest.fixture
 def mem_store(tmp_path):
     shared_base_cache().clear()
@@ -194,9 +202,7 @@ def test_base_cache_spares_reading_bases_back(tmp_path):
         rng = np.random.default_rng(9)
         w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
         store.save("c0", {"w": w})
-        reads = []
-        real_get_range = backend.get_range
-        backend.get_range = lambda key, off, n: reads.append(key) or real_get_range(key, off, n)
+        reads = _record_reads(backend)
         w1 = _drift(rng, w, 1e-6)
         store.save("c1", {"w": w1})
         assert _codecs(store)["delta"] > 0
@@ -232,9 +238,7 @@ def test_second_save_in_a_process_turns_the_cache_on(tmp_path, monkeypatch, env)
         w = _drift(rng, w, 1e-6)
         store.save("c1", {"w": w})
         assert cache.cap_bytes == (basecache.AUTO_CAP_BYTES if env is None else 0)
-        reads = []
-        real_get_range = backend.get_range
-        backend.get_range = lambda key, off, n: reads.append(key) or real_get_range(key, off, n)
+        reads = _record_reads(backend)
         w = _drift(rng, w, 1e-6)
         store.save("c2", {"w": w})
         assert _codecs(store)["delta"] > 0

@@ -215,6 +215,13 @@ class ChunkWriter:
             slot[0] = fut
 
     def _reserve(self, n: int) -> None:
+        """Wait until ``n`` more bytes fit under ``max_inflight_bytes`` (a span alone always fits). Spans
+        gathered for a batch hold their bytes too, so the batch is submitted before waiting: else nothing
+        would release them."""
+        with self._cond:
+            must_wait = self._inflight and self._inflight + n > self.max_inflight_bytes
+        if must_wait and self._batch:
+            self._submit_batch()
         with self._cond:
             while self._inflight and self._inflight + n > self.max_inflight_bytes:
                 self._cond.wait()

@@ -28,8 +28,8 @@ from torch.futures import Future
 from ..errors import CheckpointExistsError, SilentDataCorruptionError
 from ..store import Item, Store
 from ..store.lock import SHARED, StoreLock
-from ..store.pausegc import paused_gc
 from ..store.manifest import validate_name
+from ..store.pausegc import paused_gc
 from .metadata_schema import encode_metadata
 from .tensors import item_key, shard_placement, tensor_bytes
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +29,7 @@ from .basecache import note_save, shared_base_cache
 from .reader import ChunkSource
 
 MiB = 1 << 20
-BATCH_BYTES = 1 * MiB  # spans smaller than this are coded in batches of about this many bytes
+BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
 
 
 _SAMPLE_BYTES = 64 * 1024
@@ -105,10 +105,12 @@ class ChunkWriter:
         self._packs: dict[str, int] = {}
         self._inflight = 0
         self._cond = threading.Condition()
-        # (item skeleton, [future -> list of ChunkRef]). The chunk tasks' memoryviews keep each source
-        # buffer alive only until its chunks are coded, so a GPU->CPU copy is freed as soon as it is written.
-        self._pending: list[tuple[Item, list[tuple[Future, int | None]]]] = []
-        # Small spans (a model's biases and norms) are coded in batches, not one pool hand-off each.
+        # (item skeleton, a slot per span: [batch future -> list of refs per span, index]). The tasks'
+        # memoryviews keep each source buffer alive only until its chunks are coded, so a GPU->CPU copy is
+        # freed as soon as it is written.
+        self._pending: list[tuple[Item, list[list]]] = []
+        # Spans are submitted in batches of about BATCH_BYTES: a large span alone, a model's many small ones
+        # (biases, norms) together rather than one pool hand-off each.
         self._batch: list[tuple[memoryview, int, str | None, int]] = []
         self._batch_bytes = 0
         self._batch_slots: list[list] = []
@@ -145,7 +147,7 @@ class ChunkWriter:
             self._submit_batch()
             items = []
             for item, slots in self._pending:
-                item.chunks = [ref for f, i in slots for ref in (f.result() if i is None else f.result()[i])]
+                item.chunks = [ref for f, i in slots for ref in f.result()[i]]
                 items.append(item)
             with self._lock:
                 builder, self._builder = self._builder, None
@@ -176,31 +178,21 @@ class ChunkWriter:
     def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
         if self._finished:
             raise RuntimeError("ChunkWriter is finished")
-        slots: list = []
+        slots: list[list] = []
         self._pending.append((item, slots))
         for s, e in spans:
             n = e - s
-            if n < BATCH_BYTES:
-                self._reserve(n)
-                slot = [None, len(self._batch)]
-                self._batch.append((view[s:e], elem_size, group, global_offset + s))
-                self._batch_slots.append(slot)
-                slots.append(slot)
-                self._batch_bytes += n
-                if self._batch_bytes >= BATCH_BYTES:
-                    self._submit_batch()
-                continue
             self._reserve(n)
-            try:
-                fut = self._pool.submit(self._write_span, view[s:e], elem_size, group, global_offset + s)
-            except BaseException:
-                self._release(n)
-                raise
-            fut.add_done_callback(lambda _f, n=n: self._release(n))
-            slots.append((fut, None))
+            slot = [None, len(self._batch)]  # [the batch's future, this span's index in it]
+            self._batch.append((view[s:e], elem_size, group, global_offset + s))
+            self._batch_slots.append(slot)
+            slots.append(slot)
+            self._batch_bytes += n
+            if self._batch_bytes >= BATCH_BYTES:  # a large span goes at once, small ones gather
+                self._submit_batch()
 
     def _submit_batch(self) -> None:
-        """Submit the small spans gathered so far as one job; their slots learn its future."""
+        """Submit the spans gathered so far as one job; their slots learn its future."""
         if not self._batch:
             return
         batch, slots, n = self._batch, self._batch_slots, self._batch_bytes

@@ -26,6 +26,16 @@ def _codecs(store: Store) -> Counter:
     return Counter(codec.CODEC_NAMES[e.codec] for e in store.index.iter_entries())
 
 
+def _store_with_first_save(tmp_path, seed: int):
+    """(backend, store, rng, w): a memory store holding checkpoint "c0" = {"w": w}."""
+    backend = MemoryBackend()
+    store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=16384)
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
+    store.save("c0", {"w": w})
+    return backend, store, rng, w
+
+
 def _record_reads(backend) -> list:
     """The keys of every ranged read from ``backend`` from now on."""
     reads = []
@@ -197,11 +207,7 @@ def test_base_cache_spares_reading_bases_back(tmp_path):
     cache.clear()
     cache.cap_bytes = 64 << 20
     try:
-        backend = MemoryBackend()
-        store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=16384)
-        rng = np.random.default_rng(9)
-        w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
-        store.save("c0", {"w": w})
+        backend, store, rng, w = _store_with_first_save(tmp_path, seed=9)
         reads = _record_reads(backend)
         w1 = _drift(rng, w, 1e-6)
         store.save("c1", {"w": w1})
@@ -211,7 +217,6 @@ def test_base_cache_spares_reading_bases_back(tmp_path):
     finally:
         cache.cap_bytes = old_cap
         cache.clear()
-
 
 
 @pytest.mark.parametrize("env", [None, "0"])
@@ -229,11 +234,7 @@ def test_second_save_in_a_process_turns_the_cache_on(tmp_path, monkeypatch, env)
     monkeypatch.setattr(cache, "cap_bytes", 0)
     cache.clear()
     try:
-        backend = MemoryBackend()
-        store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=16384)
-        rng = np.random.default_rng(10)
-        w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
-        store.save("c0", {"w": w})
+        backend, store, rng, w = _store_with_first_save(tmp_path, seed=10)
         assert cache.cap_bytes == 0 and cache.size_bytes == 0
         w = _drift(rng, w, 1e-6)
         store.save("c1", {"w": w})

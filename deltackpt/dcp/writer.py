@@ -15,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import uuid
 import weakref
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -30,6 +32,7 @@ from ..store import Item, Store
 from ..store.lock import SHARED, StoreLock
 from ..store.manifest import validate_name
 from ..store.pausegc import paused_gc
+from ..store.writer import default_write_threads
 from .metadata_schema import encode_metadata
 from .tensors import item_key, shard_placement, tensor_bytes
 
@@ -121,15 +124,20 @@ class DeltaStorageWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Every rank reports which parent it will diff against (and, with DeltaSavePlanner, digests of its
         # replicas); the coordinator makes the parents agree and compares the replicas.
+        # The host name lets the coordinator tell each rank how many ranks share its machine's cores.
         digests = plan.storage_data.get("replica_digests", {}) if isinstance(plan.storage_data, dict) else {}
-        return dataclasses.replace(plan, storage_data={"parent": self._parent_name, "replica_digests": digests})
+        return dataclasses.replace(plan, storage_data={"parent": self._parent_name, "replica_digests": digests,
+                                                       "host": socket.gethostname()})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self.replica_check != "off":
             check_replicas([p.storage_data.get("replica_digests", {}) for p in plans], self.replica_check)
         parents = {p.storage_data.get("parent") for p in plans}
         parent = self._parent_name if len(parents) != 1 else parents.pop()
-        return [dataclasses.replace(p, storage_data=parent) for p in plans]
+        hosts = Counter(p.storage_data.get("host") for p in plans)
+        return [dataclasses.replace(p, storage_data={"agreed_parent": parent,
+                                                     "host_ranks": hosts[p.storage_data.get("host")]})
+                for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         store = self.store
@@ -146,12 +154,15 @@ class DeltaStorageWriter(StorageWriter):
             raise
 
     def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if not isinstance(plan.storage_data, dict):
-            self._parent_name = plan.storage_data
+        host_ranks = 1
+        if isinstance(plan.storage_data, dict) and "agreed_parent" in plan.storage_data:
+            self._parent_name = plan.storage_data["agreed_parent"]
+            host_ranks = plan.storage_data["host_ranks"]
         parent = None
         if self._parent_name is not None and store.exists(self._parent_name):
             parent = store.read_manifest(self._parent_name)
-        writer = store.writer(parent=parent, num_threads=self.num_threads)
+        # Ranks on one machine share its cores: each codes with its share (more threads only contend).
+        writer = store.writer(parent=parent, num_threads=self.num_threads or default_write_threads(host_ranks))
         keys = []
         try:
             for item in plan.items:

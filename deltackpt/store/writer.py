@@ -32,33 +32,56 @@ MiB = 1 << 20
 BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
 
 
-_SAMPLE_BYTES = 64 * 1024
+_SAMPLE_BYTES = 64 * 1024  # at most; a chunk is judged by a sample of 1/16 of it, at least 16 KiB
+_SAMPLE_MIN_CHUNK = 256 * 1024  # smaller chunks are not sampled: their delta is coded outright
 # A sample verdict this close to the delta_min_gain line is not trusted. On the bench workloads' fp32 and bf16
-# state the 64 KiB sample's delta/keyframe ratio was mostly within 0.01 of the whole chunk's; where it missed
-# (sparse rows) it overrated the delta, which costs a second coding, never bytes.
+# state the sample's delta ratio was mostly within 0.01 of the whole chunk's; where it missed (sparse rows)
+# it overrated the delta, which costs a second coding, never bytes.
 _SAMPLE_MARGIN = 0.02
+# A place whose previous delta came in this far under the line is coded as a delta outright (no sample).
+_HISTORY_MARGIN = 0.05
+# Chunks smaller than this, or than a quarter of the store's chunk size (biases, norms: a few hundred bytes on
+# a sharded model), are always keyframes: a delta would save a few bytes and cost a base lookup, a second
+# coding and a cache copy per chunk.
+DELTA_MIN_BYTES = 16 * 1024
 
 
-def _sample_prefers_delta(view, base, elem_size: int, level: int, min_gain: float) -> bool | None:
-    """Whether a delta beats the keyframe coding by ``min_gain``, judged on a 64 KiB sample from the chunk's
-    middle; None when the sample is too close to call (within ``_SAMPLE_MARGIN``) or the chunk too small to
-    sample: then the whole chunk is coded both ways.
+def _sample_prefers_delta(view, base, elem_size: int, level: int, limit_ratio: float) -> bool | None:
+    """Whether the chunk's delta will come in under ``limit_ratio`` of its raw size, judged on a sample from
+    the chunk's middle (1/16 of it, 16-64 KiB); None when the sample is within ``_SAMPLE_MARGIN`` of the line
+    or the chunk too small to sample: then the delta is coded in full and compared.
 
-    Coding the sample both ways costs about 3 % of a 4 MiB chunk and spares coding most chunks twice.
+    ``limit_ratio`` comes from the keyframe at the same place (its coded size, less ``delta_min_gain``), so
+    only the delta side is coded: about 6 % of the chunk, which spares coding a losing delta in full.
     """
     n = len(view)
-    if n < 4 * _SAMPLE_BYTES:
+    if n < _SAMPLE_MIN_CHUNK:
         return None
+    size = max(16 * 1024, min(_SAMPLE_BYTES, n // 16)) // 64 * 64
     start = (n // 2) // 64 * 64
     base = as_byte_view(base)
-    part = view[start:start + _SAMPLE_BYTES]
-    delta = len(codec.encode_delta(part, base[start:start + _SAMPLE_BYTES], elem_size, level))
-    key = min(len(codec.encode_planes(part, elem_size, level)), _SAMPLE_BYTES)
-    if delta <= (1.0 - min_gain - _SAMPLE_MARGIN) * key:
+    ratio = len(codec.encode_delta(view[start:start + size], base[start:start + size], elem_size, level)) / size
+    if ratio <= limit_ratio - _SAMPLE_MARGIN:
         return True
-    if delta >= (1.0 - min_gain + _SAMPLE_MARGIN) * key:
+    if ratio >= limit_ratio + _SAMPLE_MARGIN:
         return False
     return None
+
+
+def default_write_threads(processes: int = 1) -> int:
+    """Coding threads for one writer when ``processes`` writers (ranks) share this machine's cores: its share
+    of them, at least one, at most 8. More only contend: 2 and 3 FSDP ranks on 2 cores saved changed
+    checkpoints 1.19-1.24x and 1.18-1.21x DCP's time with 1 thread per rank, 1.24-1.36x and 1.26-1.29x with 2
+    (two runs each of the reshard bench's ranks)."""
+    cores = _usable_cores()
+    return max(1, min(8, cores // max(1, processes)))
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -94,8 +117,9 @@ class ChunkWriter:
         self._source = ChunkSource(store)
         self._cache = shared_base_cache()
         self._cache.new_generation()
+        self._delta_min = min(DELTA_MIN_BYTES, self.config.chunk_size_bytes // 4)
         note_save(self.config.store_id)
-        self.num_threads = num_threads or max(1, min(8, os.cpu_count() or 1))
+        self.num_threads = num_threads or default_write_threads()
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
         self._lock = threading.Lock()
@@ -243,7 +267,7 @@ class ChunkWriter:
                     refs = self._match_parent(view, gstart, cover)
                     if refs is not None:
                         return refs
-            elif self.config.delta and same.skip == 0:
+            elif self.config.delta and same.skip == 0 and n >= self._delta_min:
                 base = self._delta_base(same.chunk_id, n)
         with self._lock:
             if cid in self._claimed:
@@ -252,25 +276,27 @@ class ChunkWriter:
         self._store_chunk(cid, view, elem_size, base, is_array=group is not None)
         return [ChunkRef(cid, n)]
 
-    def _delta_base(self, parent_chunk: bytes, n: int) -> tuple[PackEntry, int] | None:
-        """(keyframe entry, age) to code a changed chunk against, or None for a new keyframe.
+    def _delta_base(self, parent_chunk: bytes, n: int) -> tuple[PackEntry, int, int | None] | None:
+        """(keyframe entry, age, stored size of the parent's delta or None) to code a changed chunk against,
+        or None for a new keyframe.
 
         The base is the keyframe behind the parent's chunk at the same place (the parent chunk itself, or
         its base when it is a delta), so restoring any chunk reads at most two. A keyframe that has served
-        ``keyframe_interval`` checkpoints is retired.
+        ``keyframe_interval`` checkpoints is retired. The parent's delta size is this place's history: a
+        delta that paid off well last time is likely to again.
         """
         index = self.store.index
         entry = index.lookup(parent_chunk)
         if entry is None or entry.raw_len != n:
             return None
         if entry.codec == codec.DELTA:
-            age = entry.age + 1
+            age, last = entry.age + 1, entry.stored_len
             entry = index.lookup(entry.base_id)
             if entry is None or entry.codec == codec.DELTA or entry.raw_len != n:
                 return None
         else:
-            age = 1
-        return (entry, age) if age <= self.config.keyframe_interval else None
+            age, last = 1, None
+        return (entry, age, last) if age <= self.config.keyframe_interval else None
 
     def _match_parent(self, view: memoryview, gstart: int, cover: list[Extent]) -> list[ChunkRef] | None:
         """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""
@@ -307,13 +333,17 @@ class ChunkWriter:
         n = len(view)
         cod, stored, base_id, age = None, None, None, 0
         if base is not None:
-            key_entry, key_age = base
+            key_entry, key_age, last = base
             base_raw = self._base_bytes(key_entry)
             # The keyframe's own coded size stands in for this chunk's keyframe coding.
             key_limit = (1.0 - c.delta_min_gain) * min(key_entry.stored_len, n)
-            verdict = base_raw is not None and _sample_prefers_delta(view, base_raw, elem_size, c.zstd_level,
-                                                                     c.delta_min_gain)
-            if verdict is not False:  # True: the sample says delta; None: too close to call, code both ways
+            if base_raw is None:
+                verdict = False
+            elif last is not None and last <= key_limit - _HISTORY_MARGIN * n:
+                verdict = True  # this place's last delta paid off well
+            else:
+                verdict = _sample_prefers_delta(view, base_raw, elem_size, c.zstd_level, key_limit / n)
+            if verdict is not False:  # True: delta expected; None: too close to call, code both ways
                 delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level)
                 # A delta larger than the keyframe it is based on means the place drifted away (e.g. an Adam
                 # state filling in): a new keyframe resets the base, so the next deltas are small again.
@@ -325,7 +355,7 @@ class ChunkWriter:
                     cod, stored, base_id, age = codec.DELTA, delta, key_entry.chunk_id, key_age
         if cod is None:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
-        if cod != codec.DELTA and c.delta and is_array:
+        if cod != codec.DELTA and c.delta and is_array and n >= self._delta_min:
             self._cache.put(c.store_id, cid, view)  # the next save's base
         sealed = None
         with self._lock:

@@ -288,6 +288,36 @@ def test_ranks_create_missing_store_concurrently(tmp_path):
         assert store.read_manifest("first").store_id == store.config.store_id
 
 
+def _writer_threads(rank: int, world: int, path: str):
+    """The coding threads each rank's ChunkWriter got, and what one process alone would get."""
+    from deltackpt import DeltaStorageWriter
+    from deltackpt.store import writer as store_writer
+
+    seen = []
+    real_init = store_writer.ChunkWriter.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        seen.append(self.num_threads)
+
+    store_writer.ChunkWriter.__init__ = init
+    dcp.save({f"t{rank}": torch.randn(64, 64)}, storage_writer=DeltaStorageWriter(path, checkpoint_id="a"))
+    return seen, store_writer.default_write_threads(world), store_writer.default_write_threads(1)
+
+
+def test_ranks_on_one_machine_share_its_cores(store_path, monkeypatch):
+    """The coordinator counts ranks per host from the plans; each writer codes with its share of the cores."""
+    from deltackpt.store import writer as store_writer
+
+    monkeypatch.setattr(store_writer, "_usable_cores", lambda: 6)
+    assert [store_writer.default_write_threads(n) for n in (1, 2, 3, 4, 7)] == [6, 3, 2, 1, 1]
+    monkeypatch.setattr(store_writer, "_usable_cores", lambda: 64)
+    assert store_writer.default_write_threads(1) == 8
+    for seen, shared, alone in run_ranks(_writer_threads, 3, store_path, timeout=120):
+        assert seen == [shared]
+        assert shared == max(1, min(8, alone // 3))
+
+
 # --------------------------------------------------------------------------------------------------------
 # h. failure atomicity and missing names across ranks
 # --------------------------------------------------------------------------------------------------------

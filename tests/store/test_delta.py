@@ -256,9 +256,10 @@ def test_sample_decides_between_delta_and_keyframe():
     base = rng.standard_normal(1 << 18).astype(np.float32)
     close = (base + rng.standard_normal(base.size).astype(np.float32) * 1e-6).astype(np.float32)
     unrelated = rng.standard_normal(base.size).astype(np.float32)
-    assert _sample_prefers_delta(memoryview(close).cast("B"), base, 4, 1, 0.1) is True
-    assert _sample_prefers_delta(memoryview(unrelated).cast("B"), base, 4, 1, 0.1) is False
-    assert _sample_prefers_delta(memoryview(close[:1000]).cast("B"), base[:1000], 4, 1, 0.1) is None
+    limit = 0.9 * len(codec.encode_planes(base, 4, 1)) / base.nbytes  # the keyframe's ratio, less 10 %
+    assert _sample_prefers_delta(memoryview(close).cast("B"), base, 4, 1, limit) is True
+    assert _sample_prefers_delta(memoryview(unrelated).cast("B"), base, 4, 1, limit) is False
+    assert _sample_prefers_delta(memoryview(close[:1000]).cast("B"), base[:1000], 4, 1, limit) is None
 
 
 def test_chunks_the_sample_rejects_are_coded_once_as_keyframes(tmp_path, monkeypatch):
@@ -275,6 +276,55 @@ def test_chunks_the_sample_rejects_are_coded_once_as_keyframes(tmp_path, monkeyp
     assert full == [("encode_planes", 1 << 20)] and calls[full[0]] == 1
     assert _codecs(store)["delta"] == 0
 
+
+
+def _count_codings(monkeypatch) -> Counter:
+    """(codec function, input length) -> calls, from now on."""
+    calls = Counter()
+    for name in ("encode_delta", "encode_planes"):
+        real = getattr(codec, name)
+        monkeypatch.setattr(codec, name, lambda *a, _r=real, _n=name: (calls.update([(_n, len(a[0]))]), _r(*a))[1])
+    return calls
+
+
+def test_a_place_whose_last_delta_paid_off_skips_the_sample(tmp_path, monkeypatch):
+    shared_base_cache().clear()
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal(1 << 18).astype(np.float32)  # one 1 MiB chunk
+    store.save("c0", {"w": w})
+    calls = _count_codings(monkeypatch)
+    store.save("c1", {"w": _drift(rng, w, 1e-6)})  # no history yet: the sample decides, then the delta
+    assert _codecs(store)["delta"] == 1
+    assert calls[("encode_delta", 1 << 20)] == 1 and any(n < 1 << 20 for _, n in calls)
+    calls.clear()
+    w2 = _drift(rng, w, 1e-6)
+    store.save("c2", {"w": w2})  # the parent's delta paid off: coded outright, no sample
+    assert dict(calls) == {("encode_delta", 1 << 20): 1}
+    assert _codecs(store)["delta"] == 2
+    assert np.array_equal(store.load("c2")["w"], w2)
+
+
+def test_chunks_much_smaller_than_the_chunk_size_are_keyframes(tmp_path, monkeypatch):
+    """A bias or norm shard of a few hundred bytes is never delta-coded nor cached as a base."""
+    cache = shared_base_cache()
+    cache.clear()
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
+    rng = np.random.default_rng(14)
+    small = rng.standard_normal(256).astype(np.float32)  # 1 KiB
+    big = rng.standard_normal(1 << 16).astype(np.float32)  # 256 KiB: a quarter chunk, delta-coded
+    for i in range(3):
+        small, big = _drift(rng, small, 1e-6), _drift(rng, big, 1e-6)
+        store.save(f"c{i}", {"small": small, "big": big})
+    small_ids = {r.id for r in store.read_manifest("c2").item_map()["small"].chunks}
+    big_ids = {r.id for r in store.read_manifest("c2").item_map()["big"].chunks}
+    assert {store.index.lookup(c).codec for c in small_ids} != {codec.DELTA}
+    assert {store.index.lookup(c).codec for c in big_ids} == {codec.DELTA}
+    cached = {chunk_id for _store, chunk_id in cache._data}
+    big_bases = {store.index.lookup(c).base_id for c in big_ids}
+    assert big_bases <= cached and not small_ids & cached
+    assert np.array_equal(store.load("c2")["small"], small)
+    assert np.array_equal(store.load("c2")["big"], big)
 
 # -- the plane container ----------------------------------------------------------------------------------------
 

@@ -213,17 +213,25 @@ def _check_builtin_tree(value: Any, path: str, err: type[Exception]) -> None:
     )
 
 
-def _dims(value: Any, path: str) -> tuple[int, ...]:
+def _dims(value: Any, path) -> tuple[int, ...]:
+    """``value`` as a tuple of non-negative ints. ``path`` (a str, or a function making it: the paths of
+    thousands of chunks are only formatted when one is wrong) names it in the error."""
+    if type(value) in (torch.Size, tuple, list):
+        out = tuple(value)
+        for d in out:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return out
+    path = path() if callable(path) else path
     if not isinstance(value, (torch.Size, tuple, list)):
         raise TypeError(f"{path}: expected torch.Size, got {type(value).__name__}")
-    out = []
     for i, d in enumerate(value):
         if type(d) is not int:
             raise TypeError(f"{path}[{i}]: expected int, got {type(d).__name__}")
         if d < 0:
             raise ValueError(f"{path}[{i}]: negative value {d}")
-        out.append(d)
-    return tuple(out)
+    return tuple(value)  # a subclass of tuple or list, all ints
 
 
 def _enum_name(table: dict[Any, str], value: Any, path: str, what: str) -> str:
@@ -250,15 +258,15 @@ def _storage_to_record(v: Any, path: str) -> TensorStorageRecord | BytesStorageR
         return BytesStorageRecord()
     if type(v) is not TensorStorageMetadata:
         raise TypeError(f"{path}: unsupported storage metadata type {type(v).__name__}")
-    size = _dims(v.size, f"{path}.size")
+    size = _dims(v.size, lambda: f"{path}.size")
     chunks = []
     for i, c in enumerate(v.chunks):
-        cpath = f"{path}.chunks[{i}]"
         if type(c) is not ChunkStorageMetadata:
-            raise TypeError(f"{cpath}: expected ChunkStorageMetadata, got {type(c).__name__}")
-        offsets, sizes = _dims(c.offsets, f"{cpath}.offsets"), _dims(c.sizes, f"{cpath}.sizes")
+            raise TypeError(f"{path}.chunks[{i}]: expected ChunkStorageMetadata, got {type(c).__name__}")
+        offsets = _dims(c.offsets, lambda: f"{path}.chunks[{i}].offsets")
+        sizes = _dims(c.sizes, lambda: f"{path}.chunks[{i}].sizes")
         if not len(offsets) == len(sizes) == len(size):
-            raise ValueError(f"{cpath}: offsets/sizes rank differs from the tensor rank {len(size)}")
+            raise ValueError(f"{path}.chunks[{i}]: offsets/sizes rank differs from the tensor rank {len(size)}")
         chunks.append(ChunkRecord(offsets=offsets, sizes=sizes))
     return TensorStorageRecord(
         properties=_properties_to_record(v.properties, f"{path}.properties"), size=size, chunks=chunks
@@ -290,7 +298,7 @@ def _index_to_record(idx: Any, path: str) -> MetadataIndexRecord:
         raise TypeError(f"{path}.fqn: expected str")
     if idx.index is not None and (type(idx.index) is not int or idx.index < 0):
         raise TypeError(f"{path}.index: expected a non-negative int or None")
-    offset = None if idx.offset is None else _dims(idx.offset, f"{path}.offset")
+    offset = None if idx.offset is None else _dims(idx.offset, lambda: f"{path}.offset")
     return MetadataIndexRecord(fqn=idx.fqn, offset=offset, index=idx.index)
 
 
@@ -302,7 +310,8 @@ def _storage_data_to_record(sd: Any) -> list[StorageDataEntry] | None:
     entries = []
     for i, (k, v) in enumerate(sd.items()):
         rec = _index_to_record(k, f"storage_data key #{i}")
-        _check_builtin_tree(v, f"storage_data[{k!r}]", TypeError)
+        if type(v) is not str:  # our own values are item keys; anything else is checked in full
+            _check_builtin_tree(v, f"storage_data[{k!r}]", TypeError)
         entries.append(StorageDataEntry(index=rec, value=v))
     return entries
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -41,14 +42,25 @@ def shard_placement(fqn: str, key: str, offsets: Sequence[int], sizes: Sequence[
 
 
 def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
-    """(contiguous CPU tensor, its bytes as a numpy uint8 array, element size for byte planes)."""
+    """(contiguous CPU tensor, its bytes as a numpy uint8 array, element size for byte planes).
+
+    Few torch calls per tensor (each may hand the GIL to the coding threads): the byte view is taken in numpy.
+    """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"expected a tensor from the planner, got {type(value).__name__}")
     t = value.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
+    if not t.is_contiguous():
+        t = t.contiguous()
     size = t.element_size()
     elem_size = size if size in (1, 2, 4, 8) else 8 if size % 8 == 0 else 1
-    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-    return t, raw, elem_size
+    if not t.numel():
+        return t, b"", elem_size
+    if t.is_conj() or t.is_neg():  # a lazy conjugate/negative view: its memory is not its values
+        t = t.resolve_conj().resolve_neg()
+    try:
+        arr = t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16, float8, ...): reinterpret the bytes first
+        arr = t.reshape(-1).view(torch.uint8).numpy()
+    return t, arr.reshape(-1).view(np.uint8), elem_size

@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointExistsError, SilentDataCorruptionError
 from ..store import Item, Store
+from ..store.basecache import AUTO_CAP_BYTES, reserve_base_cache
 from ..store.lock import SHARED, StoreLock
 from ..store.manifest import validate_name
 from ..store.pausegc import paused_gc
@@ -135,7 +136,7 @@ class DeltaStorageWriter(StorageWriter):
         parents = {p.storage_data.get("parent") for p in plans}
         parent = self._parent_name if len(parents) != 1 else parents.pop()
         hosts = Counter(p.storage_data.get("host") for p in plans)
-        return [dataclasses.replace(p, storage_data={"agreed_parent": parent,
+        return [dataclasses.replace(p, storage_data={"agreed_parent": parent, "ranks": len(plans),
                                                      "host_ranks": hosts[p.storage_data.get("host")]})
                 for p in plans]
 
@@ -158,6 +159,10 @@ class DeltaStorageWriter(StorageWriter):
         if isinstance(plan.storage_data, dict) and "agreed_parent" in plan.storage_data:
             self._parent_name = plan.storage_data["agreed_parent"]
             host_ranks = plan.storage_data["host_ranks"]
+            if plan.storage_data["ranks"] > 1:
+                # A multi-rank save is a training job's: keep this save's keyframes for the next one from
+                # the first save on (else the second save after every (re)start reads its bases back).
+                reserve_base_cache(AUTO_CAP_BYTES)
         parent = None
         if self._parent_name is not None and store.exists(self._parent_name):
             parent = store.read_manifest(self._parent_name)

@@ -5,10 +5,11 @@ region finds its delta base in memory. A base that is not cached (first save aft
 is read back from the store and verified.
 
 The cap is ``DELTACKPT_BASE_CACHE_BYTES`` when set (0 turns the cache off). Otherwise the cache costs
-nothing until it can pay: it starts at 0 and is raised to ``AUTO_CAP_BYTES`` (256 MiB) when a process saves
-to the same store a second time (a training loop; a one-off save keeps no copies), from which save on the
-bases it reads back are kept for the next one. ``CheckpointManager`` raises it from the start with
-:func:`reserve_base_cache`.
+nothing until it can pay: it starts at 0 and is raised to ``AUTO_CAP_BYTES`` (256 MiB) when a process uses
+the same store a second time: a second save (a training loop) or a save after a restore (a resumed one); a
+one-off save keeps no copies. From then on the keyframes it writes and the bases it reads back are kept for
+the next save. A DCP save on more than one rank (a training job) and ``CheckpointManager`` raise it from the
+first save, with :func:`reserve_base_cache`.
 """
 
 from __future__ import annotations
@@ -128,14 +129,15 @@ def reserve_base_cache(cap_bytes: int) -> None:
         cache.cap_bytes = max(cache.cap_bytes, int(cap_bytes))
 
 
-_saves: dict[str, int] = {}
+_uses: dict[str, int] = {}
 
 
-def note_save(store_id: str) -> None:
-    """Count a save to ``store_id`` in this process; the second one raises the shared cache to
-    ``AUTO_CAP_BYTES`` (unless the environment set the cap)."""
+def note_use(store_id: str) -> None:
+    """Count a save to, or a restore from, ``store_id`` in this process; the second one raises the shared
+    cache to ``AUTO_CAP_BYTES`` (unless the environment set the cap). A training loop saves again and again,
+    and a resumed one restores first: either way its saves from the second use on keep their keyframes."""
     with _shared_lock:
-        _saves[store_id] = n = _saves.get(store_id, 0) + 1
+        _uses[store_id] = n = _uses.get(store_id, 0) + 1
     if n == 2:
         reserve_base_cache(AUTO_CAP_BYTES)
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
 from . import codec
+from .basecache import note_use
 from .manifest import Item, Manifest
 from .pack import HEADER_SIZE, PackEntry, decode_header, pack_key
 from .chunking import chunk_id_of
@@ -193,6 +194,7 @@ class CheckpointReader:
         self.num_threads = num_threads or default_read_threads()
         self._pool: ThreadPoolExecutor | None = None
         self._starts: dict[str, list[int]] = {}
+        note_use(store.config.store_id)  # a restore then a save: a resumed training loop (see basecache)
 
     @property
     def name(self) -> str:

@@ -25,7 +25,7 @@ from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
 from .manifest import ChunkRef, Item, Manifest
 from .pack import PackBuilder, PackEntry, pack_key
 from .parentmap import Extent, ParentMap
-from .basecache import note_save, shared_base_cache
+from .basecache import note_use, shared_base_cache
 from .reader import ChunkSource
 
 MiB = 1 << 20
@@ -118,7 +118,7 @@ class ChunkWriter:
         self._cache = shared_base_cache()
         self._cache.new_generation()
         self._delta_min = min(DELTA_MIN_BYTES, self.config.chunk_size_bytes // 4)
-        note_save(self.config.store_id)
+        note_use(self.config.store_id)
         self.num_threads = num_threads or default_write_threads()
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")

@@ -6,6 +6,7 @@ are gathered with ``full_tree`` (a collective) before the save and after the loa
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -292,6 +293,7 @@ def _writer_threads(rank: int, world: int, path: str):
     """The coding threads each rank's ChunkWriter got, and what one process alone would get."""
     from deltackpt import DeltaStorageWriter
     from deltackpt.store import writer as store_writer
+    from deltackpt.store.basecache import shared_base_cache
 
     seen = []
     real_init = store_writer.ChunkWriter.__init__
@@ -301,21 +303,28 @@ def _writer_threads(rank: int, world: int, path: str):
         seen.append(self.num_threads)
 
     store_writer.ChunkWriter.__init__ = init
-    dcp.save({f"t{rank}": torch.randn(64, 64)}, storage_writer=DeltaStorageWriter(path, checkpoint_id="a"))
-    return seen, store_writer.default_write_threads(world), store_writer.default_write_threads(1)
+    os.environ.pop("DELTACKPT_BASE_CACHE_BYTES", None)
+    dcp.save({f"t{rank}": torch.randn(128, 128)}, storage_writer=DeltaStorageWriter(path, checkpoint_id="a"))
+    cache = shared_base_cache()
+    return (seen, store_writer.default_write_threads(world), store_writer.default_write_threads(1),
+            cache.cap_bytes, cache.size_bytes)
 
 
 def test_ranks_on_one_machine_share_its_cores(store_path, monkeypatch):
-    """The coordinator counts ranks per host from the plans; each writer codes with its share of the cores."""
+    """The coordinator counts ranks per host from the plans; each writer codes with its share of the cores.
+    A multi-rank save keeps its keyframes for the next save from the first save on."""
+    from deltackpt.store.basecache import AUTO_CAP_BYTES
+
     from deltackpt.store import writer as store_writer
 
     monkeypatch.setattr(store_writer, "_usable_cores", lambda: 6)
     assert [store_writer.default_write_threads(n) for n in (1, 2, 3, 4, 7)] == [6, 3, 2, 1, 1]
     monkeypatch.setattr(store_writer, "_usable_cores", lambda: 64)
     assert store_writer.default_write_threads(1) == 8
-    for seen, shared, alone in run_ranks(_writer_threads, 3, store_path, timeout=120):
+    for seen, shared, alone, cap, cached in run_ranks(_writer_threads, 3, store_path, timeout=120):
         assert seen == [shared]
         assert shared == max(1, min(8, alone // 3))
+        assert cap == AUTO_CAP_BYTES and cached == 128 * 128 * 4
 
 
 # --------------------------------------------------------------------------------------------------------

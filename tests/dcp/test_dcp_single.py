@@ -144,6 +144,8 @@ def test_non_tensor_values_and_dtypes_roundtrip(store_path):
         "view": big[10:20],  # a view into a larger storage: only the view is saved
         "special": torch.tensor([math.nan, math.inf, -math.inf, -0.0, 1e-45, 3.4e38]),
         "tensors": [torch.randn(3), torch.arange(4)],
+        "c64": torch.randn(11, dtype=torch.complex64),
+        "conj": torch.randn(6, dtype=torch.complex64).conj(),  # a lazy view: its memory is not its values
     }
     ref = full_tree(sd)
     deltackpt.save(sd, store_path, "mixed")

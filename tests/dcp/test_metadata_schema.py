@@ -393,6 +393,22 @@ def test_encode_rejects_unsupported_shapes(md: Metadata) -> None:
         encode_metadata(md)
 
 
+@pytest.mark.parametrize(
+    "offsets, sizes, err, where",
+    [
+        ((0, -1), (4, 4), ValueError, r"\['t'\]\.chunks\[1\]\.offsets\[1\]: negative"),
+        ((0, 0), (4, 4.0), TypeError, r"\['t'\]\.chunks\[1\]\.sizes\[1\]: expected int"),
+        ((0, 0), "44", TypeError, r"\['t'\]\.chunks\[1\]\.sizes: expected torch.Size"),
+    ],
+)
+def test_encode_names_the_bad_chunk(offsets, sizes, err, where) -> None:
+    good = ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4]))
+    bad = ChunkStorageMetadata(offsets, sizes)
+    md = Metadata({"t": TensorStorageMetadata(TensorProperties(), torch.Size([8, 4]), [good, bad])})
+    with pytest.raises(err, match=where):
+        encode_metadata(md)
+
+
 def test_encode_rejects_chunk_rank_mismatch() -> None:
     bad = TensorStorageMetadata(TensorProperties(), torch.Size([4, 4]), [ChunkStorageMetadata((0,), (4,))])
     with pytest.raises(ValueError, match="rank"):

@@ -249,6 +249,36 @@ def test_second_save_in_a_process_turns_the_cache_on(tmp_path, monkeypatch, env)
     finally:
         cache.clear()
 
+def test_a_save_after_a_restore_keeps_its_keyframes(tmp_path, monkeypatch):
+    """A resumed run restores, then saves: that first save already keeps its keyframes, so the next save reads
+    no bases back from the store."""
+    from deltackpt.store import basecache
+
+    monkeypatch.delenv("DELTACKPT_BASE_CACHE_BYTES", raising=False)
+    cache = shared_base_cache()
+    monkeypatch.setattr(cache, "cap_bytes", 0)
+    cache.clear()
+    try:
+        backend, _, rng, w = _store_with_first_save(tmp_path, seed=15)
+        store = Store.open(backend, cache_dir=tmp_path / "c2")  # as if in a new process: uses counted anew
+        monkeypatch.setattr(basecache, "_uses", {})
+        assert np.array_equal(store.load("c0")["w"], w)
+        assert cache.cap_bytes == 0
+        w = rng.standard_normal(w.size).astype(np.float32)  # all new: keyframes
+        store.save("c1", {"w": w})
+        assert cache.cap_bytes == basecache.AUTO_CAP_BYTES
+        c1_ids = {r.id for r in store.read_manifest("c1").item_map()["w"].chunks}
+        assert c1_ids <= {chunk_id for _store, chunk_id in cache._data}
+        reads = _record_reads(backend)
+        w = _drift(rng, w, 1e-6)
+        store.save("c2", {"w": w})
+        assert _codecs(store)["delta"] > 0
+        assert not [k for k in reads if k.startswith("packs/")]
+        assert np.array_equal(store.load("c2")["w"], w)
+    finally:
+        cache.clear()
+
+
 def test_sample_decides_between_delta_and_keyframe():
     from deltackpt.store.writer import _sample_prefers_delta
 

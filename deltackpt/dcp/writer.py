@@ -136,7 +136,7 @@ class DeltaStorageWriter(StorageWriter):
         parents = {p.storage_data.get("parent") for p in plans}
         parent = self._parent_name if len(parents) != 1 else parents.pop()
         hosts = Counter(p.storage_data.get("host") for p in plans)
-        return [dataclasses.replace(p, storage_data={"agreed_parent": parent,
+        return [dataclasses.replace(p, storage_data={"agreed_parent": parent, "ranks": len(plans),
                                                      "host_ranks": hosts[p.storage_data.get("host")]})
                 for p in plans]
 
@@ -155,16 +155,18 @@ class DeltaStorageWriter(StorageWriter):
             raise
 
     def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        host_ranks = 1
+        host_ranks = ranks = 1
         if isinstance(plan.storage_data, dict) and "agreed_parent" in plan.storage_data:
             self._parent_name = plan.storage_data["agreed_parent"]
-            host_ranks = plan.storage_data["host_ranks"]
+            host_ranks, ranks = plan.storage_data["host_ranks"], plan.storage_data["ranks"]
         parent = None
         if self._parent_name is not None and store.exists(self._parent_name):
             parent = store.read_manifest(self._parent_name)
-        # dcp.save is what training loops call: keep this save's keyframes for the next one from the first
-        # save on, else the second save after every (re)start reads all its bases back from the store.
-        reserve_base_cache(AUTO_CAP_BYTES)
+        if ranks > 1:
+            # A multi-rank save is a training job's: keep this save's keyframes for the next one from the
+            # first save on, else the second save after every (re)start reads all its bases back. (A single
+            # process keeps them from its second use of the store: a one-off save holds no extra memory.)
+            reserve_base_cache(AUTO_CAP_BYTES)
         # Ranks on one machine share its cores: each codes with its share (more threads only contend).
         writer = store.writer(parent=parent, num_threads=self.num_threads or default_write_threads(host_ranks))
         keys = []

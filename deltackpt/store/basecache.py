@@ -8,8 +8,8 @@ The cap is ``DELTACKPT_BASE_CACHE_BYTES`` when set (0 turns the cache off). Othe
 nothing until it can pay: it starts at 0 and is raised to ``AUTO_CAP_BYTES`` (256 MiB) when a process uses
 the same store a second time: a second save (a training loop) or a save after a restore (a resumed one); a
 one-off save keeps no copies. From then on the keyframes it writes and the bases it reads back are kept for
-the next save. DCP saves (``DeltaStorageWriter``: what training loops call) and ``CheckpointManager`` raise
-it from the first save, with :func:`reserve_base_cache`; the store-level API (``Store.save``) counts uses.
+the next save. A DCP save on more than one rank (a training job) and ``CheckpointManager`` raise it from the
+first save, with :func:`reserve_base_cache`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,6 +84,21 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+class _InlineExecutor:
+    """The executor interface, running each job in the caller's thread (a writer with one coding thread)."""
+
+    def submit(self, fn) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn())
+        except Exception as e:  # surfaced by finish(), as a pool's would be
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
 @dataclass
 class WriteSummary:
     """What one writer added to the store."""
@@ -121,7 +136,10 @@ class ChunkWriter:
         note_use(self.config.store_id)
         self.num_threads = num_threads or default_write_threads()
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
-        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
+        # One coding thread is no thread: a pool of one costs hand-offs and GIL switches with the caller
+        # (one rank's 22 MiB shard saved with 1 coding thread: 0.095-0.104 s in a pool, 0.085-0.090 inline).
+        self._pool = (ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
+                      if self.num_threads > 1 else _InlineExecutor())
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
         self._builder = self._new_builder()

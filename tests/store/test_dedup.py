@@ -184,3 +184,35 @@ def test_tiny_inflight_cap_with_batched_spans_does_not_deadlock(mem_store, rng):
     summary = w.finish()
     assert {it.key for it in summary.items} == set(small) | {"big"}
     assert sum(len(it.chunks) for it in summary.items if it.key == "big") == 2
+
+
+def test_one_coding_thread_codes_inline_like_a_pool(mem_store, rng, monkeypatch):
+    """A writer with one coding thread runs its jobs in the caller's thread (no pool hand-offs): same refs as
+    a two-thread pool, and a failure in coding still surfaces from finish()."""
+    import threading
+
+    from deltackpt.store.writer import ChunkWriter
+
+    items = {f"t{i}": random_array(rng, "float32", (int(n),)) for i, n in enumerate([10, 5000, CHUNK // 2, 300])}
+    threads = set()
+    real_write_span = ChunkWriter._write_span
+    monkeypatch.setattr(ChunkWriter, "_write_span",
+                        lambda self, *a: threads.add(threading.current_thread()) or real_write_span(self, *a))
+    summaries = []
+    for n in (1, 2):
+        threads.clear()
+        w = ChunkWriter(mem_store, num_threads=n)
+        for k, v in items.items():
+            w.add_array(k, v, dtype="float32", elem_size=4, shape=v.shape)
+        summaries.append(w.finish())
+        assert (threads == {threading.current_thread()}) == (n == 1)
+    assert [it.chunks for it in summaries[0].items] == [it.chunks for it in summaries[1].items]
+
+    def broken(self, *a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(ChunkWriter, "_store_chunk", broken)
+    w = ChunkWriter(mem_store, num_threads=1)
+    w.add_array("x", random_array(rng, "float32", (4096,)), dtype="float32", elem_size=4, shape=(4096,))
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        w.finish()

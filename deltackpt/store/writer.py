@@ -26,7 +26,7 @@ from .manifest import ChunkRef, Item, Manifest
 from .pack import PackBuilder, PackEntry, pack_key
 from .parentmap import Extent, ParentMap
 from .basecache import note_use, shared_base_cache
-from .reader import ChunkSource
+from .reader import ChunkSource, usable_cores
 
 MiB = 1 << 20
 BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
@@ -73,15 +73,8 @@ def default_write_threads(processes: int = 1) -> int:
     of them, at least one, at most 8. More only contend: 2 and 3 FSDP ranks on 2 cores saved changed
     checkpoints 1.19-1.24x and 1.18-1.21x DCP's time with 1 thread per rank, 1.24-1.36x and 1.26-1.29x with 2
     (two runs each of the reshard bench's ranks)."""
-    cores = _usable_cores()
+    cores = usable_cores()
     return max(1, min(8, cores // max(1, processes)))
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
 
 
 class _InlineExecutor:

@@ -317,9 +317,9 @@ def test_ranks_on_one_machine_share_its_cores(store_path, monkeypatch):
 
     from deltackpt.store import writer as store_writer
 
-    monkeypatch.setattr(store_writer, "_usable_cores", lambda: 6)
+    monkeypatch.setattr(store_writer, "usable_cores", lambda: 6)
     assert [store_writer.default_write_threads(n) for n in (1, 2, 3, 4, 7)] == [6, 3, 2, 1, 1]
-    monkeypatch.setattr(store_writer, "_usable_cores", lambda: 64)
+    monkeypatch.setattr(store_writer, "usable_cores", lambda: 64)
     assert store_writer.default_write_threads(1) == 8
     for seen, shared, alone, cap, cached in run_ranks(_writer_threads, 3, store_path, timeout=120):
         assert seen == [shared]

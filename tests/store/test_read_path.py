@@ -13,7 +13,7 @@ from deltackpt.errors import CorruptChunkError
 from deltackpt.store import LocalBackend, MemoryBackend, Store, codec
 from deltackpt.store.basecache import shared_base_cache
 from deltackpt.store.pack import HEADER_SIZE, pack_key
-from deltackpt.store.reader import ChunkSource
+from deltackpt.store.reader import ChunkSource, usable_cores
 
 from store_helpers import flip_bit
 
@@ -183,5 +183,5 @@ def test_cold_probe_picks_more_read_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(LocalBackend, "is_cached", lambda self, k, off: True)
     assert not reader.looks_cold(jobs)
     assert MemoryBackend().is_cached("packs/x", 0) is None
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     assert default_read_threads(cold=True) == min(8, 2 * cores) and default_read_threads() == min(8, cores)

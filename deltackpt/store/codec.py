@@ -139,6 +139,29 @@ def encode_delta(raw, base, elem_size: int, level: int) -> Coded:
     return _pack_planes(kernels.xor_shuffle(raw, base, elem_size), elem_size, level)
 
 
+def container_header_size(elem_size: int) -> int:
+    """Bytes of a plane container's header (magic and segment table) for ``elem_size`` planes."""
+    return len(PLANES_MAGIC) + _SEG.size * (elem_size + 1)
+
+
+def plane_layout(head, raw_len: int, elem_size: int) -> list[tuple[int, int, int]] | None:
+    """(mode, offset in the stored bytes, stored length) of each of the ``elem_size`` planes, read from the
+    first :func:`container_header_size` stored bytes; None when they are not a plane container's (a legacy
+    single frame) or the table does not add up. Lets a reader look at a plane stored as is without
+    decoding the chunk."""
+    size = container_header_size(elem_size)
+    if len(head) < size or bytes(head[:4]) != PLANES_MAGIC:
+        return None
+    out, pos = [], size
+    for i, (_start, length) in enumerate(_segments(raw_len, elem_size)):
+        mode, slen = _SEG.unpack_from(head, 4 + _SEG.size * i)
+        if mode not in (SEG_RAW, SEG_ZSTD) or (mode == SEG_RAW and slen != length):
+            return None
+        out.append((mode, pos, slen))
+        pos += slen
+    return out[:elem_size]
+
+
 def _zstd_into(stored, dest: memoryview) -> None:
     """Decode the zstd frame ``stored`` into ``dest`` (a writable byte memoryview it must fill exactly)."""
     n = len(dest)

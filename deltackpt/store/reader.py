@@ -58,6 +58,7 @@ class ChunkSource:
     """
 
     SCRATCH_MAX = 16 * MiB
+    PROBE_ELEMS = 256  # elements of a byte plane compared by differs()
 
     def __init__(self, store, cache_bytes: int = 64 * MiB) -> None:
         self.store = store
@@ -176,6 +177,55 @@ class ChunkSource:
                 raise CorruptChunkError(f"cannot decode ({e})", **where) from None
         if chunk_id_of(out) != entry.chunk_id:
             raise CorruptChunkError("chunk bytes do not match their hash", **where)
+
+    def differs(self, cid: bytes, skip: int, mine: np.ndarray) -> bool:
+        """Whether the bytes of chunk ``cid`` from ``skip`` surely differ from ``mine`` (a uint8 array), judged
+        from a few of its stored bytes (the first ``PROBE_ELEMS`` elements, one byte plane stored as is)
+        without decoding it. False when they look equal or cannot be judged this cheaply: the caller then
+        compares decoded, verified bytes. The bytes probed are not verified; damage there can only make
+        a chunk look different, so it is never reused on their word."""
+        index = self.store.index
+        entry = index.lookup(cid)
+        if entry is None:
+            return False
+        es = entry.elem_size
+        count = min(len(mine) // es, self.PROBE_ELEMS)
+        first = skip // es
+        if skip % es or count == 0 or first + count > entry.raw_len // es:
+            return False
+        base = None
+        if entry.codec == codec.DELTA:
+            base = index.lookup(entry.base_id) if entry.base_id else None
+            if base is None or base.codec == codec.DELTA or base.elem_size != es or base.raw_len != entry.raw_len:
+                return False
+        for plane in range(es):
+            got = self._plane_bytes(entry, plane, first, count)
+            if got is not None and base is not None:
+                other = self._plane_bytes(base, plane, first, count)
+                got = None if other is None else got ^ other
+            if got is not None:
+                return not np.array_equal(got, mine[plane:plane + count * es:es])
+        return False
+
+    def _plane_bytes(self, entry: PackEntry, plane: int, first: int, count: int) -> np.ndarray | None:
+        """Byte ``plane`` of elements ``[first, first + count)`` of the chunk at ``entry``, read from its stored
+        bytes; None when that plane is zstd-coded (or the read comes up short)."""
+        es, backend, key = entry.elem_size, self.store.backend, pack_key(entry.pack)
+        at = entry.offset + HEADER_SIZE
+        try:
+            if entry.codec == codec.RAW:
+                buf = np.empty(count * es, dtype=np.uint8)
+                return buf[plane::es] if backend.get_range_into(key, at + first * es, [buf]) == buf.size else None
+            head = bytearray(codec.container_header_size(es))
+            if backend.get_range_into(key, at, [head]) != len(head):
+                return None
+            layout = codec.plane_layout(head, entry.raw_len, es)
+            if layout is None or layout[plane][0] != codec.SEG_RAW:
+                return None
+            buf = np.empty(count, dtype=np.uint8)
+            return buf if backend.get_range_into(key, at + layout[plane][1] + first, [buf]) == count else None
+        except FileNotFoundError:
+            return None
 
     def _remember(self, cid: bytes, raw) -> None:
         n = len(raw)

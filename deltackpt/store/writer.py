@@ -313,6 +313,13 @@ class ChunkWriter:
         """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""
         refs = []
         gend = gstart + len(view)
+        mine = np.frombuffer(view, dtype=np.uint8)
+        # A few stored bytes of each parent chunk first: after a restart the data has usually changed, and
+        # decoding the parent's chunks only to find that out would read the whole previous checkpoint.
+        for e in cover:
+            lo, hi = max(e.start, gstart), min(e.end, gend)
+            if self._source.differs(e.chunk_id, e.skip + lo - e.start, mine[lo - gstart:hi - gstart]):
+                return None
         for e in cover:
             lo, hi = max(e.start, gstart), min(e.end, gend)
             try:
@@ -322,8 +329,8 @@ class ChunkWriter:
             skip = e.skip + lo - e.start
             if skip + hi - lo > len(raw):
                 return None
-            mine = np.frombuffer(view, dtype=np.uint8, count=hi - lo, offset=lo - gstart)
-            if not np.array_equal(np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=skip), mine):
+            if not np.array_equal(np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=skip),
+                                  mine[lo - gstart:hi - gstart]):
                 return None
             refs.append(ChunkRef(e.chunk_id, hi - lo, skip))
         return refs

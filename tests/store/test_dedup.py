@@ -65,11 +65,12 @@ def test_same_array_under_two_keys_is_stored_once(store, rng):
     np.testing.assert_array_equal(got["b"], x)
 
 
-def _save_shards(store, name, arr, split_elems):
-    """Save ``arr`` as two shards of global tensor "t" split at element ``split_elems``."""
+def _save_shards(store, name, arr, split_elems, parent=None):
+    """Save ``arr`` as two shards of global tensor "t" split at element ``split_elems`` (``parent``: the
+    manifest whose chunks are sliced where the boundaries moved)."""
     flat = arr.reshape(-1)
     es = arr.dtype.itemsize
-    w = store.writer()
+    w = store.writer(parent=parent)
     for i, (lo, hi) in enumerate([(0, split_elems), (split_elems, flat.size)]):
         part = np.ascontiguousarray(flat[lo:hi])
         w.add_array(f"t.shard{i}", part, dtype=arr.dtype.str, elem_size=es, shape=part.shape, group="t",
@@ -113,6 +114,39 @@ def test_shards_split_off_grid_only_restore_the_straddling_chunk(store, rng):
     assert [len(it.chunks) for it in sharded.items] == [11, 22]
     got = store.load("sharded")
     np.testing.assert_array_equal(np.concatenate([got["t.shard0"], got["t.shard1"]]), arr)
+
+
+def test_moved_shard_edges_reuse_equal_parent_bytes_and_skip_decoding_changed_ones(store, rng, monkeypatch):
+    from deltackpt.store.reader import ChunkSource
+
+    arr = random_array(rng, "float32", (32 * CHUNK // 4,))
+    whole = _save_whole(store, "whole", arr)
+    straddling = whole.items[0].chunks[10].id
+    split = 10 * CHUNK // 4 + 100  # inside chunk 10
+    decoded = []
+    real_get = ChunkSource.get
+    monkeypatch.setattr(ChunkSource, "get", lambda self, cid, **kw: decoded.append(cid) or real_get(self, cid, **kw))
+
+    # Unchanged bytes: both halves of chunk 10 are slices of the parent's chunk (decoded to check them).
+    same = _save_shards(store, "same", arr, split, parent=whole)
+    assert same.stats.new_chunks == 0 and straddling in decoded
+    assert [(c.id, c.skip) for c in same.items[1].chunks[:1]] == [(straddling, 400)]
+    # Changed bytes: a few stored bytes show it, so the parent's chunk is not decoded at all.
+    decoded.clear()
+    changed = arr.copy()
+    changed[10 * CHUNK // 4:11 * CHUNK // 4] *= 1.5
+    moved = _save_shards(store, "moved", changed, split, parent=whole)
+    assert moved.stats.new_chunks == 2 and straddling not in decoded  # the two halves of chunk 10
+    # A change past the bytes probed: the decoded comparison still catches it.
+    decoded.clear()
+    late = arr.copy()
+    late[11 * CHUNK // 4 - 1] += 1.0  # the last element of chunk 10, in shard 1's half
+    late_m = _save_shards(store, "late", late, split, parent=whole)
+    assert straddling in decoded
+    assert [c.id for c in late_m.items[0].chunks[-1:]] == [straddling]  # shard 0's half is still reused
+    for name, want in [("same", arr), ("moved", changed), ("late", late)]:
+        got = store.load(name)
+        np.testing.assert_array_equal(np.concatenate([got["t.shard0"], got["t.shard1"]]), want)
 
 
 def test_fastcdc_insert_near_front_restores_small_fraction(store, rng):

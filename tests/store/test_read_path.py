@@ -185,3 +185,39 @@ def test_cold_probe_picks_more_read_threads(tmp_path, monkeypatch):
     assert MemoryBackend().is_cached("packs/x", 0) is None
     cores = usable_cores()
     assert default_read_threads(cold=True) == min(8, 2 * cores) and default_read_threads() == min(8, cores)
+
+
+# -- ChunkSource.differs: a few stored bytes instead of a decode ---------------------------------------------
+
+
+@pytest.mark.parametrize("key, codec_id", [("noise", codec.RAW), ("kept", codec.ZSTD), ("w", codec.DELTA)])
+def test_differs_judges_from_stored_planes_without_false_alarms(delta_store, key, codec_id):
+    store, raw = delta_store
+    src = ChunkSource(store)
+    judged = checked = 0
+    pos = 0
+    for ref in store.read_manifest("c1").item_map()[key].chunks:
+        mine, pos = raw[key][pos:pos + ref.length], pos + ref.length
+        entry = store.index.lookup(ref.id)
+        if entry.codec != codec_id:
+            continue
+        es = entry.elem_size
+        for skip in (0, es, 40 * es, ref.length - 3 * es, ref.length - 300 * es):
+            part = mine[skip:].copy()
+            assert not src.differs(ref.id, skip, part), (ref.id.hex(), skip)  # equal bytes never "differ"
+            part[:es] ^= 0xFF  # every byte of the first element
+            judged += src.differs(ref.id, skip, part)
+            checked += 1
+        assert not src.differs(ref.id, 1, mine[1:].copy()) or es == 1  # off the element grid: no judgement
+    assert checked and judged == checked  # each lane is judged from a plane stored as is
+
+
+def test_differs_cannot_judge_when_every_plane_is_compressed(tmp_path):
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=16384)
+    smooth = (np.arange(40_000) % 7).astype(np.float32)  # every byte plane compresses
+    store.save("s", {"x": smooth})
+    ref = store.read_manifest("s").item_map()["x"].chunks[0]
+    assert store.index.lookup(ref.id).codec == codec.ZSTD
+    other = np.frombuffer(smooth.tobytes(), np.uint8)[:ref.length].copy()
+    other[:4] ^= 0xFF
+    assert not ChunkSource(store).differs(ref.id, 0, other)  # unknown: the caller compares decoded bytes

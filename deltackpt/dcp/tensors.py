@@ -59,8 +59,12 @@ def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
         return t, b"", elem_size
     if t.is_conj() or t.is_neg():  # a lazy conjugate/negative view: its memory is not its values
         t = t.resolve_conj().resolve_neg()
-    try:
-        arr = t.numpy()
-    except TypeError:  # a dtype numpy lacks (bfloat16, float8, ...): reinterpret the bytes first
-        arr = t.reshape(-1).view(torch.uint8).numpy()
-    return t, arr.reshape(-1).view(np.uint8), elem_size
+    if t.dtype not in _NOT_NUMPY:
+        try:
+            return t, t.numpy().reshape(-1).view(np.uint8), elem_size
+        except TypeError:  # a dtype numpy lacks (bfloat16, float8, ...); the failed try costs ~12 us: once
+            _NOT_NUMPY.add(t.dtype)
+    return t, t.reshape(-1).view(torch.uint8).numpy(), elem_size
+
+
+_NOT_NUMPY: set = set()  # torch dtypes that Tensor.numpy() refuses

@@ -139,6 +139,7 @@ def test_non_tensor_values_and_dtypes_roundtrip(store_path):
         "scalar": torch.tensor(3.25),
         "scalar_i64": torch.tensor(-(2**40), dtype=torch.int64),
         "scalar_bf16": torch.tensor(1.5, dtype=torch.bfloat16),
+        "f8": torch.randn(19).to(torch.float8_e4m3fn),  # another dtype numpy lacks
         "empty": torch.empty(0, 5),
         "noncontig": torch.randn(40, 30).t(),
         "view": big[10:20],  # a view into a larger storage: only the view is saved

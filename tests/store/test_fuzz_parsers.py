@@ -558,6 +558,33 @@ def test_codec_decode_mutated_frames(ops, delta, header_too):
         assert len(out) == len(RAW)
 
 
+@FUZZ
+@given(mutations, st.sampled_from([1, 2, 4, 8]), st.integers(0, 8192))
+def test_plane_layout_of_damaged_headers_stays_in_bounds(ops, es, raw_len):
+    """The layout a reader probes stored planes with (ChunkSource.differs) never raises, and a plane it calls
+    stored as is has exactly its raw length: damage can only point a probe at other bytes of the pack."""
+    head = mutate(ZFRAME[:codec.container_header_size(4)] if es == 4 else DFRAME[:codec.container_header_size(es)],
+                  ops)
+    layout = codec.plane_layout(head, raw_len, es)
+    if layout is None:
+        return
+    assert len(layout) == es
+    pos = codec.container_header_size(es)
+    for mode, offset, slen in layout:
+        assert mode in (codec.SEG_RAW, codec.SEG_ZSTD) and offset == pos
+        if mode == codec.SEG_RAW:
+            assert slen == raw_len // es
+        pos += slen
+
+
+def test_plane_layout_of_a_valid_container():
+    layout = codec.plane_layout(ZFRAME, len(RAW), 4)
+    assert [m for m, _, _ in layout][:2] == [codec.SEG_RAW, codec.SEG_RAW]  # fp32 low mantissa bytes
+    mode, offset, slen = layout[0]
+    assert ZFRAME[offset:offset + slen] == np.frombuffer(RAW, np.uint8)[0::4].tobytes()
+    assert codec.plane_layout(b"\x28\xb5\x2f\xfd" + bytes(40), len(RAW), 4) is None  # a legacy single frame
+
+
 @pytest.mark.parametrize("size", [1 << 30, 1 << 50, (1 << 62)])
 def test_codec_forged_content_size_is_a_value_error(size):
     tracemalloc.start()

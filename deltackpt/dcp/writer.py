@@ -201,6 +201,12 @@ class DeltaStorageWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # The coordinator decodes every rank's items and encodes the manifest and DCP metadata here: thousands
+        # of small objects, which in a training process can set off a full collection (~0.1 s measured).
+        with paused_gc():
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         items: list[Item] = []
         packs: dict[str, int] = {}
         storage_data: dict[MetadataIndex, str] = {}

@@ -84,8 +84,8 @@ def test_damaged_delta_base_fails_the_load_naming_both_chunks(delta_store):
     assert err.pack == entry.pack and err.checkpoint == "c1" and err.item == key
 
 
-def test_collector_is_paused_while_reading_and_writing_data(delta_store, tmp_path):
-    """read_data / write_data pause the cyclic GC (a full collection mid-load would scan the whole
+def test_collector_is_paused_while_reading_and_writing_data(delta_store, tmp_path, monkeypatch):
+    """read_data / write_data / finish pause the cyclic GC (a full collection mid-load would scan the whole
     process) and resume it afterwards."""
     import gc
 
@@ -104,11 +104,20 @@ def test_collector_is_paused_while_reading_and_writing_data(delta_store, tmp_pat
             seen.append(("save", gc.isenabled()))
             return super().resolve_data(write_item)
 
+    from deltackpt.store.repository import Store
+
+    real_commit = Store.commit
+
+    def commit(self, *a, **k):  # the coordinator's finish: every rank's items, manifest and metadata
+        seen.append(("commit", gc.isenabled()))
+        return real_commit(self, *a, **k)
+
+    monkeypatch.setattr(Store, "commit", commit)
     assert gc.isenabled()
     sd = {k: torch.zeros_like(v) for k, v in changed.items()}
     dcp.load(sd, storage_reader=deltackpt.DeltaStorageReader(path, "c1"), planner=Load())
     dcp.save(changed, storage_writer=deltackpt.DeltaStorageWriter(path, "c2"), planner=Save())
-    assert {k for k, _ in seen} == {"load", "save"}
+    assert {k for k, _ in seen} == {"load", "save", "commit"}
     assert not any(enabled for _, enabled in seen), seen
     assert gc.isenabled()
     assert all(torch.equal(sd[k], v) for k, v in changed.items())

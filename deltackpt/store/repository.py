@@ -37,7 +37,7 @@ from .index import ChunkIndex
 from .manifest import LATEST, Item, Manifest, Stats, decode_manifest, encode_manifest, manifest_key, validate_name
 from .faults import crash_point
 from .lock import SHARED, StoreLock
-from .pack import PackEntry, pack_name_from_key, read_pack_entries
+from .pack import PackEntry, pack_key, read_pack_entries
 from .reader import CheckpointReader
 from .writer import ChunkWriter, WriteSummary
 
@@ -302,8 +302,10 @@ class Store:
         found.update(self.index.lookup_many(bases))
         missing = (wanted | bases) - found.keys()
         if not missing:
-            present = {pack_name_from_key(i.key) for i in self.backend.list("packs/")}
-            missing = {cid for cid, e in found.items() if e.pack not in present}
+            # Only the packs this checkpoint points into (a stat each): listing every pack of a long run's
+            # store took 53 ms at 10,000 packs, on the coordinator's commit of every save.
+            gone = {p for p in {e.pack for e in found.values()} if not self.backend.exists(pack_key(p))}
+            missing = {cid for cid, e in found.items() if e.pack in gone}
         if missing:
             cid = next(iter(missing))
             owner = next((it.key for it in items if any(r.id == cid for r in it.chunks)), None)

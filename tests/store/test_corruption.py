@@ -127,6 +127,21 @@ def test_deleted_pack(store, rng):
     assert_items_equal(b, fresh.load("B"))
 
 
+def test_commit_refuses_chunks_of_a_pack_deleted_behind_the_index(store, rng, monkeypatch):
+    a = {"a": random_array(rng, "float32", (30_000,))}
+    store.save("A", a)
+    victim = sorted(packs_of_checkpoint(store, "A"))[0]
+    store.backend.delete(pack_key(victim))  # e.g. gc in another process; this index still lists its chunks
+    listed = []
+    real_list = type(store.backend).list
+    monkeypatch.setattr(type(store.backend), "list",
+                        lambda self, prefix="": listed.append(prefix) or real_list(self, prefix))
+    with pytest.raises(MissingChunkError):
+        store.save("A2", {"a": a["a"].copy()})  # dedups against the stale index entries
+    assert not store.exists("A2")
+    assert "packs/" not in listed  # only the packs it points into are checked, not a listing of all packs
+
+
 # -- manifests -----------------------------------------------------------------------------------------------
 
 

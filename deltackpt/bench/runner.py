@@ -67,6 +67,9 @@ class SystemRun:
 
     def save(self, state: dict, name: str, step: int | None = None) -> dict:
         gc.collect()
+        if _rank() == 0:
+            os.sync()  # no dirty pages of earlier saves (of this or another system) are flushed during this one
+        _barrier()  # and the ranks start together: one rank's time does not include another's collection
         with PeakRSS() as m:
             t0 = time.perf_counter()
             self.system.save(state, name)

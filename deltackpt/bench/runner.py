@@ -108,12 +108,12 @@ class SystemRun:
     def _prepare_cache(self, name: str) -> str:
         how = "warm (files read once before the load)"
         if _rank() == 0:
-            # Dirty pages of the saves before (gigabytes in a full run) are written back first: a load timed
-            # while the kernel flushes them shares the cores with that writeback.
-            os.sync()
-            if self.page_cache == "drop" and drop_page_cache():
+            if self.page_cache == "drop" and drop_page_cache():  # (which writes dirty pages back first)
                 how = "dropped"
             else:
+                # Dirty pages of the saves before (gigabytes in a full run) are written back first: a load
+                # timed while the kernel flushes them shares the cores with that writeback.
+                os.sync()
                 for p in self.system.data_paths(name):
                     warm_tree(p)
         _barrier()

@@ -193,39 +193,46 @@ class ChunkSource:
         first = skip // es
         if skip % es or count == 0 or first + count > entry.raw_len // es:
             return False
-        base = None
+        parts = [entry]  # a delta's planes are XORed with its keyframe's
         if entry.codec == codec.DELTA:
             base = index.lookup(entry.base_id) if entry.base_id else None
             if base is None or base.codec == codec.DELTA or base.elem_size != es or base.raw_len != entry.raw_len:
                 return False
-        for plane in range(es):
-            got = self._plane_bytes(entry, plane, first, count)
-            if got is not None and base is not None:
-                other = self._plane_bytes(base, plane, first, count)
-                got = None if other is None else got ^ other
-            if got is not None:
-                return not np.array_equal(got, mine[plane:plane + count * es:es])
+            parts.append(base)
+        try:
+            layouts = [self._layout(e) for e in parts]  # one header read per entry
+            for plane in range(es):
+                got = [self._plane_bytes(e, lay, plane, first, count) for e, lay in zip(parts, layouts)]
+                if all(g is not None for g in got):
+                    return not np.array_equal(np.bitwise_xor.reduce(got), mine[plane:plane + count * es:es])
+        except OSError:  # a probe never fails a save: the decoded comparison reports what is wrong
+            pass
         return False
 
-    def _plane_bytes(self, entry: PackEntry, plane: int, first: int, count: int) -> np.ndarray | None:
-        """Byte ``plane`` of elements ``[first, first + count)`` of the chunk at ``entry``, read from its stored
-        bytes; None when that plane is zstd-coded (or the read comes up short)."""
-        es, backend, key = entry.elem_size, self.store.backend, pack_key(entry.pack)
-        at = entry.offset + HEADER_SIZE
-        try:
-            if entry.codec == codec.RAW:
-                buf = np.empty(count * es, dtype=np.uint8)
-                return buf[plane::es] if backend.get_range_into(key, at + first * es, [buf]) == buf.size else None
-            head = bytearray(codec.container_header_size(es))
-            if backend.get_range_into(key, at, [head]) != len(head):
-                return None
-            layout = codec.plane_layout(head, entry.raw_len, es)
-            if layout is None or layout[plane][0] != codec.SEG_RAW:
-                return None
-            buf = np.empty(count, dtype=np.uint8)
-            return buf if backend.get_range_into(key, at + layout[plane][1] + first, [buf]) == count else None
-        except OSError:  # a probe never fails a save: the decoded comparison reports what is wrong
+    def _layout(self, entry: PackEntry):
+        """The plane layout (``codec.plane_layout``) of a coded entry's stored bytes; None for a raw entry or
+        a payload that is not a plane container."""
+        if entry.codec == codec.RAW:
             return None
+        head = bytearray(codec.container_header_size(entry.elem_size))
+        if self.store.backend.get_range_into(pack_key(entry.pack), entry.offset + HEADER_SIZE, [head]) != len(head):
+            return None
+        return codec.plane_layout(head, entry.raw_len, entry.elem_size)
+
+    def _plane_bytes(self, entry: PackEntry, layout, plane: int, first: int, count: int) -> np.ndarray | None:
+        """Byte ``plane`` of elements ``[first, first + count)`` of the chunk at ``entry``, read from its stored
+        bytes; None when that plane is not stored as is (or the read comes up short)."""
+        es, at = entry.elem_size, entry.offset + HEADER_SIZE
+        if entry.codec == codec.RAW:
+            buf = np.empty(count * es, dtype=np.uint8)
+            at += first * es
+            out = buf[plane::es]
+        elif layout is not None and layout[plane][0] == codec.SEG_RAW:
+            buf = out = np.empty(count, dtype=np.uint8)
+            at += layout[plane][1] + first
+        else:
+            return None
+        return out if self.store.backend.get_range_into(pack_key(entry.pack), at, [buf]) == buf.size else None
 
     def _remember(self, cid: bytes, raw) -> None:
         n = len(raw)

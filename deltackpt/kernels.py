@@ -6,6 +6,8 @@ Public API (all inputs are any C-contiguous buffer, read as raw bytes)::
     unshuffle(src, elem_size, out=None)        -> uint8 array (inverse)
     xor_shuffle(a, b, elem_size, out=None)     -> shuffle(a XOR b)
     unshuffle_xor(planes, base, elem_size, out=None) -> unshuffle(planes) XOR base
+    sparse_split(src)                          -> (bitmap, nonzero bytes) of a mostly-zero plane
+    sparse_merge(bitmap, vals, n, out=None)    -> inverse of sparse_split (ValueError if they disagree)
     fastcdc_cuts(data, min_size, avg_size, max_size) -> int64 chunk end offsets
 
 Byte planes: with ``n = len // k`` full elements, ``out[j*n + i] = src[i*k + j]``;
@@ -40,6 +42,8 @@ __all__ = [
     "native_impl",
     "numpy_impl",
     "shuffle",
+    "sparse_merge",
+    "sparse_split",
     "unshuffle",
     "unshuffle_xor",
     "xor_shuffle",
@@ -198,6 +202,37 @@ class _Impl:
             raise ValueError(f"planes and base must have equal byte length ({p8.nbytes} != {b8.nbytes})")
         return self._run(self._raw.unshuffle_xor, (p8, b8), k, out)
 
+    def sparse_split(self, src) -> tuple[np.ndarray, np.ndarray]:
+        """(bitmap, vals): bit i of the bitmap (LSB first, ``ceil(n / 8)`` bytes) is set where ``src[i]`` is
+        nonzero, and ``vals`` are those nonzero bytes in order."""
+        s = _as_u8(src, "src")
+        n = s.nbytes
+        bitmap = np.empty((n + 7) // 8, dtype=np.uint8)
+        vals = np.empty(n, dtype=np.uint8)
+        if n == 0:
+            return bitmap, vals
+        return bitmap, vals[:self._raw.sparse_split(s, bitmap, vals)]
+
+    def sparse_merge(self, bitmap, vals, n: int, out: np.ndarray | None = None) -> np.ndarray:
+        """The ``n`` bytes whose :meth:`sparse_split` is ``(bitmap, vals)``; ``ValueError`` when the bitmap
+        does not name exactly ``len(vals)`` positions below ``n`` or a value is zero."""
+        n = operator.index(n)
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        bm, v = _as_u8(bitmap, "bitmap"), _as_u8(vals, "vals")
+        res = _prep_out(out, n)
+        if bm.nbytes != (n + 7) // 8 or v.nbytes > n:
+            raise ValueError(f"bitmap has {bm.nbytes} bytes and vals {v.nbytes} for {n} output bytes")
+        if n == 0:
+            return res
+        if out is not None and (np.may_share_memory(res, bm) or np.may_share_memory(res, v)):
+            tmp = np.empty(n, dtype=np.uint8)
+            self._raw.sparse_merge(bm, v, tmp)
+            res[...] = tmp
+        else:
+            self._raw.sparse_merge(bm, v, res.reshape(-1))
+        return res
+
     def fastcdc_cuts(self, data, min_size: int, avg_size: int, max_size: int) -> np.ndarray:
         """FastCDC chunk END offsets (int64, ascending, last == len(data)); empty input gives []."""
         mn, avg, mx = _fastcdc_params(min_size, avg_size, max_size)
@@ -241,6 +276,24 @@ class _NumpyRaw:
     def unshuffle_xor(cls, planes, base, k, out):
         cls.unshuffle(planes, k, out)
         np.bitwise_xor(out, base, out=out)
+
+    @staticmethod
+    def sparse_split(src, bitmap, vals):
+        nz = src != 0
+        bitmap[...] = np.packbits(nz, bitorder="little")
+        v = src[nz]
+        vals[:v.size] = v
+        return v.size
+
+    @staticmethod
+    def sparse_merge(bitmap, vals, out):
+        n = out.size
+        bits = np.unpackbits(bitmap, bitorder="little")
+        mask = bits[:n].view(bool)
+        if bits[n:].any() or np.count_nonzero(mask) != vals.size or not vals.all():
+            raise ValueError("sparse plane is damaged: its bitmap does not match its values")
+        out[...] = 0
+        out[mask] = vals
 
     @classmethod
     def _candidates(cls, d: np.ndarray, mask_s: int, mask_l: int):
@@ -316,6 +369,8 @@ class _NativeRaw:
         self.unshuffle = mod.unshuffle
         self.xor_shuffle = mod.xor_shuffle
         self.unshuffle_xor = mod.unshuffle_xor
+        self.sparse_split = mod.sparse_split
+        self.sparse_merge = mod.sparse_merge
 
     def fastcdc_cuts(self, d, mn, avg, mx):
         buf = np.empty(d.nbytes // mn + 2, dtype=np.int64)
@@ -363,4 +418,6 @@ shuffle = _impl.shuffle
 unshuffle = _impl.unshuffle
 xor_shuffle = _impl.xor_shuffle
 unshuffle_xor = _impl.unshuffle_xor
+sparse_split = _impl.sparse_split
+sparse_merge = _impl.sparse_merge
 fastcdc_cuts = _impl.fastcdc_cuts

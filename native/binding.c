@@ -213,6 +213,101 @@ static PyObject *py_fastcdc_cuts(PyObject *self, PyObject *args)
     return PyLong_FromSize_t(count);
 }
 
+PyDoc_STRVAR(sparse_split_doc,
+"sparse_split(src, bitmap, vals) -> int\n\n"
+"Write the zero-sparse form of src: bitmap ((len + 7) // 8 bytes, bit i set\n"
+"where src[i] != 0, LSB first) and the nonzero bytes into vals (len bytes of\n"
+"room). Returns the number of nonzero bytes.");
+static PyObject *py_sparse_split(PyObject *self, PyObject *args)
+{
+    PyObject *src_obj, *bm_obj, *vals_obj;
+    Py_buffer src, bm, vals;
+    size_t nnz = 0;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO:sparse_split", &src_obj, &bm_obj, &vals_obj))
+        return NULL;
+    if (get_in(src_obj, &src, "src") < 0)
+        return NULL;
+    if (get_out(bm_obj, &bm) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (get_out(vals_obj, &vals) < 0) {
+        PyBuffer_Release(&bm);
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (bm.len != (src.len + 7) / 8 || vals.len < src.len) {
+        PyErr_Format(PyExc_ValueError,
+                     "bitmap must have %zd bytes and vals at least %zd (got %zd and %zd)",
+                     (src.len + 7) / 8, src.len, bm.len, vals.len);
+    } else {
+        int release = src.len >= DC_GIL_THRESHOLD;
+        PyThreadState *ts = NULL;
+        if (release)
+            ts = PyEval_SaveThread();
+        nnz = dc_sparse_split((const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)bm.buf,
+                              (uint8_t *)vals.buf);
+        if (release)
+            PyEval_RestoreThread(ts);
+    }
+    PyBuffer_Release(&vals);
+    PyBuffer_Release(&bm);
+    PyBuffer_Release(&src);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSize_t(nnz);
+}
+
+PyDoc_STRVAR(sparse_merge_doc,
+"sparse_merge(bitmap, vals, out) -> None\n\n"
+"Inverse of sparse_split into out; ValueError when bitmap and vals disagree.");
+static PyObject *py_sparse_merge(PyObject *self, PyObject *args)
+{
+    PyObject *bm_obj, *vals_obj, *out_obj;
+    Py_buffer bm, vals, out;
+    int rc = 0;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO:sparse_merge", &bm_obj, &vals_obj, &out_obj))
+        return NULL;
+    if (get_in(bm_obj, &bm, "bitmap") < 0)
+        return NULL;
+    if (get_in(vals_obj, &vals, "vals") < 0) {
+        PyBuffer_Release(&bm);
+        return NULL;
+    }
+    if (get_out(out_obj, &out) < 0) {
+        PyBuffer_Release(&vals);
+        PyBuffer_Release(&bm);
+        return NULL;
+    }
+    if (bm.len != (out.len + 7) / 8 || vals.len > out.len) {
+        PyErr_Format(PyExc_ValueError,
+                     "bitmap has %zd bytes and vals %zd for %zd output bytes",
+                     bm.len, vals.len, out.len);
+    } else {
+        int release = out.len >= DC_GIL_THRESHOLD;
+        PyThreadState *ts = NULL;
+        if (release)
+            ts = PyEval_SaveThread();
+        rc = dc_sparse_merge((const uint8_t *)bm.buf, (const uint8_t *)vals.buf, (size_t)vals.len,
+                             (uint8_t *)out.buf, (size_t)out.len);
+        if (release)
+            PyEval_RestoreThread(ts);
+        if (rc != 0)
+            PyErr_SetString(PyExc_ValueError,
+                            "sparse plane is damaged: its bitmap does not match its values");
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&vals);
+    PyBuffer_Release(&bm);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(gear_table_doc,
 "gear_table() -> bytes\n\n"
 "The 256 uint64 gear values as 2048 native-endian bytes.");
@@ -230,6 +325,8 @@ static PyMethodDef native_methods[] = {
     {"xor_shuffle", py_xor_shuffle, METH_VARARGS, xor_shuffle_doc},
     {"unshuffle_xor", py_unshuffle_xor, METH_VARARGS, unshuffle_xor_doc},
     {"fastcdc_cuts", py_fastcdc_cuts, METH_VARARGS, fastcdc_cuts_doc},
+    {"sparse_split", py_sparse_split, METH_VARARGS, sparse_split_doc},
+    {"sparse_merge", py_sparse_merge, METH_VARARGS, sparse_merge_doc},
     {"gear_table", py_gear_table, METH_NOARGS, gear_table_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -248,6 +345,7 @@ PyMODINIT_FUNC PyInit__native(void)
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL)
         return NULL;
+    dc_sparse_init();
     if (PyModule_AddIntConstant(m, "GIL_RELEASE_THRESHOLD", (long)DC_GIL_THRESHOLD) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -36,6 +36,24 @@ void dc_xor_shuffle(const uint8_t *a, const uint8_t *b, uint8_t *dst,
 void dc_unshuffle_xor(const uint8_t *planes, const uint8_t *base, uint8_t *dst,
                       size_t len, size_t elem_size);
 
+/*
+ * Zero-sparse form of a byte plane: bitmap (ceil(n / 8) bytes, bit i LSB
+ * first set where src[i] != 0) and the nonzero bytes in order. vals must
+ * hold n bytes; returns the number of nonzero bytes written.
+ */
+/* Builds the SIMD tables of the two functions below; call once before them
+ * (without it they run their scalar code). */
+void dc_sparse_init(void);
+
+size_t dc_sparse_split(const uint8_t *src, size_t n, uint8_t *bitmap, uint8_t *vals);
+
+/*
+ * Inverse of dc_sparse_split into dst (n bytes). Returns 0, or -1 when the
+ * bitmap does not name exactly nvals positions, sets a bit past n, or a
+ * stored value is zero (dst contents are then unspecified).
+ */
+int dc_sparse_merge(const uint8_t *bitmap, const uint8_t *vals, size_t nvals, uint8_t *dst, size_t n);
+
 /* The 256-entry gear table (splitmix64 from state 0x64656C7461636B70). */
 const uint64_t *dc_gear_table(void);
 

@@ -325,6 +325,104 @@ def test_threads_release_gil_and_stay_correct():
 
 
 # ---------------------------------------------------------------------------
+# zero-sparse split / merge
+# ---------------------------------------------------------------------------
+
+
+def ref_sparse_split(data: bytes) -> tuple[bytes, bytes]:
+    bitmap = bytearray((len(data) + 7) // 8)
+    for i, v in enumerate(data):
+        if v:
+            bitmap[i // 8] |= 1 << (i % 8)
+    return bytes(bitmap), bytes(v for v in data if v)
+
+
+def sparse_bytes(n: int, density: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    vals = rng.integers(1, 256, n, dtype=np.uint8)
+    return np.where(rng.random(n) < density, vals, 0).astype(np.uint8)
+
+
+@pytest.mark.parametrize("impl", impls())
+@settings(deadline=None, max_examples=80)
+@given(n=st.integers(0, 300), density=st.sampled_from([0.0, 0.05, 0.5, 0.95, 1.0]), seed=st.integers(0, 2**32 - 1),
+       offset=st.integers(0, 7))
+def test_sparse_split_matches_reference_and_merges_back(impl, n, density, seed, offset):
+    m = get_impl(impl)
+    data = sparse_bytes(n, density, seed).tobytes()
+    bitmap, vals = m.sparse_split(unaligned(data, offset))
+    assert (bitmap.tobytes(), vals.tobytes()) == ref_sparse_split(data)
+    assert m.sparse_merge(unaligned(bitmap.tobytes(), offset), vals, n).tobytes() == data
+
+
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.1, 0.5, 1.0])
+def test_sparse_native_matches_numpy_on_large_planes(density):
+    nat = native()
+    data = sparse_bytes((1 << 20) + 13, density, 11)
+    data[-20:] = 0  # a zero stretch at the end: the SIMD merge runs out of values before the output ends
+    nb, nv = nat.sparse_split(data)
+    rb, rv = kernels.numpy_impl.sparse_split(data)
+    assert np.array_equal(nb, rb) and np.array_equal(nv, rv)
+    assert np.array_equal(nat.sparse_merge(nb, nv, data.size), data)
+
+
+@pytest.mark.parametrize("impl", impls())
+@pytest.mark.parametrize("damage", ["extra_bit", "missing_bit", "padding_bit", "zero_value", "short_vals",
+                                    "long_vals", "bitmap_size"])
+def test_sparse_merge_rejects_inconsistent_input(impl, damage):
+    m = get_impl(impl)
+    n = 1003  # not a multiple of 8: the last bitmap byte has padding bits
+    data = sparse_bytes(n, 0.3, 5)
+    bitmap, vals = m.sparse_split(data)
+    bitmap, vals = bitmap.copy(), vals.copy()
+    zero_at = int(np.flatnonzero(data == 0)[0])
+    if damage == "extra_bit":
+        bitmap[zero_at // 8] |= 1 << (zero_at % 8)
+    elif damage == "missing_bit":
+        one_at = int(np.flatnonzero(data)[-1])
+        bitmap[one_at // 8] &= ~(1 << (one_at % 8)) & 0xFF
+    elif damage == "padding_bit":
+        bitmap[-1] |= 0x80
+        vals = np.append(vals, np.uint8(7))
+    elif damage == "zero_value":
+        vals[len(vals) // 2] = 0
+    elif damage == "short_vals":
+        vals = vals[:-1]
+    elif damage == "long_vals":
+        vals = np.append(vals, np.uint8(9))
+    else:
+        bitmap = bitmap[:-1]
+    with pytest.raises(ValueError):
+        m.sparse_merge(bitmap, vals, n)
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_sparse_merge_out_parameter(impl):
+    m = get_impl(impl)
+    data = sparse_bytes(4096, 0.2, 3)
+    bitmap, vals = m.sparse_split(data)
+    out = np.full(4096, 0xEE, dtype=np.uint8)
+    assert m.sparse_merge(bitmap, vals, 4096, out=out) is out and np.array_equal(out, data)
+    with pytest.raises(ValueError):
+        m.sparse_merge(bitmap, vals, 4096, out=np.zeros(4095, np.uint8))
+    # out aliasing an input is routed through a temporary
+    buf = np.zeros(4096 + len(vals), dtype=np.uint8)
+    buf[:len(vals)] = vals
+    assert np.array_equal(m.sparse_merge(bitmap, buf[:len(vals)], 4096, out=buf[:4096]), data)
+
+
+def test_native_sparse_rejects_bad_raw_calls():
+    mod = native()._raw._mod
+    src = np.ones(32, np.uint8)
+    with pytest.raises(ValueError):
+        mod.sparse_split(src, np.zeros(3, np.uint8), np.zeros(32, np.uint8))  # bitmap too small
+    with pytest.raises(ValueError):
+        mod.sparse_split(src, np.zeros(4, np.uint8), np.zeros(31, np.uint8))  # vals too small
+    with pytest.raises(ValueError):
+        mod.sparse_merge(np.zeros(3, np.uint8), b"", np.zeros(32, np.uint8))
+
+
+# ---------------------------------------------------------------------------
 # FastCDC
 # ---------------------------------------------------------------------------
 

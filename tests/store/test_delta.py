@@ -378,6 +378,98 @@ def test_incompressible_planes_are_stored_as_is_and_exponents_are_compressed():
     assert _modes(codec.encode_planes(noise, 1, 1), 1)[0] == codec.SEG_RAW
 
 
+def _drifted(n: int, seed: int, frac: float):
+    """(base, new): fp32 weights and a copy where ``frac`` of the values moved by about one part in 10^4."""
+    rng = np.random.default_rng(seed)
+    base = (rng.standard_normal(n) * 0.05).astype(np.float32)
+    new = base.copy()
+    moved = rng.random(n) < frac
+    new[moved] = (new[moved] * np.float32(1 + 1e-4)).astype(np.float32)
+    return base, new
+
+
+@pytest.mark.parametrize("n", [4000, 1 << 18])  # judged on the whole plane / on a sample of it
+def test_mostly_zero_delta_planes_are_stored_sparse(n):
+    base, new = _drifted(n, 21, 0.2)
+    stored = codec.encode_delta(new, base, 4, 1)
+    assert _modes(stored, 4)[:4] == [codec.SEG_SPARSE] * 4  # 80 % of the values kept every byte
+    assert bytes(codec.decode(codec.DELTA, stored, new.nbytes, 4, base.view(np.uint8))) == new.tobytes()
+    base, new = _drifted(n, 21, 0.9)
+    stored = codec.encode_delta(new, base, 4, 1)
+    modes = _modes(stored, 4)
+    assert modes[0] != codec.SEG_SPARSE  # low mantissa bytes of the moved values: noise, mostly nonzero
+    assert modes[3] == codec.SEG_SPARSE  # sign + exponent: a move of 1e-4 rarely changes it
+    assert bytes(codec.decode(codec.DELTA, stored, new.nbytes, 4, base.view(np.uint8))) == new.tobytes()
+    # A plane of all zeros (nothing changed) is a bitmap that zstd shrinks to almost nothing.
+    same = codec.encode_delta(base, base, 4, 1)
+    assert _modes(same, 4)[:4] == [codec.SEG_SPARSE] * 4 and len(same) < base.nbytes // 50
+    assert bytes(codec.decode(codec.DELTA, same, base.nbytes, 4, base.view(np.uint8))) == base.tobytes()
+
+
+def test_sparse_planes_beat_plain_zstd_on_a_mostly_zero_plane(monkeypatch):
+    base, new = _drifted(1 << 18, 22, 0.1)
+    sparse = len(codec.encode_delta(new, base, 4, 1))
+    monkeypatch.setattr(codec, "SPARSE_MAX_DENSITY", -1.0)  # never sparse
+    plain = codec.encode_delta(new, base, 4, 1)
+    assert codec.SEG_SPARSE not in _modes(plain, 4)
+    assert sparse < len(plain)
+
+
+def test_keyframe_of_a_mostly_zero_tensor_is_stored_sparse():
+    rng = np.random.default_rng(23)
+    table = np.zeros((2048, 64), dtype=np.float32)  # an embedding's Adam state: few rows touched yet
+    rows = rng.choice(2048, 100, replace=False)
+    table[rows] = rng.standard_normal((100, 64)).astype(np.float32)
+    cod, stored = codec.encode_best(table.reshape(-1).view(np.uint8), 4, 1, 0.03)
+    assert cod == codec.ZSTD and set(_modes(stored, 4)[:4]) == {codec.SEG_SPARSE}
+    assert len(stored) < table.nbytes / 10
+    assert bytes(codec.decode(cod, stored, table.nbytes, 4)) == table.tobytes()
+
+
+def _sparse_segment(stored: bytes, plane: int) -> tuple[int, int]:
+    """(offset, length) of ``plane``'s segment in a 4-byte-element container."""
+    pos = codec.container_header_size(4)
+    for i in range(plane):
+        pos += int.from_bytes(stored[5 + 5 * i:9 + 5 * i], "little")
+    return pos, int.from_bytes(stored[5 + 5 * plane:9 + 5 * plane], "little")
+
+
+@pytest.mark.parametrize("plane", [0, 1])  # values stored as is / zstd-coded
+@pytest.mark.parametrize("damage", ["nnz_high", "nnz_low", "bitmap_len", "bitmap_mode", "values_mode",
+                                    "short_header", "bitmap_byte", "values_byte"])
+def test_damaged_sparse_planes_raise_value_error(damage, plane):
+    base, new = _drifted(1 << 16, 24, 0.2)
+    stored = bytearray(bytes(codec.encode_delta(new, base, 4, 1)))
+    assert stored[4 + 5 * plane] == codec.SEG_SPARSE
+    off, length = _sparse_segment(bytes(stored), plane)
+    nnz, bm_mode, bm_len, vals_mode = codec._SPARSE.unpack_from(stored, off)
+    assert nnz > 0 and bm_mode == codec.SEG_ZSTD and vals_mode == (codec.SEG_RAW, codec.SEG_ZSTD)[plane]
+    body = off + codec._SPARSE.size
+    if damage == "nnz_high":
+        codec._SPARSE.pack_into(stored, off, new.size + 1, bm_mode, bm_len, vals_mode)
+    elif damage == "nnz_low":
+        codec._SPARSE.pack_into(stored, off, nnz - 1, bm_mode, bm_len, vals_mode)
+    elif damage == "bitmap_len":
+        codec._SPARSE.pack_into(stored, off, nnz, bm_mode, length, vals_mode)
+    elif damage == "bitmap_mode":
+        codec._SPARSE.pack_into(stored, off, nnz, 7, bm_len, vals_mode)
+    elif damage == "values_mode":
+        codec._SPARSE.pack_into(stored, off, nnz, bm_mode, bm_len, 7)
+    elif damage == "short_header":
+        # the plane claims 3 bytes: its header is cut (the container's trailing bytes would be caught too)
+        stored[5 + 5 * plane:9 + 5 * plane] = (3).to_bytes(4, "little")
+    elif damage == "bitmap_byte":  # a bit flipped inside a raw-stored bitmap, or a zstd frame damaged
+        stored[body + bm_len // 2] ^= 0x10
+    else:
+        stored[body + bm_len + (length - codec._SPARSE.size - bm_len) // 2] ^= 0x01
+    try:
+        out = codec.decode(codec.DELTA, bytes(stored), new.nbytes, 4, base.view(np.uint8))
+    except ValueError:
+        return
+    # A flipped value byte that stays nonzero decodes, to other bytes: the chunk hash catches it upstream.
+    assert damage in ("values_byte", "bitmap_byte") and bytes(out) != new.tobytes()
+
+
 def test_single_zstd_frame_payloads_of_older_stores_still_decode():
     import zstandard
 

@@ -536,6 +536,11 @@ def test_config_format_version_below_1_is_refused(version):
 RAW = np.random.default_rng(1).standard_normal(1024).astype(np.float32).tobytes()
 ZFRAME = bytes(codec.encode_planes(RAW, 4, 1))
 DFRAME = bytes(codec.encode_delta(RAW, RAW[::-1], 4, 1))
+_MOVED = np.frombuffer(RAW, np.float32).copy()
+_MOVED[::5] *= np.float32(1.001)
+SBASE = _MOVED.tobytes()
+SFRAME = bytes(codec.encode_delta(RAW, SBASE, 4, 1))  # every plane zero-sparse (4 of 5 values unchanged)
+assert list(SFRAME[4:24:5]) == [codec.SEG_SPARSE] * 4
 
 
 @FUZZ
@@ -548,30 +553,30 @@ def test_codec_decode_random(cod, stored, raw_len, es):
 
 
 @FUZZ
-@given(mutations, st.booleans(), st.booleans())
-def test_codec_decode_mutated_frames(ops, delta, header_too):
-    frame = DFRAME if delta else ZFRAME
+@given(mutations, st.sampled_from(["zstd", "delta", "sparse"]), st.booleans())
+def test_codec_decode_mutated_frames(ops, kind, header_too):
+    frame, base = {"zstd": (ZFRAME, None), "delta": (DFRAME, RAW[::-1]), "sparse": (SFRAME, SBASE)}[kind]
     damaged = mutate(frame, ops, lo=0 if header_too else _frame_header_len(frame))
-    out = attempt(codec.decode, codec.DELTA if delta else codec.ZSTD, damaged, len(RAW), 4,
-                  RAW[::-1] if delta else None, errors=ValueError)
+    out = attempt(codec.decode, codec.ZSTD if kind == "zstd" else codec.DELTA, damaged, len(RAW), 4, base,
+                  errors=ValueError)
     if out is not None:
         assert len(out) == len(RAW)
 
 
 @FUZZ
-@given(mutations, st.sampled_from([1, 2, 4, 8]), st.integers(0, 8192))
-def test_plane_layout_of_damaged_headers_stays_in_bounds(ops, es, raw_len):
+@given(mutations, st.sampled_from([1, 2, 4, 8]), st.integers(0, 8192), st.booleans())
+def test_plane_layout_of_damaged_headers_stays_in_bounds(ops, es, raw_len, sparse):
     """The layout a reader probes stored planes with (ChunkSource.differs) never raises, and a plane it calls
     stored as is has exactly its raw length: damage can only point a probe at other bytes of the pack."""
-    head = mutate(ZFRAME[:codec.container_header_size(4)] if es == 4 else DFRAME[:codec.container_header_size(es)],
-                  ops)
+    frame = (SFRAME if sparse else ZFRAME) if es == 4 else DFRAME
+    head = mutate(frame[:codec.container_header_size(es)], ops)
     layout = codec.plane_layout(head, raw_len, es)
     if layout is None:
         return
     assert len(layout) == es
     pos = codec.container_header_size(es)
     for mode, offset, slen in layout:
-        assert mode in (codec.SEG_RAW, codec.SEG_ZSTD) and offset == pos
+        assert mode in (codec.SEG_RAW, codec.SEG_ZSTD, codec.SEG_SPARSE) and offset == pos
         if mode == codec.SEG_RAW:
             assert slen == raw_len // es
         pos += slen

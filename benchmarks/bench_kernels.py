@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deltackpt import kernels  # noqa: E402
 
 SHUFFLE_KERNELS = ("shuffle", "unshuffle", "xor_shuffle", "unshuffle_xor")
+SPARSE_KERNELS = ("sparse_split", "sparse_merge")
+SPARSE_DENSITY = 0.1  # nonzero bytes in the plane: an XOR delta's sign+exponent plane is about this
 SHUFFLE_TARGET_GBPS = 4.0
 FASTCDC_TARGET_GBPS = 1.0
 FASTCDC_PARAMS = (16 << 10, 64 << 10, 256 << 10)
@@ -147,6 +149,15 @@ def main(argv=None) -> int:
                         "gb_per_s": round(nbytes / t / 1e9, 3),
                     }
                 )
+        # A mostly-zero byte plane, as the high planes of an XOR delta are.
+        plane = np.where(rng.random(nbytes) < SPARSE_DENSITY, a | 1, 0).astype(np.uint8)
+        bitmap, vals = im.sparse_split(plane)
+        for kernel, call in (("sparse_split", lambda im=im: im.sparse_split(plane)),
+                             ("sparse_merge", lambda im=im, bitmap=bitmap, vals=vals: im.sparse_merge(
+                                 bitmap, vals, nbytes, out=out))):
+            t = best_time(call, args.repeat if backend == "native" else max(1, min(args.repeat, 3)))
+            results.append({"kernel": kernel, "backend": backend, "elem_size": None, "bytes": nbytes,
+                            "density": SPARSE_DENSITY, "seconds": round(t, 6), "gb_per_s": round(nbytes / t / 1e9, 3)})
         size = nbytes if backend == "native" else min(nbytes, int(args.numpy_fastcdc_mib * (1 << 20)))
         data = a[:size]
         rep = args.repeat if backend == "native" else max(1, min(args.repeat, 2))
@@ -177,6 +188,8 @@ def main(argv=None) -> int:
                 continue
             if r["kernel"] in SHUFFLE_KERNELS and r["elem_size"] in TARGET_ELEM_SIZES:
                 checks[f"{r['kernel']}[{r['elem_size']}]"] = r["gb_per_s"] >= SHUFFLE_TARGET_GBPS
+            elif r["kernel"] in SPARSE_KERNELS:
+                checks[r["kernel"]] = r["gb_per_s"] >= SHUFFLE_TARGET_GBPS
             elif r["kernel"] == "fastcdc_cuts":
                 checks["fastcdc_cuts"] = r["gb_per_s"] >= FASTCDC_TARGET_GBPS
     report = {
@@ -191,6 +204,7 @@ def main(argv=None) -> int:
             "backend": "native",
             "shuffle_family_gb_per_s": SHUFFLE_TARGET_GBPS,
             "shuffle_family_elem_sizes": list(TARGET_ELEM_SIZES),
+            "sparse_split_merge_gb_per_s": SHUFFLE_TARGET_GBPS,
             "fastcdc_cuts_gb_per_s": FASTCDC_TARGET_GBPS,
             "pipeline_gb_per_s": PIPELINE_TARGETS,
             "checks": checks,

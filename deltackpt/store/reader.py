@@ -200,36 +200,47 @@ class ChunkSource:
                 return False
             parts.append(base)
         try:
-            layouts = [self._layout(e) for e in parts]  # one header read per entry
+            # One read per entry: its container header and, when close behind it, the probed bytes of plane 0.
+            heads = [self._head(e, first, count) for e in parts]
             for plane in range(es):
-                got = [self._plane_bytes(e, lay, plane, first, count) for e, lay in zip(parts, layouts)]
+                got = [self._plane_bytes(e, head, plane, first, count) for e, head in zip(parts, heads)]
                 if all(g is not None for g in got):
                     return not np.array_equal(np.bitwise_xor.reduce(got), mine[plane:plane + count * es:es])
         except OSError:  # a probe never fails a save: the decoded comparison reports what is wrong
             pass
         return False
 
-    def _layout(self, entry: PackEntry):
-        """The plane layout (``codec.plane_layout``) of a coded entry's stored bytes; None for a raw entry or
-        a payload that is not a plane container."""
-        if entry.codec == codec.RAW:
-            return None
-        head = bytearray(codec.container_header_size(entry.elem_size))
-        if self.store.backend.get_range_into(pack_key(entry.pack), entry.offset + HEADER_SIZE, [head]) != len(head):
-            return None
-        return codec.plane_layout(head, entry.raw_len, entry.elem_size)
+    _HEAD_READ_MAX = 16384  # plane 0's probed bytes are read with the header when they end this close to it
 
-    def _plane_bytes(self, entry: PackEntry, layout, plane: int, first: int, count: int) -> np.ndarray | None:
-        """Byte ``plane`` of elements ``[first, first + count)`` of the chunk at ``entry``, read from its stored
-        bytes; None when that plane is not stored as is (or the read comes up short)."""
+    def _head(self, entry: PackEntry, first: int, count: int):
+        """(plane layout, the stored bytes read from the payload's start) of a coded entry; (None, None) for
+        a raw entry, a payload that is not a plane container, or a short read."""
+        if entry.codec == codec.RAW:
+            return None, None
+        size = codec.container_header_size(entry.elem_size)
+        extra = first + count if first + count <= self._HEAD_READ_MAX else 0
+        buf = np.empty(size + extra, dtype=np.uint8)
+        got = self.store.backend.get_range_into(pack_key(entry.pack), entry.offset + HEADER_SIZE, [buf])
+        if got < size:
+            return None, None
+        return codec.plane_layout(buf[:size], entry.raw_len, entry.elem_size), buf[:got]
+
+    def _plane_bytes(self, entry: PackEntry, head, plane: int, first: int, count: int) -> np.ndarray | None:
+        """Byte ``plane`` of elements ``[first, first + count)`` of the chunk at ``entry``, from ``head``
+        (:meth:`_head`) or read from its stored bytes; None when that plane is not stored as is (or the read
+        comes up short)."""
         es, at = entry.elem_size, entry.offset + HEADER_SIZE
+        layout, got = head
         if entry.codec == codec.RAW:
             buf = np.empty(count * es, dtype=np.uint8)
             at += first * es
             out = buf[plane::es]
         elif layout is not None and layout[plane][0] == codec.SEG_RAW:
+            start = layout[plane][1] + first
+            if start + count <= len(got):
+                return got[start:start + count]
             buf = out = np.empty(count, dtype=np.uint8)
-            at += layout[plane][1] + first
+            at += start
         else:
             return None
         return out if self.store.backend.get_range_into(pack_key(entry.pack), at, [buf]) == buf.size else None

@@ -190,9 +190,12 @@ def test_cold_probe_picks_more_read_threads(tmp_path, monkeypatch):
 # -- ChunkSource.differs: a few stored bytes instead of a decode ---------------------------------------------
 
 
+@pytest.mark.parametrize("head_read_max", [ChunkSource._HEAD_READ_MAX, 0])  # probe read with the header / apart
 @pytest.mark.parametrize("key, codec_id", [("noise", codec.RAW), ("kept", codec.ZSTD), ("w", codec.DELTA)])
-def test_differs_judges_from_stored_planes_without_false_alarms(delta_store, key, codec_id):
+def test_differs_judges_from_stored_planes_without_false_alarms(delta_store, key, codec_id, head_read_max,
+                                                                monkeypatch):
     store, raw = delta_store
+    monkeypatch.setattr(ChunkSource, "_HEAD_READ_MAX", head_read_max)
     src = ChunkSource(store)
     judged = checked = 0
     pos = 0
@@ -210,6 +213,21 @@ def test_differs_judges_from_stored_planes_without_false_alarms(delta_store, key
             checked += 1
         assert not src.differs(ref.id, 1, mine[1:].copy()) or es == 1  # off the element grid: no judgement
     assert checked and judged == checked  # each lane is judged from a plane stored as is
+
+
+def test_differs_reads_each_entry_once(delta_store):
+    """A probe reads a coded entry's header and its first plane's probed bytes together: one read per entry
+    (two for a delta: it and its keyframe)."""
+    store, raw = delta_store
+    src = ChunkSource(store)
+    reads = []
+    real = store.backend.get_range_into
+    store.backend.get_range_into = lambda key, off, bufs: reads.append(key) or real(key, off, bufs)
+    ref = store.read_manifest("c1").item_map()["w"].chunks[0]
+    assert store.index.lookup(ref.id).codec == codec.DELTA
+    mine = raw["w"][:ref.length].copy()
+    mine[:4] ^= 0xFF
+    assert src.differs(ref.id, 0, mine) and len(reads) == 2
 
 
 def test_differs_cannot_judge_when_every_plane_is_compressed(tmp_path):

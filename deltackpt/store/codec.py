@@ -20,7 +20,8 @@ Plane container (written since 0.2)::
     b"DCPL"  then for each of k planes and the tail (raw_len % k bytes): mode:u8 stored_len:u32 (LE)
     then the segments' stored bytes, in that order; mode 0 = stored as is, 1 = one zstd frame,
     2 = zero-sparse: nnz:u32 bitmap_mode:u8 bitmap_len:u32 values_mode:u8, the bitmap's stored bytes, then
-        the values' (each part stored as is, mode 0, or as one zstd frame, mode 1)
+        the values' (each part stored as is, mode 0, or as one zstd frame, mode 1); a reader that
+        predates mode 2 fails to decode such a chunk (unknown mode), it never misreads one
 
 Each plane is zstd-coded only when a sample of it compresses (the low mantissa planes of floats and of
 their XOR deltas usually do not), so incompressible planes cost a copy instead of a zstd pass, on save and

@@ -217,14 +217,27 @@ def _zstd_into(stored, dest: memoryview) -> None:
         raise ValueError(f"zstd frame decoded to {got} bytes, expected {n}")
 
 
+def _scratch(name: str, n: int) -> np.ndarray:
+    """This thread's scratch array ``name`` of ``n`` bytes (grown as needed, never shrunk): decoding
+    allocates nothing per chunk (fresh buffers page-fault, and the faults serialize a load's threads)."""
+    bufs = getattr(_local, "scratch", None)
+    if bufs is None:
+        bufs = _local.scratch = {}
+    buf = bufs.get(name)
+    if buf is None or buf.size < n:
+        buf = bufs[name] = np.empty(max(n, 1 << 16), dtype=np.uint8)
+    return buf[:n]
+
+
 def _part(stored, mode: int, n: int, what: str):
-    """A sparse segment's bitmap or values (``n`` bytes) from its stored bytes."""
+    """A sparse segment's bitmap or values (``n`` bytes) from its stored bytes; a zstd-coded part is decoded
+    into this thread's scratch array ``what`` (valid until the next call for the same part)."""
     if mode == SEG_RAW:
         if len(stored) != n:
             raise ValueError(f"{what} has {len(stored)} bytes, expected {n}")
         return stored
     if mode == SEG_ZSTD:
-        out = np.empty(n, dtype=np.uint8)
+        out = _scratch(what, n)
         _zstd_into(stored, memoryview(out))
         return out
     raise ValueError(f"{what} has unknown mode {mode}")
@@ -241,9 +254,12 @@ def _sparse_into(body, dest: np.ndarray, i: int) -> None:
     end = _SPARSE.size + bm_len
     if end > len(body):
         raise ValueError(f"sparse plane {i}'s bitmap is truncated")
-    bitmap = _part(body[_SPARSE.size:end], bm_mode, (n + 7) // 8, f"sparse plane {i}'s bitmap")
-    vals = _part(body[end:], vals_mode, nnz, f"sparse plane {i}'s values")
-    kernels.sparse_merge(bitmap, vals, n, out=dest)
+    try:
+        bitmap = _part(body[_SPARSE.size:end], bm_mode, (n + 7) // 8, "bitmap")
+        vals = _part(body[end:], vals_mode, nnz, "values")
+        kernels.sparse_merge(bitmap, vals, n, out=dest)
+    except ValueError as e:
+        raise ValueError(f"sparse plane {i}: {e}") from None
 
 
 def _unpack_planes(stored, raw_len: int, elem_size: int, planes: np.ndarray | None = None) -> np.ndarray:

@@ -426,6 +426,23 @@ def test_keyframe_of_a_mostly_zero_tensor_is_stored_sparse():
     assert bytes(codec.decode(cod, stored, table.nbytes, 4)) == table.tobytes()
 
 
+def test_sparse_planes_decode_through_per_thread_scratch():
+    """Decoding a zero-sparse plane reuses this thread's bitmap/values scratch (no buffer per chunk), and a
+    result never aliases that scratch."""
+    base, new = _drifted(1 << 16, 25, 0.2)
+    other = new.copy()
+    other[::3] = base[::3]
+    outs = []
+    for want in (new, other, new):
+        stored = codec.encode_delta(want, base, 4, 1)
+        outs.append(codec.decode(codec.DELTA, stored, want.nbytes, 4, base.view(np.uint8)))
+        scratch = {k: v.__array_interface__["data"][0] for k, v in codec._local.scratch.items()}
+        if len(outs) == 1:
+            first = scratch
+    assert scratch == first and set(first) == {"bitmap", "values"}
+    assert [bytes(o) for o in outs] == [new.tobytes(), other.tobytes(), new.tobytes()]
+
+
 def _sparse_segment(stored: bytes, plane: int) -> tuple[int, int]:
     """(offset, length) of ``plane``'s segment in a 4-byte-element container."""
     pos = codec.container_header_size(4)

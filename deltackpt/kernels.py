@@ -164,16 +164,20 @@ class _Impl:
         return f"<deltackpt.kernels {self.name} implementation>"
 
     def _run(self, fn, inputs, k, out):
-        n = inputs[0].nbytes
+        return self._into(fn, inputs, inputs[0].nbytes, out, k)
+
+    def _into(self, fn, inputs, n: int, out, *args):
+        """``fn(*inputs, *args, dest)`` into ``out`` (``n`` bytes; a new array when None), through a
+        temporary when ``out`` aliases an input."""
         res = _prep_out(out, n)
         if n == 0:
             return res
         if out is not None and any(np.may_share_memory(res, x) for x in inputs):
             tmp = np.empty(n, dtype=np.uint8)
-            fn(*inputs, k, tmp)
+            fn(*inputs, *args, tmp)
             res[...] = tmp
         else:
-            fn(*inputs, k, res.reshape(-1))
+            fn(*inputs, *args, res.reshape(-1))
         return res
 
     def shuffle(self, src, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -220,18 +224,9 @@ class _Impl:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         bm, v = _as_u8(bitmap, "bitmap"), _as_u8(vals, "vals")
-        res = _prep_out(out, n)
         if bm.nbytes != (n + 7) // 8 or v.nbytes > n:
             raise ValueError(f"bitmap has {bm.nbytes} bytes and vals {v.nbytes} for {n} output bytes")
-        if n == 0:
-            return res
-        if out is not None and (np.may_share_memory(res, bm) or np.may_share_memory(res, v)):
-            tmp = np.empty(n, dtype=np.uint8)
-            self._raw.sparse_merge(bm, v, tmp)
-            res[...] = tmp
-        else:
-            self._raw.sparse_merge(bm, v, res.reshape(-1))
-        return res
+        return self._into(self._raw.sparse_merge, (bm, v), n, out)
 
     def fastcdc_cuts(self, data, min_size: int, avg_size: int, max_size: int) -> np.ndarray:
         """FastCDC chunk END offsets (int64, ascending, last == len(data)); empty input gives []."""

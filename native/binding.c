@@ -42,6 +42,27 @@ static int get_out(PyObject *obj, Py_buffer *view)
     return 0;
 }
 
+/* Acquire three buffers (input unless writable[i]); on failure release what was taken and return -1. */
+static int get_three(PyObject *const objs[3], Py_buffer views[3], const int writable[3],
+                     const char *const names[3])
+{
+    for (int i = 0; i < 3; i++) {
+        int rc = writable[i] ? get_out(objs[i], &views[i]) : get_in(objs[i], &views[i], names[i]);
+        if (rc < 0) {
+            while (i-- > 0)
+                PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_three(Py_buffer views[3])
+{
+    for (int i = 2; i >= 0; i--)
+        PyBuffer_Release(&views[i]);
+}
+
 static PyObject *run_plane_op(PyObject *args, int op, const char *fmt)
 {
     PyObject *a_obj = NULL, *b_obj = NULL, *out_obj = NULL;
@@ -220,41 +241,32 @@ PyDoc_STRVAR(sparse_split_doc,
 "room). Returns the number of nonzero bytes.");
 static PyObject *py_sparse_split(PyObject *self, PyObject *args)
 {
-    PyObject *src_obj, *bm_obj, *vals_obj;
-    Py_buffer src, bm, vals;
+    static const int writable[3] = {0, 1, 1};
+    static const char *const names[3] = {"src", "bitmap", "vals"};
+    PyObject *objs[3];
+    Py_buffer v[3]; /* src, bitmap, vals */
     size_t nnz = 0;
 
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOO:sparse_split", &src_obj, &bm_obj, &vals_obj))
+    if (!PyArg_ParseTuple(args, "OOO:sparse_split", &objs[0], &objs[1], &objs[2]))
         return NULL;
-    if (get_in(src_obj, &src, "src") < 0)
+    if (get_three(objs, v, writable, names) < 0)
         return NULL;
-    if (get_out(bm_obj, &bm) < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    if (get_out(vals_obj, &vals) < 0) {
-        PyBuffer_Release(&bm);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    if (bm.len != (src.len + 7) / 8 || vals.len < src.len) {
+    if (v[1].len != (v[0].len + 7) / 8 || v[2].len < v[0].len) {
         PyErr_Format(PyExc_ValueError,
                      "bitmap must have %zd bytes and vals at least %zd (got %zd and %zd)",
-                     (src.len + 7) / 8, src.len, bm.len, vals.len);
+                     (v[0].len + 7) / 8, v[0].len, v[1].len, v[2].len);
     } else {
-        int release = src.len >= DC_GIL_THRESHOLD;
+        int release = v[0].len >= DC_GIL_THRESHOLD;
         PyThreadState *ts = NULL;
         if (release)
             ts = PyEval_SaveThread();
-        nnz = dc_sparse_split((const uint8_t *)src.buf, (size_t)src.len, (uint8_t *)bm.buf,
-                              (uint8_t *)vals.buf);
+        nnz = dc_sparse_split((const uint8_t *)v[0].buf, (size_t)v[0].len, (uint8_t *)v[1].buf,
+                              (uint8_t *)v[2].buf);
         if (release)
             PyEval_RestoreThread(ts);
     }
-    PyBuffer_Release(&vals);
-    PyBuffer_Release(&bm);
-    PyBuffer_Release(&src);
+    release_three(v);
     if (PyErr_Occurred())
         return NULL;
     return PyLong_FromSize_t(nnz);
@@ -265,44 +277,35 @@ PyDoc_STRVAR(sparse_merge_doc,
 "Inverse of sparse_split into out; ValueError when bitmap and vals disagree.");
 static PyObject *py_sparse_merge(PyObject *self, PyObject *args)
 {
-    PyObject *bm_obj, *vals_obj, *out_obj;
-    Py_buffer bm, vals, out;
-    int rc = 0;
+    static const int writable[3] = {0, 0, 1};
+    static const char *const names[3] = {"bitmap", "vals", "out"};
+    PyObject *objs[3];
+    Py_buffer v[3]; /* bitmap, vals, out */
 
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOO:sparse_merge", &bm_obj, &vals_obj, &out_obj))
+    if (!PyArg_ParseTuple(args, "OOO:sparse_merge", &objs[0], &objs[1], &objs[2]))
         return NULL;
-    if (get_in(bm_obj, &bm, "bitmap") < 0)
+    if (get_three(objs, v, writable, names) < 0)
         return NULL;
-    if (get_in(vals_obj, &vals, "vals") < 0) {
-        PyBuffer_Release(&bm);
-        return NULL;
-    }
-    if (get_out(out_obj, &out) < 0) {
-        PyBuffer_Release(&vals);
-        PyBuffer_Release(&bm);
-        return NULL;
-    }
-    if (bm.len != (out.len + 7) / 8 || vals.len > out.len) {
+    if (v[0].len != (v[2].len + 7) / 8 || v[1].len > v[2].len) {
         PyErr_Format(PyExc_ValueError,
                      "bitmap has %zd bytes and vals %zd for %zd output bytes",
-                     bm.len, vals.len, out.len);
+                     v[0].len, v[1].len, v[2].len);
     } else {
-        int release = out.len >= DC_GIL_THRESHOLD;
+        int release = v[2].len >= DC_GIL_THRESHOLD;
         PyThreadState *ts = NULL;
+        int rc;
         if (release)
             ts = PyEval_SaveThread();
-        rc = dc_sparse_merge((const uint8_t *)bm.buf, (const uint8_t *)vals.buf, (size_t)vals.len,
-                             (uint8_t *)out.buf, (size_t)out.len);
+        rc = dc_sparse_merge((const uint8_t *)v[0].buf, (const uint8_t *)v[1].buf, (size_t)v[1].len,
+                             (uint8_t *)v[2].buf, (size_t)v[2].len);
         if (release)
             PyEval_RestoreThread(ts);
         if (rc != 0)
             PyErr_SetString(PyExc_ValueError,
                             "sparse plane is damaged: its bitmap does not match its values");
     }
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&vals);
-    PyBuffer_Release(&bm);
+    release_three(v);
     if (PyErr_Occurred())
         return NULL;
     Py_RETURN_NONE;

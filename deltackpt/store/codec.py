@@ -219,15 +219,17 @@ def _zstd_into(stored, dest: memoryview) -> None:
         raise ValueError(f"zstd frame decoded to {got} bytes, expected {n}")
 
 
-def _scratch(name: str, n: int) -> np.ndarray:
-    """This thread's scratch array ``name`` of ``n`` bytes (grown as needed, never shrunk): decoding
-    allocates nothing per chunk (fresh buffers page-fault, and the faults serialize a load's threads)."""
-    bufs = getattr(_local, "scratch", None)
-    if bufs is None:
-        bufs = _local.scratch = {}
-    buf = bufs.get(name)
+def scratch_array(holder: threading.local, name: str, n: int, *, min_size: int = 1 << 16,
+                  keep_max: int = 16 << 20) -> np.ndarray:
+    """The scratch array ``name`` of ``holder`` (a thread-local), ``n`` bytes long, grown as needed (to at
+    least ``min_size``) and kept for the next call; a new array past ``keep_max``. Decoding then allocates
+    nothing per chunk (fresh buffers page-fault, and the faults serialize a load's threads)."""
+    if n > keep_max:
+        return np.empty(n, dtype=np.uint8)
+    buf = getattr(holder, name, None)
     if buf is None or buf.size < n:
-        buf = bufs[name] = np.empty(max(n, 1 << 16), dtype=np.uint8)
+        buf = np.empty(max(n, min_size), dtype=np.uint8)
+        setattr(holder, name, buf)
     return buf[:n]
 
 
@@ -239,7 +241,7 @@ def _part(stored, mode: int, n: int, what: str):
             raise ValueError(f"{what} has {len(stored)} bytes, expected {n}")
         return stored
     if mode == SEG_ZSTD:
-        out = _scratch(what, n)
+        out = scratch_array(_local, "sparse_" + what, n)
         _zstd_into(stored, memoryview(out))
         return out
     raise ValueError(f"{what} has unknown mode {mode}")

@@ -115,13 +115,7 @@ class ChunkSource:
 
     def _buffer(self, name: str, n: int) -> np.ndarray:
         """This thread's scratch array ``name``, ``n`` bytes long (a new array past SCRATCH_MAX)."""
-        if n > self.SCRATCH_MAX:
-            return np.empty(n, dtype=np.uint8)
-        buf = getattr(self._scratch, name, None)
-        if buf is None or buf.size < n:
-            buf = np.empty(max(n, 4 * MiB), dtype=np.uint8)
-            setattr(self._scratch, name, buf)
-        return buf[:n]
+        return codec.scratch_array(self._scratch, name, n, min_size=4 * MiB, keep_max=self.SCRATCH_MAX)
 
     def _get_base(self, entry: PackEntry, *, checkpoint, item):
         """The verified base of delta ``entry``: from the LRU, else decoded into this thread's scratch (valid

@@ -311,28 +311,26 @@ class ChunkWriter:
 
     def _match_parent(self, view: memoryview, gstart: int, cover: list[Extent]) -> list[ChunkRef] | None:
         """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""
-        refs = []
         gend = gstart + len(view)
         mine = np.frombuffer(view, dtype=np.uint8)
+        # (parent chunk, offset in it, my bytes over it) for each piece of the cover
+        pieces = [(e.chunk_id, e.skip + max(e.start, gstart) - e.start,
+                   mine[max(e.start, gstart) - gstart:min(e.end, gend) - gstart]) for e in cover]
         # A few stored bytes of each parent chunk first: after a restart the data has usually changed, and
         # decoding the parent's chunks only to find that out would read the whole previous checkpoint.
-        for e in cover:
-            lo, hi = max(e.start, gstart), min(e.end, gend)
-            if self._source.differs(e.chunk_id, e.skip + lo - e.start, mine[lo - gstart:hi - gstart]):
-                return None
-        for e in cover:
-            lo, hi = max(e.start, gstart), min(e.end, gend)
+        if any(self._source.differs(cid, skip, part) for cid, skip, part in pieces):
+            return None
+        refs = []
+        for cid, skip, part in pieces:
             try:
-                raw = self._source.get(e.chunk_id)
+                raw = self._source.get(cid)
             except DeltackptError:
                 return None  # an unreadable parent chunk is never reused
-            skip = e.skip + lo - e.start
-            if skip + hi - lo > len(raw):
+            if skip + len(part) > len(raw):
                 return None
-            if not np.array_equal(np.frombuffer(raw, dtype=np.uint8, count=hi - lo, offset=skip),
-                                  mine[lo - gstart:hi - gstart]):
+            if not np.array_equal(np.frombuffer(raw, dtype=np.uint8, count=len(part), offset=skip), part):
                 return None
-            refs.append(ChunkRef(e.chunk_id, hi - lo, skip))
+            refs.append(ChunkRef(cid, len(part), skip))
         return refs
 
     def _base_bytes(self, entry: PackEntry):

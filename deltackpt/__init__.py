@@ -24,7 +24,7 @@ from .errors import (
     UnsupportedFormatError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # name -> module that defines it; imported on first access.
 _LAZY = {

@@ -87,7 +87,7 @@ def cmd_init(args) -> int:
     store = Store.init(args.store, **overrides)
     cfg = store.config
     data = {"store": args.store, "store_id": cfg.store_id, "format_version": cfg.format_version,
-            "chunk_size_bytes": cfg.chunk_size_bytes, "pack_target_bytes": cfg.pack_target_bytes}
+            "features": list(cfg.features), "chunk_size_bytes": cfg.chunk_size_bytes, "pack_target_bytes": cfg.pack_target_bytes}
     _emit(args, data, lambda: f"initialized deltackpt store at {args.store} (id {cfg.store_id[:12]}, "
                               f"format {cfg.format_version}, chunks {fmt_bytes(cfg.chunk_size_bytes)})")
     return EXIT_OK

@@ -41,7 +41,8 @@ def test_init_creates_store_and_refuses_twice(tmp_path, capsys):
     code, out, _ = run(capsys, "init", str(tmp_path / "new"), "--json")
     assert code == 0
     data = json.loads(out)
-    assert data["format_version"] == 1 and len(data["store_id"]) == 32
+    assert data["format_version"] == 2 and len(data["store_id"]) == 32
+    assert data["features"] == ["plane-container", "zero-sparse-planes"]
     assert Store.open(tmp_path / "new").config.store_id == data["store_id"]
     code, _, err = run(capsys, "init", str(tmp_path / "new"))
     assert code == 3 and err.count("\n") == 1 and "already holds" in err

@@ -25,18 +25,18 @@ manifest
     One object per checkpoint listing its items and their chunk refs. Writing it is the commit point: a
     checkpoint exists if and only if its manifest does.
 
-On-disk format, version 1 (``FORMAT_VERSION``)
--------------------------------------------------
+On-disk format, version 2 (``FORMAT_VERSION``; history and features in ``docs/format.md``)
+----------------------------------------------------------------------------------------
 ::
 
-    config                     JSON StoreConfig: format_version, store_id, chunk/CDC/pack sizes, zstd level
+    config                     JSON StoreConfig: format_version, features, store_id, chunk/CDC/pack sizes
     packs/<h[:2]>/<h>          pack, h = xxh3-128 hex of its bytes (layout in deltackpt.store.pack)
     manifests/<name>           b"DCMF" version:u8 zstd(msgpack(Manifest))  (schema in deltackpt.store.manifest)
     cache/index.lmdb/          index cache (local stores only; not part of the format, safe to delete)
 
 All stored metadata is parsed with strict schemas and bounds checks (msgspec Structs, struct layouts with
 checksums); nothing is ever unpickled. A store whose ``format_version`` is newer than this code's is refused
-with :class:`~deltackpt.errors.UnsupportedFormatError`.
+with :class:`~deltackpt.errors.UnsupportedFormatError`, and so is a store that lists a feature this code lacks.
 
 This package never imports torch; the DCP layer (``deltackpt.dcp``) sits on top of it.
 """

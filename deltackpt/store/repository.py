@@ -32,7 +32,7 @@ from ..errors import (
     StoreNotFoundError,
 )
 from .backend import Backend, LocalBackend
-from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config
+from .config import CONFIG_KEY, WRITER_FEATURES, StoreConfig, decode_config, encode_config, new_config
 from .index import ChunkIndex
 from .manifest import LATEST, Item, Manifest, Stats, decode_manifest, encode_manifest, manifest_key, validate_name
 from .faults import crash_point
@@ -166,6 +166,22 @@ class Store:
                     raise
                 time.sleep(0.1)
         raise AssertionError("unreachable")
+
+    def ensure_features(self, names=WRITER_FEATURES) -> None:
+        """Record ``names`` in the store's config before data that needs them is written (the format gate).
+
+        A store written by an older deltackpt gains the features (and format version 2) on its first write by
+        this code, so from then on a reader that lacks one refuses the store instead of misreading its data.
+        """
+        if set(names) <= set(self.config.features):
+            return
+        current = decode_config(self.backend.get(CONFIG_KEY))
+        if current.store_id != self.config.store_id:
+            raise ManifestFormatError(f"{_describe(self.backend)}: store config changed its store_id while open")
+        updated = current.with_features(names)
+        if updated is not current:
+            self.backend.put(CONFIG_KEY, encode_config(updated))
+        self.config = updated
 
     # -- index ---------------------------------------------------------------------------------------------
     @property

@@ -120,6 +120,7 @@ class ChunkWriter:
                  max_inflight_bytes: int | None = None):
         """``parent``: the previous checkpoint, whose chunks are reused by slice when boundaries moved."""
         self.store = store
+        store.ensure_features()  # the format gate: an older reader refuses what this writer may produce
         self.config = store.config
         self.parent = ParentMap(parent)
         self._source = ChunkSource(store)

@@ -1,0 +1,87 @@
+"""The format gate: a reader refuses a store that uses a feature it lacks, and never reports it as damage."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from deltackpt import cli
+from deltackpt.errors import UnsupportedFormatError
+from deltackpt.store import Store
+from deltackpt.store import config as config_mod
+from deltackpt.store.config import WRITER_FEATURES, decode_config
+
+
+def _data(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal(50_000).astype(np.float32), "b": b"x" * 1000}
+
+
+def _config(path) -> dict:
+    return json.loads((path / "config").read_bytes())
+
+
+def test_new_store_lists_the_writer_features(tmp_path):
+    Store.init(tmp_path / "s")
+    cfg = _config(tmp_path / "s")
+    assert cfg["format_version"] == 2
+    assert cfg["features"] == sorted(WRITER_FEATURES)
+
+
+def test_unknown_feature_is_refused_by_name(tmp_path):
+    s = Store.init(tmp_path / "s")
+    s.save("a", _data(0))
+    cfg = _config(tmp_path / "s")
+    cfg["features"] = sorted(cfg["features"] + ["chained-deltas-v9"])
+    (tmp_path / "s" / "config").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedFormatError, match="chained-deltas-v9"):
+        Store.open(tmp_path / "s")
+
+
+def test_older_reader_lacking_a_feature_refuses_instead_of_reporting_damage(tmp_path, monkeypatch, capsys):
+    s = Store.init(tmp_path / "s")
+    s.save("a", _data(0))
+    s.save("b", {"w": _data(0)["w"] * 0, "b": b"x" * 1000})  # zero planes: the sparse feature in use
+    # A reader built before zero-sparse planes: it knows only the plane container.
+    monkeypatch.setattr(config_mod, "SUPPORTED_FEATURES", {"plane-container": "..."})
+    with pytest.raises(UnsupportedFormatError, match="zero-sparse-planes"):
+        Store.open(tmp_path / "s")
+    code = cli.main(["verify", str(tmp_path / "s"), "--level", "2"])
+    err = capsys.readouterr().err
+    assert code == 3, "refused (deltackpt error), not 'problems found'"
+    assert "zero-sparse-planes" in err and "upgrade" in err
+
+
+def test_version_1_store_gains_features_on_first_write(tmp_path):
+    # A store as the previous release wrote it: format 1, no features field.
+    s = Store.init(tmp_path / "s", features=(), format_version=1)
+    raw = _config(tmp_path / "s")
+    assert raw["format_version"] == 1 and "features" not in raw
+    reopened = Store.open(tmp_path / "s")
+    assert reopened.config.features == ()
+    reopened.save("a", _data(1))  # this code's writer records what it may write before writing it
+    raw = _config(tmp_path / "s")
+    assert raw["format_version"] == 2 and raw["features"] == sorted(WRITER_FEATURES)
+    assert raw["store_id"] == s.config.store_id
+    np.testing.assert_array_equal(Store.open(tmp_path / "s").load("a")["w"], _data(1)["w"])
+
+
+def test_version_1_reader_refuses_an_upgraded_config(tmp_path, monkeypatch):
+    Store.init(tmp_path / "s")
+    # The previous release: FORMAT_VERSION 1, so it refuses on the version before looking at any field.
+    monkeypatch.setattr(config_mod, "FORMAT_VERSION", 1)
+    with pytest.raises(UnsupportedFormatError, match="newer"):
+        decode_config((tmp_path / "s" / "config").read_bytes())
+
+
+@pytest.mark.parametrize("features", [["zero-sparse-planes", "plane-container"], ["a", "a"], "plane-container"])
+def test_malformed_feature_lists_are_format_errors(tmp_path, features):
+    from deltackpt.errors import ManifestFormatError
+    Store.init(tmp_path / "s")
+    cfg = _config(tmp_path / "s")
+    cfg["features"] = features
+    (tmp_path / "s" / "config").write_text(json.dumps(cfg))
+    with pytest.raises((ManifestFormatError, UnsupportedFormatError)):
+        Store.open(tmp_path / "s")

@@ -8,11 +8,33 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 
 from deltackpt.cli import main as cli
+from deltackpt.errors import DeltackptError
 from deltackpt.store import Store
+
+MARK = {"made_by": "examples/store_demo.py"}  # in every checkpoint's metadata: what a rerun may delete
+STORE_ENTRIES = {"config", "packs", "manifests", "locks", "tags", "cache"}
+
+
+def remove_previous_demo(path: Path) -> None:
+    """Delete ``path`` only if it is a store this demo made (only store entries, every checkpoint marked)."""
+    if not path.exists():
+        return
+    try:
+        names = {p.name for p in path.iterdir()}
+        store = Store.open(path)
+        demo_made = names <= STORE_ENTRIES and all(
+            all(i.metadata.get(k) == v for k, v in MARK.items()) for i in store.list_checkpoints())
+    except (DeltackptError, OSError):
+        demo_made = False
+    if not demo_made:
+        sys.exit(f"{path} exists and is not a store made by this demo; pass another --store")
+    shutil.rmtree(path)
 
 
 def main() -> None:
@@ -21,7 +43,7 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=5)
     args = ap.parse_args()
 
-    shutil.rmtree(args.store, ignore_errors=True)
+    remove_previous_demo(Path(args.store))
     store = Store.init(args.store)
     rng = np.random.default_rng(0)
     embedding = rng.standard_normal((8192, 256)).astype(np.float32)  # 8 MiB, frozen
@@ -32,7 +54,7 @@ def main() -> None:
         items = {"embedding.weight": embedding, "embedding_copy.weight": embedding}
         items.update({f"layers.{i}.weight": w for i, w in enumerate(layers)})
         items["trainer_state"] = f'{{"step": {step}, "lr": 0.001}}'.encode()
-        store.save(f"step-{step}", items, metadata={"step": step})
+        store.save(f"step-{step}", items, metadata={"step": step, **MARK})
 
     restored = store.load("latest")
     assert all(np.array_equal(restored[f"layers.{i}.weight"], w) for i, w in enumerate(layers))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from deltackpt import CheckpointManager, TrainState
 
+# torchdata's StatefulDataLoader calls torch.set_vital, which torch deprecated; nothing a user can change.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
 
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = 512, dim: int = 128, layers: int = 2, heads: int = 4) -> None:
@@ -32,10 +36,12 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch * seq, vocab): a fresh tensor, not a view (FSDP2 warns about returned views,
+        whose in-place use would skip its backward hook)."""
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)
+        return self.head(x.flatten(0, 1))
 
 
 def make_loader(rank: int, seed: int, num_samples: int = 64, seq: int = 32, vocab: int = 512):
@@ -107,7 +113,7 @@ def main() -> None:
             for tokens in loader:
                 step += 1
                 logits = model(tokens[:, :-1])
-                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+                loss = nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1))
                 optim.zero_grad()
                 loss.backward()
                 optim.step()
@@ -118,7 +124,7 @@ def main() -> None:
                         f.write(json.dumps({"step": step, "epoch": state.epoch, "loss": loss.item().hex()}) + "\n")
                 if step == args.fail_at_step and rank == 1 and attempt == 0:
                     os._exit(17)  # a crash: no cleanup, no checkpoint of this step
-                if mgr.maybe_save(step) and rank == 0:
+                if mgr.maybe_save(step, force=step >= args.steps) and rank == 0:
                     print(f"step {step}: loss {loss.item():.4f}, saved {mgr.name_for(step)}", flush=True)
                 if step >= args.steps:
                     break

@@ -102,6 +102,7 @@ class CheckpointManager:
         self.name_format = name_format
         self._pending: tuple[Future, str] | None = None
         self._closed = False
+        self._saved_step: int | None = None  # the step last saved or restored: saving it again changes nothing
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -119,9 +120,10 @@ class CheckpointManager:
         return self.name_format.format(step=step)
 
     # -- saving --------------------------------------------------------------------------------------------
-    def maybe_save(self, step: int) -> bool:
-        """Save if ``step`` is on the cadence; returns whether a save started."""
-        if step % self.every_n_steps:
+    def maybe_save(self, step: int, *, force: bool = False) -> bool:
+        """Save if ``step`` is on the cadence, or when ``force`` (pass ``step == total_steps`` so the last
+        steps are never lost), unless this step is already saved; returns whether a save started."""
+        if (step % self.every_n_steps and not force) or step == self._saved_step:
             self._raise_if_failed()
             return False
         self.save(step)
@@ -147,6 +149,7 @@ class CheckpointManager:
                                  process_group=self.process_group,
                                  async_checkpointer_type=_ASYNC_TYPES[self.async_mode])
             self._pending = (fut, name)
+        self._saved_step = step
         return name
 
     def wait(self) -> None:
@@ -233,6 +236,7 @@ class CheckpointManager:
         finally:
             self.state.prepare_load(None)
         log.info("restored checkpoint %r (step %d)", reader.checkpoint_id, self.state.step)
+        self._saved_step = self.state.step
         return self.state.step
 
     def _check_compatible(self, name: str, target: dict[str, Any], metadata) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -17,8 +20,9 @@ def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group
          overwrite: bool = False, metadata: dict[str, Any] | None = None, no_dist: bool = False):
     """``dcp.save`` into checkpoint ``checkpoint_id`` of ``store``; returns DCP's Metadata."""
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata)
-    return dcp.save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
-                    process_group=process_group, no_dist=no_dist)
+    with quiet_single_process():
+        return dcp.save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
+                        process_group=process_group, no_dist=no_dist)
 
 
 def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, process_group=None, planner=None,
@@ -28,7 +32,8 @@ def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, proc
     A missing checkpoint raises CheckpointNotFoundError on every rank before any collective.
     """
     reader = DeltaStorageReader(store, checkpoint_id)
-    dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
+    with quiet_single_process():
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
     return reader.checkpoint_id
 
 
@@ -38,5 +43,19 @@ def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
                metadata: dict[str, Any] | None = None):
     """``dcp.async_save`` into ``store``; returns DCP's future. The state is copied before this returns."""
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata)
-    return dcp.async_save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
-                          process_group=process_group, async_checkpointer_type=async_checkpointer_type)
+    with quiet_single_process():
+        return dcp.async_save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
+                              process_group=process_group, async_checkpointer_type=async_checkpointer_type)
+
+
+@contextmanager
+def quiet_single_process():
+    """Without a process group, silence DCP's "assuming the intent is to save/load in a single process"
+    warning, which it repeats on every call; a single process is what our caller asked for."""
+    if dist.is_available() and dist.is_initialized():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
+from ..dcp.api import quiet_single_process
 from ..dcp.planner import DeltaSavePlanner
 from ..dcp.reader import DeltaStorageReader
 from ..dcp.writer import DeltaStorageWriter, open_store
@@ -142,12 +143,14 @@ class CheckpointManager:
         writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta)
         payload = {STATE_KEY: self.state}
         if self.async_mode is None:
-            dcp.save(payload, storage_writer=writer, planner=DeltaSavePlanner(), process_group=self.process_group)
+            with quiet_single_process():
+                dcp.save(payload, storage_writer=writer, planner=DeltaSavePlanner(), process_group=self.process_group)
             self._after_save(name)
         else:
-            fut = dcp.async_save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
-                                 process_group=self.process_group,
-                                 async_checkpointer_type=_ASYNC_TYPES[self.async_mode])
+            with quiet_single_process():
+                fut = dcp.async_save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
+                                     process_group=self.process_group,
+                                     async_checkpointer_type=_ASYNC_TYPES[self.async_mode])
             self._pending = (fut, name)
         self._saved_step = step
         return name
@@ -231,8 +234,9 @@ class CheckpointManager:
         try:
             target = self.state.state_dict()
             self._check_compatible(name, target, metadata)
-            dcp.load({STATE_KEY: self.state}, storage_reader=DeltaStorageReader(self.store, reader.checkpoint_id),
-                     process_group=self.process_group)
+            with quiet_single_process():
+                dcp.load({STATE_KEY: self.state}, storage_reader=DeltaStorageReader(self.store, reader.checkpoint_id),
+                         process_group=self.process_group)
         finally:
             self.state.prepare_load(None)
         log.info("restored checkpoint %r (step %d)", reader.checkpoint_id, self.state.step)

@@ -136,3 +136,23 @@ class CheckpointMismatchError(DeltackptError, ValueError):
 
 class SilentDataCorruptionError(DeltackptError):
     """Replicas of the same data disagree across ranks: a bit flipped in memory or compute."""
+
+
+class BackendError(DeltackptError, OSError):
+    """A storage operation failed after its retries (or cannot work: unknown scheme, missing bucket, access
+    denied); names the object and the operation."""
+
+    def __init__(self, message: str, *, key: str | None = None, operation: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.operation = operation
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+    def __reduce__(self):
+        return (_rebuild_backend_error, (str(self), self.key, self.operation))
+
+
+def _rebuild_backend_error(message, key, operation):
+    return BackendError(message, key=key, operation=operation)

@@ -31,7 +31,8 @@ from ..errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
-from .backend import Backend, LocalBackend
+from .backend import Backend
+from .location import open_backend
 from .config import CONFIG_KEY, WRITER_FEATURES, StoreConfig, decode_config, encode_config, new_config
 from .index import ChunkIndex
 from .manifest import LATEST, Item, Manifest, Stats, decode_manifest, encode_manifest, manifest_key, validate_name
@@ -76,12 +77,8 @@ class StoreUsage:
         return self.logical_bytes / self.physical_bytes if self.physical_bytes else 0.0
 
 
-def _as_backend(location) -> Backend:
-    if isinstance(location, Backend):
-        return location
-    if isinstance(location, (str, os.PathLike)):
-        return LocalBackend(location)
-    raise TypeError(f"store location must be a path or a Backend, got {type(location).__name__}")
+def _as_backend(location, storage_options: dict | None = None) -> Backend:
+    return open_backend(location, storage_options)
 
 
 def _default_cache_dir(backend: Backend, store_id: str) -> Path:
@@ -120,9 +117,13 @@ class Store:
 
     # -- opening -----------------------------------------------------------------------------------------
     @classmethod
-    def init(cls, location, *, cache_dir=None, exist_ok: bool = False, **config) -> "Store":
-        """Create a store at ``location`` (a directory path or a Backend). ``config`` overrides defaults."""
-        backend = _as_backend(location)
+    def init(cls, location, *, cache_dir=None, exist_ok: bool = False, storage_options: dict | None = None,
+             **config) -> "Store":
+        """Create a store at ``location`` (a directory, a URL such as ``s3://bucket/prefix``, or a Backend).
+
+        ``storage_options`` go to the fsspec filesystem of a URL; ``config`` overrides the store's defaults.
+        """
+        backend = _as_backend(location, storage_options)
         if backend.exists(CONFIG_KEY):
             if exist_ok:
                 return cls.open(backend, cache_dir=cache_dir)
@@ -140,9 +141,9 @@ class Store:
         return cls(backend, cfg, cache_dir)
 
     @classmethod
-    def open(cls, location, *, cache_dir=None) -> "Store":
-        """Open an existing store; ``StoreNotFoundError`` if there is none at ``location``."""
-        backend = _as_backend(location)
+    def open(cls, location, *, cache_dir=None, storage_options: dict | None = None) -> "Store":
+        """Open an existing store (a directory, a URL or a Backend); ``StoreNotFoundError`` if there is none."""
+        backend = _as_backend(location, storage_options)
         try:
             data = backend.get(CONFIG_KEY)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
@@ -152,9 +153,9 @@ class Store:
         return cls(backend, decode_config(data), cache_dir)
 
     @classmethod
-    def open_or_init(cls, location, *, cache_dir=None, **config) -> "Store":
+    def open_or_init(cls, location, *, cache_dir=None, storage_options: dict | None = None, **config) -> "Store":
         """Open the store at ``location``, creating it if there is none (safe when many ranks race)."""
-        backend = _as_backend(location)
+        backend = _as_backend(location, storage_options)
         for attempt in range(50):
             if backend.exists(CONFIG_KEY):
                 return cls.open(backend, cache_dir=cache_dir)
@@ -463,4 +464,4 @@ def _summarize(m: Manifest, manifest_bytes: int) -> CheckpointInfo:
 
 def _describe(backend: Backend) -> str:
     local = backend.local_path()
-    return str(local) if local is not None else repr(backend)
+    return str(local) if local is not None else getattr(backend, "url", None) or repr(backend)

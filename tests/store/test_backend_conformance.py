@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 
 import pytest
 
 from deltackpt.store import Backend, LocalBackend, MemoryBackend, ObjectInfo
+from deltackpt.store.fsspec_backend import FsspecBackend
 
-BACKENDS = ["memory", "local"]
+BACKENDS = ["memory", "local", "fsspec-memory", "s3"]
 INVALID_KEYS = ["../x", "a//b", "", "/abs", "a/./b", "a/../b", "a/", "x.tmp-123", "a\\b", "a\0b"]
 
 
@@ -17,6 +19,11 @@ INVALID_KEYS = ["../x", "a//b", "", "/abs", "a/./b", "a/../b", "a/", "x.tmp-123"
 def backend(request, tmp_path) -> Backend:
     if request.param == "memory":
         return MemoryBackend()
+    if request.param == "fsspec-memory":
+        return FsspecBackend(f"memory://conformance-{uuid.uuid4().hex}/root")
+    if request.param == "s3":
+        server = request.getfixturevalue("s3_server")
+        return FsspecBackend(request.getfixturevalue("s3_url"), server.storage_options)
     return LocalBackend(tmp_path / "root")
 
 

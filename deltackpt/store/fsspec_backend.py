@@ -1,0 +1,199 @@
+"""A Backend on any fsspec filesystem: S3 (s3fs), GCS, Azure, ``memory://``.
+
+Object stores have no rename and no append, which the engine never needs: every object is written whole and
+never changed (packs are named by their hash; a manifest put is the commit point). What the protocol relies on
+(``docs/decisions.md``): S3's strong read-after-write consistency for PUT, GET, HEAD and LIST (since 2020,
+and on MinIO/Ceph RGW), so a manifest is visible to every reader once its PUT returns and a commit's HEAD of
+the packs it references sees them; a PUT is atomic (a reader sees the old object or the new one); and
+``put_new`` is a conditional ``If-None-Match: *`` PUT where the filesystem supports it (S3), else a HEAD
+followed by a PUT (two racers may both succeed).
+
+Retries live here, not in the engine: throttling, 5xx, timeouts and dropped connections are retried with
+exponential backoff and full jitter, a bounded number of times, then :class:`BackendError` names the object
+and the operation. Missing objects (FileNotFoundError), refused access and failed preconditions are not
+retried. s3fs's and botocore's own retry loops are turned off so there is one policy, with one bound.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import threading
+import time
+from datetime import datetime
+from typing import Callable, Iterator, TypeVar
+
+from ..errors import BackendError
+from .backend import Backend, ObjectInfo, check_key
+
+T = TypeVar("T")
+
+MiB = 1 << 20
+MULTIPART_PART_BYTES = 8 * MiB  # objects of more than two parts upload as multipart, parts in parallel
+_NOT_RETRIED = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+                ValueError, TypeError, NotImplementedError, KeyError)
+
+
+class FsspecBackend(Backend):
+    """Objects under ``url`` (``s3://bucket/prefix``, ``memory://name``, ...) through fsspec.
+
+    ``storage_options`` go to the fsspec filesystem (for S3: ``endpoint_url``, ``key``, ``secret``,
+    ``client_kwargs``...); with none, s3fs takes credentials, region and ``AWS_ENDPOINT_URL`` from the
+    environment and ``~/.aws`` as every AWS tool does.
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None, *, max_attempts: int = 6,
+                 backoff_s: float = 0.1, max_backoff_s: float = 5.0) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.max_attempts = max(1, int(max_attempts))
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        protocol = self.url.split("://", 1)[0]
+        self.protocol = protocol
+        options = dict(self.storage_options)
+        if protocol in ("s3", "s3a"):
+            # One retry policy (ours); listings are never cached (other writers add and delete objects).
+            options.setdefault("use_listings_cache", False)
+            cfg = dict(options.pop("config_kwargs", {}) or {})
+            cfg.setdefault("retries", {"total_max_attempts": 1})
+            options["config_kwargs"] = cfg
+        options.setdefault("skip_instance_cache", True)
+        self.fs, root = fsspec.core.url_to_fs(self.url, **options)
+        if protocol in ("s3", "s3a"):
+            self.fs.retries = 1  # s3fs's own loop (an instance attribute; not a constructor option)
+        self.root = root.rstrip("/")
+        self._put_kwargs = {"chunksize": MULTIPART_PART_BYTES} if protocol in ("s3", "s3a") else {}
+        self._rand = random.Random()
+        self._rand_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"FsspecBackend({self.url!r})"
+
+    def __getstate__(self):
+        return {"url": self.url, "storage_options": self.storage_options, "max_attempts": self.max_attempts,
+                "backoff_s": self.backoff_s, "max_backoff_s": self.max_backoff_s}
+
+    def __setstate__(self, state):
+        self.__init__(state["url"], state["storage_options"], max_attempts=state["max_attempts"],
+                      backoff_s=state["backoff_s"], max_backoff_s=state["max_backoff_s"])
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{check_key(key)}" if self.root else check_key(key)
+
+    # -- retries -----------------------------------------------------------------------------------------------
+    def _retry(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return fn()
+            except _NOT_RETRIED:
+                raise
+            except Exception as e:  # noqa: BLE001 - throttling, 5xx, timeouts, resets: transient
+                if attempt == self.max_attempts:
+                    raise BackendError(f"{op} {self.url}/{key} failed after {attempt} attempts: "
+                                       f"{type(e).__name__}: {e}", key=key, operation=op) from e
+                with self._rand_lock:
+                    jitter = self._rand.random()
+                time.sleep(jitter * min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
+        raise AssertionError("unreachable")
+
+    # -- core operations ---------------------------------------------------------------------------------------
+    def put(self, key, data):
+        path, body = self._path(key), bytes(data)
+        self._retry("PUT", key, lambda: self.fs.pipe_file(path, body, **self._put_kwargs))
+
+    def put_new(self, key, data):
+        path, body = self._path(key), bytes(data)
+        if self._put_kwargs:  # S3: a conditional PUT, atomic on the server
+            self._retry("PUT", key, lambda: self.fs.pipe_file(path, body, mode="create", **self._put_kwargs))
+            return
+        if self.exists(key):
+            raise FileExistsError(key)
+        self.put(key, body)
+
+    def get(self, key):
+        path = self._path(key)
+        return bytes(self._retry("GET", key, lambda: self.fs.cat_file(path)))
+
+    def get_range(self, key, offset, length):
+        if offset < 0 or length < 0:
+            raise ValueError("offset and length must be >= 0")
+        path = self._path(key)
+        if length == 0:
+            self.size(key)  # a missing object is still an error
+            return b""
+
+        def ranged() -> bytes:
+            try:
+                return bytes(self.fs.cat_file(path, start=offset, end=offset + length))
+            except OSError as e:
+                if e.errno == errno.EINVAL and not isinstance(e, _NOT_RETRIED):
+                    return b""  # 416: the range starts past the end of the object
+                raise
+
+        return self._retry("GET", key, ranged)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        if prefix and any(p in (".", "..") for p in prefix.split("/")[:-1]):
+            raise ValueError(f"invalid list prefix {prefix!r}")
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = "/".join(p for p in (self.root, folder) if p)
+
+        def find() -> dict:
+            try:
+                return self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        root = self.root.strip("/")  # some filesystems name paths with a leading '/', some without
+        skip = len(root) + 1 if root else 0
+        out = []
+        for name, info in self._retry("LIST", prefix or "/", find).items():
+            name = name.lstrip("/")
+            if root and not name.startswith(root + "/"):
+                continue
+            key = name[skip:]
+            if info.get("type", "file") != "file" or not key.startswith(prefix):
+                continue
+            out.append(ObjectInfo(key, int(info.get("size", 0)), _mtime(info)))
+        return iter(sorted(out, key=lambda i: i.key))
+
+    def delete(self, key):
+        path = self._path(key)
+
+        def rm() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._retry("DELETE", key, rm)
+
+    def _info(self, key: str) -> dict:
+        path = self._path(key)
+        info = self._retry("HEAD", key, lambda: self.fs.info(path))
+        if info.get("type", "file") != "file":
+            raise FileNotFoundError(key)
+        return info
+
+    def exists(self, key):
+        try:
+            self._info(key)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def size(self, key):
+        return int(self._info(key)["size"])
+
+
+def _mtime(info: dict) -> float:
+    for field in ("LastModified", "mtime", "created", "last_modified"):
+        value = info.get(field)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return 0.0

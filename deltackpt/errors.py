@@ -136,3 +136,17 @@ class CheckpointMismatchError(DeltackptError, ValueError):
 
 class SilentDataCorruptionError(DeltackptError):
     """Replicas of the same data disagree across ranks: a bit flipped in memory or compute."""
+
+
+class CheckpointPinnedError(DeltackptError):
+    """Forgetting a checkpoint by name that has tags: a tag pins a checkpoint until it is removed."""
+
+    def __init__(self, name: str, tags: list[str]):
+        self.name = name
+        self.tags = list(tags)
+        super().__init__(name, self.tags)
+
+    def __str__(self) -> str:
+        removes = " ".join(f"--remove {t}" for t in self.tags)
+        return (f"checkpoint {self.name!r} is pinned by tag(s) {', '.join(self.tags)}; remove them first: "
+                f"deltackpt tag STORE {self.name} {removes}")

@@ -1,17 +1,14 @@
 """The ``deltackpt`` command line. Formats what the engine returns; maps errors to exit codes.
 
-Exit status (every command):
-  0    success
-  1    problems found (e.g. verify found damage)
-  2    usage error (bad arguments, invalid checkpoint name)
-  3    deltackpt error (not a store, unknown checkpoint, corrupt data, ...)
-  130  interrupted
+The exit status of every command is ``EXIT_STATUS`` (``--help`` shows it, with how errors are reported).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from typing import Callable
@@ -21,12 +18,39 @@ from .errors import DeltackptError, InvalidNameError
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
-EPILOG = """exit status:
-  0    success
-  1    problems found
-  2    usage error (bad arguments, invalid checkpoint name)
-  3    deltackpt error (not a store, unknown checkpoint, corrupt data, ...)
-  130  interrupted"""
+EXIT_STATUS = ((EXIT_OK, "success"), (EXIT_PROBLEMS, "problems found (e.g. verify found damage)"),
+               (EXIT_USAGE, "usage error (bad arguments, invalid checkpoint name)"),
+               (EXIT_ERROR, "deltackpt error (not a store, unknown checkpoint, corrupt data, ...)"),
+               (EXIT_INTERRUPTED, "interrupted"))
+EPILOG = "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in EXIT_STATUS) + """
+
+errors: one line on stderr (a traceback with --debug); with --json, this object on stdout instead:
+  {"error": {"type": "CheckpointNotFoundError", "message": "...", "exit_code": 3}}
+output cut short by a closed pipe (e.g. `| head -1`) is not an error: exit 0, nothing on stderr."""
+
+
+class UsageError(ValueError):
+    """Bad command-line arguments (exit 2); carries the parser whose usage line fits."""
+
+    def __init__(self, message: str, parser: argparse.ArgumentParser):
+        super().__init__(message)
+        self.parser = parser
+
+
+class _StdoutClosed(Exception):
+    """The reader of our stdout went away (`| head -1`): not an error."""
+
+
+def _out(text: str) -> None:
+    try:
+        print(text)
+    except BrokenPipeError:
+        raise _StdoutClosed from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print and exit; main() reports it (as JSON with --json)
+        raise UsageError(message, self)
 
 
 def _exit_code(exc: BaseException) -> int:
@@ -55,6 +79,24 @@ def fmt_ratio(x: float) -> str:
     return "inf" if x == float("inf") else f"{x:.2f}x"
 
 
+def parse_fraction(text: str, option: str) -> float:
+    """``10%`` or ``0.1`` -> 0.1 (the engine checks the range)."""
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ValueError(f"{option} must be a fraction or a percentage (0.1 or 10%), got {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -63,16 +105,22 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _emit(args, data, text: Callable[[], str]) -> None:
-    if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        print(text())
+    _out(json.dumps(data, indent=2, sort_keys=True) if args.json else text())
 
 
 def _open(args):
     from .store import Store
 
     return Store.open(args.store)
+
+
+def _checkpoint_dict(info, tags: list[str]) -> dict:
+    """What ``ls`` and ``show`` both report of a checkpoint (one definition of its stored bytes)."""
+    ratio = info.dedup_ratio
+    return {"name": info.name, "created_ns": info.created_ns, "parent": info.parent,
+            "logical_bytes": info.logical_bytes, "stored_bytes": info.added_bytes, "num_items": info.num_items,
+            "num_chunks": info.num_chunks, "new_chunks": info.new_chunks,
+            "dedup_ratio": None if math.isinf(ratio) else ratio, "tags": tags, "metadata": info.metadata}
 
 
 # -- commands ----------------------------------------------------------------------------------------------
@@ -94,45 +142,43 @@ def cmd_init(args) -> int:
 
 
 def cmd_ls(args) -> int:
+    from .store.retention import read_all_tags
+
     store = _open(args)
     infos = store.list_checkpoints()
-    data = [
-        {"name": i.name, "created_ns": i.created_ns, "parent": i.parent, "logical_bytes": i.logical_bytes,
-         "stored_bytes": i.stored_bytes + i.manifest_bytes, "num_items": i.num_items,
-         "num_chunks": i.num_chunks, "new_chunks": i.new_chunks,
-         "dedup_ratio": (i.logical_bytes / (i.stored_bytes + i.manifest_bytes)) if i.manifest_bytes else None,
-         "metadata": i.metadata}
-        for i in infos
-    ]
+    tags = read_all_tags(store)
+    data = [_checkpoint_dict(i, tags.get(i.name, [])) for i in infos]
 
     def text():
         if not data:
             return "no checkpoints"
         rows = [[d["name"], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["created_ns"] / 1e9)),
-                 fmt_bytes(d["logical_bytes"]), fmt_bytes(d["stored_bytes"]),
-                 fmt_ratio(d["logical_bytes"] / d["stored_bytes"]) if d["stored_bytes"] else "-"]
-                for d in data]
-        return _table(rows, ["NAME", "CREATED", "LOGICAL", "NEW STORED", "DEDUP"])
+                 fmt_bytes(d["logical_bytes"]), fmt_bytes(d["stored_bytes"]), fmt_ratio(i.dedup_ratio),
+                 ",".join(d["tags"]) or "-"]
+                for i, d in zip(infos, data)]
+        return _table(rows, ["NAME", "CREATED", "LOGICAL", "NEW STORED", "DEDUP", "TAGS"])
 
     _emit(args, data, text)
     return EXIT_OK
 
 
 def cmd_show(args) -> int:
+    from .store.retention import read_tags
+
     store = _open(args)
     m = store.read_manifest(store.resolve(args.checkpoint))
+    info = store.summarize(m)
     items = [{"key": it.key, "kind": it.kind, "dtype": it.dtype, "shape": list(it.shape), "nbytes": it.nbytes,
               "num_chunks": len(it.chunks), "group": it.group_name, "global_offset": it.global_offset}
              for it in m.items]
-    data = {"name": m.name, "created_ns": m.created_ns, "parent": m.parent, "metadata": m.metadata,
-            "stats": {"logical_bytes": m.stats.logical_bytes, "stored_bytes": m.stats.stored_bytes,
-                      "num_chunks": m.stats.num_chunks, "new_chunks": m.stats.new_chunks},
-            "items": items}
+    data = {**_checkpoint_dict(info, read_tags(store, m.name)), "items": items}
 
     def text():
         head = (f"checkpoint {m.name}  parent {m.parent or '-'}  items {len(items)}  "
-                f"logical {fmt_bytes(m.stats.logical_bytes)}  new {fmt_bytes(m.stats.stored_bytes)}  "
-                f"chunks {m.stats.num_chunks} ({m.stats.new_chunks} new)")
+                f"logical {fmt_bytes(info.logical_bytes)}  new stored {fmt_bytes(info.added_bytes)}  "
+                f"dedup {fmt_ratio(info.dedup_ratio)}  chunks {info.num_chunks} ({info.new_chunks} new)")
+        if data["tags"]:
+            head += f"\ntags {', '.join(data['tags'])}"
         if m.metadata:
             head += "\nmetadata " + json.dumps(m.metadata, sort_keys=True)
         rows = [[d["key"], d["kind"], d["dtype"], "x".join(map(str, d["shape"])) or "-", fmt_bytes(d["nbytes"]),
@@ -170,13 +216,7 @@ def cmd_verify(args) -> int:
     from .store.verify import verify_store
 
     store = _open(args)
-    sample = None
-    if args.sample is not None:
-        text = args.sample.rstrip("%")
-        try:
-            sample = float(text) / (100 if args.sample.endswith("%") else 1)
-        except ValueError:
-            raise ValueError(f"--sample must be a fraction or a percentage, got {args.sample!r}") from None
+    sample = parse_fraction(args.sample, "--sample") if args.sample is not None else None
     max_s = parse_duration(args.max_duration) if args.max_duration else None
     report = verify_store(store, level=args.level, sample=sample, max_duration_s=max_s)
 
@@ -193,8 +233,15 @@ def cmd_verify(args) -> int:
                 lines.append(f"    affects {', '.join(p.items[:10])}" + (" ..." if len(p.items) > 10 else ""))
         if report.orphan_packs:
             lines.append(f"  {len(report.orphan_packs)} orphan pack(s) no checkpoint uses (removed by gc)")
-        lines.append("no problems found" if report.ok
-                     else f"{len(report.problems)} problem(s); damaged: {', '.join(report.damaged_checkpoints)}")
+        if not report.complete:
+            why = "the sample" if report.skipped_by == "sample" else "the time limit (--max-duration)"
+            lines.append(f"partial: checked {report.packs_checked} of {report.packs_checked + report.packs_skipped}"
+                         f" packs; {report.packs_skipped} pack(s) and {report.chunks_skipped} chunk(s) not checked"
+                         f" because of {why}")
+        if not report.ok:
+            lines.append(f"{len(report.problems)} problem(s); damaged: {', '.join(report.damaged_checkpoints)}")
+        else:
+            lines.append("no problems found" + ("" if report.complete else " in what was checked"))
         return "\n".join(lines)
 
     _emit(args, report.as_dict(), text)
@@ -205,7 +252,7 @@ def cmd_gc(args) -> int:
     from .store.gc import plan_gc
 
     store = _open(args)
-    max_unused = float(args.max_unused.rstrip("%")) / (100 if args.max_unused.endswith("%") else 1)
+    max_unused = parse_fraction(args.max_unused, "--max-unused")
     plan = plan_gc(store, max_unused=max_unused, grace_s=args.grace)
     if args.dry_run:
         d = plan.as_dict()
@@ -222,19 +269,23 @@ def cmd_gc(args) -> int:
 
 
 def cmd_forget(args) -> int:
-    from .store.retention import plan_forget
+    from .store.retention import plan_forget, plan_forget_names
 
+    policy = dict(keep_last=args.keep_last, keep_every=args.keep_every, keep_within=args.keep_within,
+                  keep_tags=args.keep_tag or None)
+    if args.names and any(v is not None for v in policy.values()):
+        raise ValueError("give checkpoint names or a retention policy (--keep-*), not both")
     store = _open(args)
-    plan = plan_forget(store, keep_last=args.keep_last, keep_every=args.keep_every,
-                       keep_within=args.keep_within, keep_tags=args.keep_tag or None)
+    plan = plan_forget_names(store, args.names) if args.names else plan_forget(store, **policy)
     if args.dry_run:
         _emit(args, {"dry_run": True, **plan.as_dict()}, lambda: "\n".join(
             [f"keep   {n}  ({', '.join(r)})" for n, r in plan.keep.items()]
             + [f"forget {n}" for n in plan.forget]) or "no checkpoints")
         return EXIT_OK
     removed = plan.execute()
+    kept = "" if args.names else f", kept {len(plan.keep)}"
     _emit(args, {"forgotten": removed, "kept": list(plan.keep)},
-          lambda: f"forgot {len(removed)} checkpoint(s), kept {len(plan.keep)}; run `deltackpt gc` to reclaim space")
+          lambda: f"forgot {len(removed)} checkpoint(s){kept}; run `deltackpt gc` to reclaim space")
     return EXIT_OK
 
 
@@ -292,15 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
     # --json/--debug are accepted before or after the command: the top level sets the defaults, the
     # subcommands' own copies (separate action objects) default to SUPPRESS so they never reset them.
     def flags(default):
-        parser = argparse.ArgumentParser(add_help=False)
+        parser = _Parser(add_help=False)
         parser.add_argument("--json", action="store_true", default=default, help="machine-readable output")
         parser.add_argument("--debug", action="store_true", default=default, help="show tracebacks")
         return parser
 
     common = flags(argparse.SUPPRESS)
-    p = argparse.ArgumentParser(prog="deltackpt", description="Incremental, content-addressed checkpoint store.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                parents=[flags(False)])
+    p = _Parser(prog="deltackpt", description="Incremental, content-addressed checkpoint store.",
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, parents=[flags(False)])
     p.add_argument("--version", action="store_true", help="show version and kernel backend")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -331,13 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("store")
     sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     sp.add_argument("--max-unused", default="10%", help="repack packs with more dead bytes than this (default 10%%)")
-    sp.add_argument("--grace", type=float, default=3600.0,
+    sp.add_argument("--grace", type=_seconds, default=3600.0,
                     help="never touch packs or temp files younger than this many seconds (default 3600)")
-    sp = add("forget", cmd_forget, "remove checkpoints by a retention policy (rules are ORed; tagged ones are kept)")
+    sp = add("forget", cmd_forget, "remove checkpoints by a retention policy (rules are ORed; tagged ones and the "
+                                   "newest are kept) or exactly the named ones (tagged ones are refused)")
     sp.add_argument("store")
+    sp.add_argument("names", nargs="*", metavar="NAME", help="forget exactly these checkpoints ('latest' = newest)")
     sp.add_argument("--keep-last", type=int, help="keep the N newest")
-    sp.add_argument("--keep-every", type=int, help="keep those whose step is a multiple of K")
-    sp.add_argument("--keep-within", help="keep those created within this duration (e.g. 7d, 36h)")
+    sp.add_argument("--keep-every", type=int,
+                    help="keep those whose metadata 'step' (an int; CheckpointManager writes it) is a multiple of K")
+    sp.add_argument("--keep-within", help="keep those created within this duration (e.g. 7d, 36h; more than 0)")
     sp.add_argument("--keep-tag", action="append", help="keep those with this tag (repeatable)")
     sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     sp = add("tag", cmd_tag, "add or remove tags of a checkpoint; tagged checkpoints are never forgotten")
@@ -368,34 +421,71 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _report_error(exc: BaseException, code: int, as_json: bool) -> None:
+    msg = str(exc) or type(exc).__name__
+    if isinstance(exc, KeyError) and msg.startswith("'"):
+        msg = msg.strip("'")
+    if as_json:
+        _out(json.dumps({"error": {"type": type(exc).__name__, "message": msg, "exit_code": code}},
+                        indent=2, sort_keys=True))
+    else:
+        print(f"deltackpt: error: {msg}", file=sys.stderr)
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)  # also for errors before parsing ends
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
+    except SystemExit as e:  # --help and --version-like actions exit 0
         return int(e.code or 0)
+    except UsageError as e:
+        if as_json:
+            _report_error(e, EXIT_USAGE, True)
+        else:
+            e.parser.print_usage(sys.stderr)
+            print(f"{e.parser.prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if args.version:
-        print(_version_text())
+        _out(_version_text())
         return EXIT_OK
     if not getattr(args, "func", None):
-        parser.print_usage(sys.stderr)
+        if args.json:
+            _report_error(UsageError("a command is required", parser), EXIT_USAGE, True)
+        else:
+            parser.print_usage(sys.stderr)
         return EXIT_USAGE
     try:
         return args.func(args)
     except BaseException as exc:  # noqa: BLE001 - mapped to an exit status below
-        if isinstance(exc, SystemExit):
+        if isinstance(exc, (SystemExit, _StdoutClosed)):
             raise
         code = _exit_code(exc)
         if args.debug:
             import traceback
 
             traceback.print_exc()
-        else:
-            msg = str(exc) or type(exc).__name__
-            if isinstance(exc, KeyError) and msg.startswith("'"):
-                msg = msg.strip("'")
-            print(f"deltackpt: error: {msg}", file=sys.stderr)
+        if args.json or not args.debug:
+            _report_error(exc, code, args.json)
         return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _run(argv)
+        try:
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's own flush at exit
+        except BrokenPipeError:
+            raise _StdoutClosed from None
+    except _StdoutClosed:
+        # The reader stopped (`| head -1`): not an error. Point stdout at /dev/null so the final flush at
+        # exit cannot fail again (the recipe in Python's signal docs), and exit quietly.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass  # stdout is not a file descriptor (captured): nothing to silence
+        return EXIT_OK
+    return code
 
 
 if __name__ == "__main__":

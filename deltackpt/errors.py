@@ -156,3 +156,17 @@ class BackendError(DeltackptError, OSError):
 
 def _rebuild_backend_error(message, key, operation):
     return BackendError(message, key=key, operation=operation)
+
+
+class CheckpointPinnedError(DeltackptError):
+    """Forgetting a checkpoint by name that has tags: a tag pins a checkpoint until it is removed."""
+
+    def __init__(self, name: str, tags: list[str]):
+        self.name = name
+        self.tags = list(tags)
+        super().__init__(name, self.tags)
+
+    def __str__(self) -> str:
+        removes = " ".join(f"--remove {t}" for t in self.tags)
+        return (f"checkpoint {self.name!r} is pinned by tag(s) {', '.join(self.tags)}; remove them first: "
+                f"deltackpt tag STORE {self.name} {removes}")

@@ -58,8 +58,13 @@ class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
     manifest_bytes: int
 
     @property
+    def added_bytes(self) -> int:
+        """What this checkpoint added to the store: its new pack bytes and its manifest (``ls`` and ``show``)."""
+        return self.stored_bytes + self.manifest_bytes
+
+    @property
     def dedup_ratio(self) -> float:
-        return self.logical_bytes / self.stored_bytes if self.stored_bytes else float("inf")
+        return self.logical_bytes / self.added_bytes if self.added_bytes else float("inf")
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,10 @@ class Store:
             self.index.put_summaries(fresh, drop=stale)
         out.sort(key=lambda i: (i.created_ns, i.name))
         return out
+
+    def summarize(self, manifest: Manifest) -> CheckpointInfo:
+        """The ``list_checkpoints`` entry of a manifest already read."""
+        return _summarize(manifest, self.backend.size(manifest_key(manifest.name)))
 
     def resolve(self, name: str) -> str:
         """The concrete checkpoint name for ``name`` (``latest`` = newest); CheckpointNotFoundError if none."""

@@ -1,10 +1,12 @@
 """Retention: which checkpoints to forget, as a plan first, then its execution; and tags that pin them.
 
 Rules are ORed: a checkpoint is kept if any rule keeps it. ``keep_last`` N newest; ``keep_every`` K keeps
-those whose step (user metadata ``step``, else their position) is a multiple of K; ``keep_within`` keeps
+those whose metadata ``step`` (an int; CheckpointManager writes it) is a multiple of K; ``keep_within`` keeps
 those created within a duration ("36h", "7d", "2w"); ``keep_tags`` keeps those with a listed tag. A
-checkpoint with any tag is never forgotten. An empty policy is refused, so a slip cannot forget everything.
-Forgetting removes manifests only; ``gc`` then reclaims chunks nothing else needs.
+checkpoint with any tag is never forgotten, and a policy never forgets the newest checkpoint (what a run
+resumes from). An empty policy is refused, so a slip cannot forget everything. ``plan_forget_names``
+forgets exactly the named checkpoints, refusing tagged ones. Forgetting removes manifests only; ``gc`` then
+reclaims chunks nothing else needs.
 
 Tags live in ``tags/<checkpoint>`` (a small JSON list, replaced atomically), outside the immutable manifest.
 """
@@ -16,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from ..errors import ManifestFormatError
+from ..errors import CheckpointPinnedError, ManifestFormatError
 from .faults import crash_point
 from .manifest import validate_name
 
@@ -47,6 +49,22 @@ def read_tags(store, name: str) -> list[str]:
         data = store.backend.get(_tag_key(name))
     except FileNotFoundError:
         return []
+    return _decode_tags(name, data)
+
+
+def read_all_tags(store) -> dict[str, list[str]]:
+    """Tags of every tagged checkpoint (one listing, then one read per tagged checkpoint)."""
+    out = {}
+    for info in store.backend.list("tags/"):
+        name = info.key[len("tags/"):]
+        try:
+            out[name] = _decode_tags(name, store.backend.get(info.key))
+        except FileNotFoundError:
+            continue  # untagged since the listing
+    return out
+
+
+def _decode_tags(name: str, data: bytes) -> list[str]:
     try:
         tags = json.loads(data)
     except ValueError:
@@ -98,25 +116,57 @@ def plan_forget(store, *, keep_last: int | None = None, keep_every: int | None =
     if keep_last is not None and keep_last < 1 or keep_every is not None and keep_every < 1:
         raise ValueError("keep_last and keep_every must be >= 1 (to forget everything, use forget by name)")
     within_s = parse_duration(keep_within) if isinstance(keep_within, str) else keep_within
+    if within_s is not None and within_s <= 0:
+        raise ValueError(f"keep_within must be longer than 0, got {keep_within!r}: it keeps checkpoints created "
+                         "within that long (to forget checkpoints, use forget by name)")
     now = time.time() if now is None else now
     infos = store.list_checkpoints()  # oldest first
+    steps = [_step(info) for info in infos]
+    if keep_every is not None and infos and all(s is None for s in steps):
+        # Counting positions instead would keep different checkpoints each time forget runs.
+        raise ValueError(f"keep_every uses the checkpoint metadata field 'step' (an int, written by "
+                         f"CheckpointManager or save(..., metadata={{'step': N}})), and none of the "
+                         f"{len(infos)} checkpoint(s) has one; use keep_last or keep_within instead")
+    all_tags = read_all_tags(store)
     plan = ForgetPlan(store=store)
-    for pos, info in enumerate(infos):
+    for pos, (info, step) in enumerate(zip(infos, steps)):
         reasons = []
         age_rank = len(infos) - pos  # 1 = newest
         if keep_last is not None and age_rank <= keep_last:
             reasons.append(f"last {keep_last}")
-        step = info.metadata.get("step", pos) if isinstance(info.metadata, dict) else pos
-        if keep_every is not None and isinstance(step, int) and step % keep_every == 0:
+        if keep_every is not None and step is not None and step % keep_every == 0:
             reasons.append(f"every {keep_every}")
         if within_s is not None and now - info.created_ns / 1e9 <= within_s:
             reasons.append(f"within {keep_within}")
-        tags = read_tags(store, info.name)
+        tags = all_tags.get(info.name)
         if tags:
             listed = [t for t in tags if keep_tags and t in keep_tags]
             reasons.append(f"tag {','.join(listed or tags)}")
+        if not reasons and age_rank == 1:
+            reasons.append("newest")  # what a run resumes from; forget it by name if really meant
         if reasons:
             plan.keep[info.name] = reasons
         else:
             plan.forget.append(info.name)
     return plan
+
+
+def plan_forget_names(store, names: list[str]) -> ForgetPlan:
+    """Forget exactly ``names`` (``latest`` = the newest). Refuses, before anything changes, a name that does
+    not exist (CheckpointNotFoundError with nearby names) and a tagged checkpoint (CheckpointPinnedError)."""
+    if not names:
+        raise ValueError("give at least one checkpoint name to forget")
+    plan = ForgetPlan(store=store)
+    for name in names:
+        resolved = store.resolve(name)
+        tags = read_tags(store, resolved)
+        if tags:
+            raise CheckpointPinnedError(resolved, tags)
+        if resolved not in plan.forget:
+            plan.forget.append(resolved)
+    return plan
+
+
+def _step(info) -> int | None:
+    step = info.metadata.get("step") if isinstance(info.metadata, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -8,7 +8,8 @@ Levels (each includes the ones below):
 2. data: every chunk is decoded (deltas through their bases) and re-hashed.
 
 Levels 1 and 2 can be partial (``sample`` fraction of packs, ``max_duration_s``); packs verified longest
-ago go first, and each pack's last verification time is recorded in the index cache. The report maps
+ago go first, and each pack's last verification time is recorded in the index cache. A partial report says
+what it skipped and is never ``clean``, even when it found no problems. The report maps
 damage upward: chunk -> pack -> every checkpoint and item that depends on it, directly or as a delta base.
 Damage is reported as data; ``verify`` raises only when it cannot run at all.
 """
@@ -49,23 +50,34 @@ class VerifyReport:
     chunks_checked: int = 0
     bytes_checked: int = 0
     complete: bool = True  # False when sample / max_duration_s left packs unchecked
+    packs_skipped: int = 0  # packs in use that were not read (sample or time limit)
+    chunks_skipped: int = 0  # chunks in use whose pack was not read
+    skipped_by: str | None = None  # "sample" or "max_duration" when incomplete
     duration_s: float = 0.0
     problems: list[Problem] = field(default_factory=list)
     orphan_packs: list[str] = field(default_factory=list)  # packs no checkpoint uses (gc removes them)
 
     @property
     def ok(self) -> bool:
+        """No problems found in what was checked."""
         return not self.problems
+
+    @property
+    def clean(self) -> bool:
+        """Everything was checked and no problem found."""
+        return self.ok and self.complete
 
     @property
     def damaged_checkpoints(self) -> list[str]:
         return sorted({c for p in self.problems for c in p.checkpoints})
 
     def as_dict(self) -> dict:
-        return {"level": self.level, "ok": self.ok, "num_checkpoints": self.num_checkpoints,
+        return {"level": self.level, "ok": self.ok, "clean": self.clean, "num_checkpoints": self.num_checkpoints,
                 "num_packs": self.num_packs, "packs_checked": self.packs_checked,
                 "chunks_checked": self.chunks_checked, "bytes_checked": self.bytes_checked,
-                "complete": self.complete, "duration_s": round(self.duration_s, 3),
+                "complete": self.complete, "packs_skipped": self.packs_skipped,
+                "chunks_skipped": self.chunks_skipped, "skipped_by": self.skipped_by,
+                "duration_s": round(self.duration_s, 3),
                 "damaged_checkpoints": self.damaged_checkpoints, "orphan_packs": self.orphan_packs,
                 "problems": [p.as_dict() for p in self.problems]}
 
@@ -153,26 +165,33 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
                                    pack=entry.pack, chunk_id=cid.hex())
 
     live_packs = set(unreadable)
+    chunks_in: dict[str, int] = {}  # pack -> needed chunks it holds
     for cid in needed:
         entry = index.lookup(cid)
         if entry is not None:
             live_packs.add(entry.pack)
+            chunks_in[entry.pack] = chunks_in.get(entry.pack, 0) + 1
     report.orphan_packs = sorted(p for p in packs if p not in live_packs) if checkpoints is None else []
 
     # Levels 1-2: pack hashes and chunk contents, least recently verified packs first.
     if level >= 1:
         order = sorted(live_packs & packs.keys(), key=lambda p: (index.last_verified(p), p))
+        skipped: list[str] = []
         if sample is not None:
             keep = max(1, round(len(order) * sample)) if order else 0
-            report.complete = keep >= len(order)
-            order = order[:keep]
+            order, skipped = order[:keep], order[keep:]
+            report.skipped_by = "sample" if skipped else None
         source = ChunkSource(store, cache_bytes=0)
-        for name in order:
+        for i, name in enumerate(order):
             if max_duration_s is not None and time.monotonic() - start > max_duration_s:
-                report.complete = False
+                skipped += order[i:]
+                report.skipped_by = "max_duration"
                 break
             _check_pack(store, index, name, level, needed, source, bad, report)
             index.mark_verified(name)
+        report.complete = not skipped
+        report.packs_skipped = len(skipped)
+        report.chunks_skipped = sum(chunks_in.get(p, 0) for p in skipped)
 
     # Map damage upward: a chunk is damaged if it or its base is; report who needs it.
     for cid, problem in bad.items():

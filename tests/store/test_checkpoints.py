@@ -77,7 +77,9 @@ def test_latest_and_listing(store, rng):
         assert info.num_chunks == m.stats.num_chunks
         assert info.metadata == {"step": ["zeta", "alpha", "mid"].index(info.name)}
         assert info.manifest_bytes == store.backend.size(f"manifests/{info.name}")
-        assert info.dedup_ratio == info.logical_bytes / info.stored_bytes
+        assert info.added_bytes == info.stored_bytes + info.manifest_bytes
+        assert info.dedup_ratio == info.logical_bytes / info.added_bytes
+        assert store.summarize(m) == info
     assert sorted(store.checkpoint_names()) == ["alpha", "mid", "zeta"]
     assert store.open_checkpoint().name == "mid"
     # A fresh Store object (cold summary cache) lists the same thing.

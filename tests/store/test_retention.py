@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from deltackpt.errors import CheckpointNotFoundError
+from deltackpt.errors import CheckpointNotFoundError, CheckpointPinnedError
 from deltackpt.store.pack import pack_key
-from deltackpt.store.retention import parse_duration, plan_forget, read_tags, set_tags
+from deltackpt.store.retention import (parse_duration, plan_forget, plan_forget_names, read_all_tags, read_tags,
+                                       set_tags)
 
 from store_helpers import assert_items_equal, pack_names, random_array
 
@@ -44,15 +45,24 @@ def test_keep_last(six):
 
 def test_keep_every_uses_the_step_metadata(six):
     store, _, _ = six
-    assert _kept(plan_forget(store, keep_every=20)) == ["s0", "s2", "s4"]  # steps 0, 20, 40
-    assert _kept(plan_forget(store, keep_every=30)) == ["s0", "s3"]  # steps 0, 30
-    assert _kept(plan_forget(store, keep_every=7)) == ["s0"]  # position 7 would be nothing: step is used
+    plan = plan_forget(store, keep_every=20)
+    assert _kept(plan) == ["s0", "s2", "s4", "s5"]  # steps 0, 20, 40; and the newest
+    assert plan.keep["s4"] == ["every 20"] and plan.keep["s5"] == ["newest"]
+    assert _kept(plan_forget(store, keep_every=30)) == ["s0", "s3", "s5"]  # steps 0, 30
+    assert _kept(plan_forget(store, keep_every=7)) == ["s0", "s5"]  # position 7 would be nothing: step is used
 
 
-def test_keep_every_falls_back_to_position(store, rng):
+def test_keep_every_without_step_metadata_is_refused(store, rng):
+    """Positions shift as checkpoints are forgotten, so counting them would erode the store run after run."""
     for i in range(5):
         store.save(f"n{i}", {"x": random_array(rng, "uint8", (100,))})
-    assert _kept(plan_forget(store, keep_every=2)) == ["n0", "n2", "n4"]
+    with pytest.raises(ValueError, match="metadata field 'step'.*none of the 5"):
+        plan_forget(store, keep_every=2)
+    # mixed: the rule keeps only checkpoints with a step; the others need another rule
+    store.save("m5", {"x": random_array(rng, "uint8", (100,))}, metadata={"step": 4})
+    store.save("m6", {"x": random_array(rng, "uint8", (100,))}, metadata={"step": True})  # not a step
+    plan = plan_forget(store, keep_every=2)
+    assert _kept(plan) == ["m5", "m6"] and plan.keep["m6"] == ["newest"]
 
 
 def test_keep_within(six):
@@ -62,7 +72,8 @@ def test_keep_within(six):
     assert _kept(plan) == ["s3", "s4", "s5"]
     assert plan.keep["s3"] == ["within 36h"]
     assert _kept(plan_forget(store, keep_within="7d", now=c[5] + 7 * 86400 - 1e-3)) == ["s5"]
-    assert _kept(plan_forget(store, keep_within="7d", now=c[5] + 8 * 86400)) == []
+    plan = plan_forget(store, keep_within="7d", now=c[5] + 8 * 86400)
+    assert _kept(plan) == ["s5"] and plan.keep["s5"] == ["newest"]  # never the newest, whatever the rules
     assert _kept(plan_forget(store, keep_within="1d12h", now=c[0] + 86400)) == [f"s{i}" for i in range(6)]
     assert _kept(plan_forget(store, keep_within=60.0, now=c[5] + 30)) == [f"s{i}" for i in range(6)]
 
@@ -90,11 +101,63 @@ def test_empty_policy_is_refused(six, kwargs):
 
 
 @pytest.mark.parametrize("kwargs", [{"keep_last": -1}, {"keep_every": 0}, {"keep_within": "7x"},
-                                    {"keep_within": ""}, {"keep_within": "d7"}, {"keep_within": "7d "}])
+                                    {"keep_within": ""}, {"keep_within": "d7"}, {"keep_within": "7d "},
+                                    {"keep_within": "0s"}, {"keep_within": "0d0h"}, {"keep_within": 0.0},
+                                    {"keep_within": -5.0}])
 def test_bad_policy_values_are_refused(six, kwargs):
     store, _, _ = six
     with pytest.raises(ValueError):
         plan_forget(store, **kwargs)
+
+
+def test_a_policy_never_forgets_the_newest(six):
+    store, _, infos = six
+    c = [i.created_ns / 1e9 for i in infos]
+    set_tags(store, "s1", ["t"])
+    for kwargs in ({"keep_every": 1000}, {"keep_within": "1s", "now": c[5] + 3600}, {"keep_tags": ["t"]},
+                   {"keep_every": 7, "keep_within": 1e-9, "keep_tags": ["nope"]}):
+        plan = plan_forget(store, **kwargs)
+        assert "s5" in plan.keep and "s5" not in plan.forget, kwargs
+    plan.execute()
+    assert sorted(store.checkpoint_names()) == ["s0", "s1", "s5"]
+
+
+# -- forget by name --------------------------------------------------------------------------------------------
+
+
+def test_forget_names_forgets_exactly_those(six):
+    store, saved, _ = six
+    plan = plan_forget_names(store, ["s2", "latest", "s2"])
+    assert plan.forget == ["s2", "s5"] and plan.keep == {}
+    assert len(store.checkpoint_names()) == 6  # a plan changes nothing
+    assert plan.execute() == ["s2", "s5"]
+    assert sorted(store.checkpoint_names()) == ["s0", "s1", "s3", "s4"]
+    assert_items_equal(saved["s4"], store.load("latest"))
+
+
+def test_forget_names_refuses_unknown_and_tagged_before_changing_anything(six):
+    store, _, _ = six
+    set_tags(store, "s3", ["best", "v1"])
+    with pytest.raises(CheckpointNotFoundError) as e:
+        plan_forget_names(store, ["s0", "s9"])
+    assert "nearby names" in str(e.value)
+    with pytest.raises(CheckpointPinnedError) as e:
+        plan_forget_names(store, ["s0", "s3"])
+    assert e.value.name == "s3" and e.value.tags == ["best", "v1"]
+    assert "--remove best --remove v1" in str(e.value)
+    with pytest.raises(ValueError):
+        plan_forget_names(store, [])
+    assert len(store.checkpoint_names()) == 6
+    set_tags(store, "s3", [])
+    assert plan_forget_names(store, ["s3"]).execute() == ["s3"]
+
+
+def test_read_all_tags(six):
+    store, _, _ = six
+    assert read_all_tags(store) == {}
+    set_tags(store, "s1", ["b", "a"])
+    set_tags(store, "s4", ["x"])
+    assert read_all_tags(store) == {"s1": ["a", "b"], "s4": ["x"]}
 
 
 def test_parse_duration():
@@ -134,7 +197,7 @@ def test_keep_tags_alone_forgets_the_untagged(six):
     set_tags(store, "s2", ["keep"])
     set_tags(store, "s3", ["other"])
     plan = plan_forget(store, keep_tags=["keep"])
-    assert _kept(plan) == ["s2", "s3"]  # any tag pins; keep_tags only names the reason
+    assert _kept(plan) == ["s2", "s3", "s5"]  # any tag pins; keep_tags only names the reason; s5 is the newest
     assert plan.keep["s2"] == ["tag keep"] and plan.keep["s3"] == ["tag other"]
 
 

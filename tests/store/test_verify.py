@@ -408,8 +408,23 @@ def test_max_duration_gives_a_partial_run(local_store, rng):
     packs = _many_packs(store, rng, n=4)
     r = verify_store(store, level=2, max_duration_s=1e-9)
     assert r.complete is False and r.packs_checked < len(packs)
+    assert r.packs_checked + r.packs_skipped == len(packs) and r.skipped_by == "max_duration"
+    r = verify_store(store, level=2, max_duration_s=0)
+    assert (r.packs_checked, r.packs_skipped, r.chunks_checked) == (0, len(packs), 0)
+    assert r.chunks_skipped == r.as_dict()["chunks_skipped"] >= len(packs)  # each pack holds one checkpoint's
+    assert r.ok and not r.clean  # nothing wrong found, but nothing read: never reported as clean
     r = verify_store(store, level=2, max_duration_s=600)
     assert r.complete is True and r.packs_checked == len(packs)
+    assert (r.packs_skipped, r.chunks_skipped, r.skipped_by, r.clean) == (0, 0, None, True)
+
+
+def test_a_sample_reports_what_it_skipped(local_store, rng):
+    store = local_store
+    packs = _many_packs(store, rng, n=4)
+    r = verify_store(store, level=1, sample=0.5)
+    assert (r.packs_checked, r.packs_skipped, r.skipped_by, r.clean) == (2, 2, "sample", False)
+    assert r.chunks_skipped == sum(len(store.read_manifest(f"p{i}").items[0].chunks) for i in range(4)) // 2
+    assert verify_store(store, level=0, max_duration_s=0).clean  # level 0 reads no pack: nothing to skip
 
 
 def test_last_verified_is_recorded(local_store, rng):

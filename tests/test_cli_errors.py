@@ -1,0 +1,249 @@
+"""CLI errors a user can catch and read: JSON errors with --json, a closed pipe, refused options, forget by
+name, ls/show agreeing on stored bytes, and a partial verify that says what it did not check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltackpt.cli import main
+from deltackpt.store import Store
+from deltackpt.store import index as index_mod
+from deltackpt.store.pack import pack_key
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(chunk_size_bytes=4096, pack_target_bytes=65536, cdc_min_bytes=256, cdc_avg_bytes=1024,
+             cdc_max_bytes=4096)
+
+
+@pytest.fixture(autouse=True)
+def _close_new_lmdb_envs():
+    before = set(index_mod._envs)
+    yield
+    for key in set(index_mod._envs) - before:
+        index_mod._close_env(Path(key))
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    """Four checkpoints s0..s3 (steps 0..30), one pack each."""
+    root = tmp_path / "store"
+    store = Store.init(root, **SMALL)
+    for i in range(4):
+        x = np.random.default_rng(i).standard_normal(3000).astype(np.float32)
+        store.save(f"s{i}", {"x": x}, metadata={"step": 10 * i})
+    return root
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _names(root) -> list[str]:
+    return sorted(p.name for p in (root / "manifests").iterdir() if ".tmp-" not in p.name)
+
+
+def _cli(*argv, shell_tail: str = "") -> subprocess.CompletedProcess:
+    """The real entry point in a real process; ``shell_tail`` pipes its stdout (e.g. "| head -1")."""
+    cmd = " ".join([sys.executable, "-m", "deltackpt", *map(str, argv)]) + " " + shell_tail
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    return subprocess.run(["bash", "-c", cmd + "; exit ${PIPESTATUS[0]}"], capture_output=True, text=True,
+                          env=env, cwd=REPO_ROOT, timeout=120)
+
+
+# -- --json errors ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, code, type_, needle", [
+    (["ls", "{tmp}/nope"], 3, "StoreNotFoundError", "not a deltackpt store"),
+    (["show", "{store}", "s9"], 3, "CheckpointNotFoundError", "nearby names"),
+    (["show", "{store}", "../etc"], 2, "InvalidNameError", "invalid checkpoint name"),
+    (["verify", "{store}", "--level", "7"], 2, "UsageError", "--level"),
+    (["gc", "{store}", "--max-unused", "lots"], 2, "ValueError", "--max-unused"),
+    (["frobnicate"], 2, "UsageError", "invalid choice"),
+    ([], 2, "UsageError", "command"),
+])
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_json_errors_are_a_json_object_on_stdout(store_path, tmp_path, capsys, argv, code, type_, needle, where):
+    argv = [a.format(tmp=tmp_path, store=store_path) for a in argv]
+    argv = ["--json", *argv] if where == "before" or not argv else [*argv, "--json"]
+    got, out, err = run(capsys, *argv)
+    assert got == code
+    assert err == ""
+    error = json.loads(out)["error"]
+    assert error["type"] == type_ and error["exit_code"] == code and needle in error["message"]
+
+
+def test_errors_without_json_are_one_line_on_stderr(store_path, capsys):
+    code, out, err = run(capsys, "show", store_path, "s9")
+    assert code == 3 and out == "" and err.count("\n") == 1 and err.startswith("deltackpt: error: no checkpoint")
+
+
+def test_json_error_from_a_real_process(tmp_path):
+    p = _cli("ls", tmp_path / "nope", "--json")
+    assert p.returncode == 3 and p.stderr == ""
+    assert json.loads(p.stdout)["error"]["type"] == "StoreNotFoundError"
+
+
+def test_help_documents_exit_status_and_json_errors(capsys):
+    assert main(["forget", "--help"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.count("exit status:") == 1 and "130" in out
+    assert '{"error": {"type"' in out and "exit_code" in out and "head -1" in out
+
+
+# -- a closed pipe ---------------------------------------------------------------------------------------------
+
+
+def test_closed_pipe_exits_quietly(tmp_path):
+    """`show S latest | head -1` on a listing far larger than a pipe buffer: exit 0, nothing on stderr."""
+    store = Store.init(tmp_path / "big", **SMALL)
+    store.save("big", {f"item{k:05d}": np.full(4, k, np.float32) for k in range(3000)})
+    p = _cli("show", tmp_path / "big", "latest", shell_tail="| head -1")
+    assert (p.returncode, p.stderr) == (0, "")
+    assert p.stdout.startswith("checkpoint big ") and p.stdout.count("\n") == 1
+    p = _cli("show", tmp_path / "big", "latest", "--json", shell_tail="| head -c 10")
+    assert (p.returncode, p.stderr) == (0, "")
+    p = _cli("show", tmp_path / "big", "latest", shell_tail="| cat > /dev/null")  # a reader that reads all
+    assert (p.returncode, p.stderr) == (0, "")
+
+
+# -- refused or explained options ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grace", ["-1", "-0.5", "nan", "inf", "soon"])
+def test_gc_refuses_a_bad_grace(store_path, capsys, grace):
+    packs = sorted((store_path / "packs").rglob("*"))
+    code, _, err = run(capsys, "gc", store_path, f"--grace={grace}")
+    assert code == 2 and "--grace" in err and "seconds >= 0" in err
+    assert sorted((store_path / "packs").rglob("*")) == packs
+
+
+def test_forget_refuses_keep_within_zero(store_path, capsys):
+    for value in ("0s", "0d"):
+        code, _, err = run(capsys, "forget", store_path, "--keep-within", value)
+        assert code == 2 and "longer than 0" in err
+    assert _names(store_path) == ["s0", "s1", "s2", "s3"]
+
+
+def test_forget_keeps_the_newest_whatever_the_rules(store_path, capsys):
+    code, out, _ = run(capsys, "forget", store_path, "--keep-every", "1000", "--dry-run", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["forget"] == ["s1", "s2"]  # s0 has step 0
+    assert {"name": "s3", "reasons": ["newest"]} in plan["keep"]
+
+
+def test_keep_every_without_step_metadata_explains_the_field(tmp_path, capsys):
+    store = Store.init(tmp_path / "nostep", **SMALL)
+    for i in range(3):
+        store.save(f"c{i}", {"x": np.full(100, i, np.uint8)})
+    code, _, err = run(capsys, "forget", tmp_path / "nostep", "--keep-every", "2")
+    assert code == 2 and "metadata field 'step'" in err and err.count("\n") == 1
+    assert _names(tmp_path / "nostep") == ["c0", "c1", "c2"]
+    assert main(["forget", "--help"]) == 0
+    assert "metadata 'step'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, option", [(["gc", "--max-unused", "ten"], "--max-unused"),
+                                          (["verify", "--sample", "ten%"], "--sample")])
+def test_percentages_are_parsed_one_way(store_path, capsys, argv, option):
+    code, _, err = run(capsys, argv[0], store_path, *argv[1:])
+    assert code == 2 and f"{option} must be a fraction or a percentage (0.1 or 10%)" in err
+
+
+# -- forget by name --------------------------------------------------------------------------------------------
+
+
+def test_forget_by_name(store_path, capsys):
+    code, out, _ = run(capsys, "forget", store_path, "s1", "latest", "--dry-run")
+    assert code == 0 and out.split("\n")[:2] == ["forget s1", "forget s3"]
+    assert _names(store_path) == ["s0", "s1", "s2", "s3"]
+    code, out, _ = run(capsys, "forget", store_path, "s1", "s2", "--json")
+    assert code == 0 and json.loads(out)["forgotten"] == ["s1", "s2"]
+    assert _names(store_path) == ["s0", "s3"]
+    code, out, _ = run(capsys, "forget", store_path, "s0")
+    assert code == 0 and out.startswith("forgot 1 checkpoint(s); run `deltackpt gc`")
+
+
+def test_forget_by_name_refuses_unknown_and_tagged_names_and_forgets_nothing(store_path, capsys):
+    code, _, err = run(capsys, "forget", store_path, "s0", "s7")
+    assert code == 3 and "no checkpoint named 's7'" in err and "nearby names" in err
+    assert run(capsys, "tag", store_path, "s1", "best")[0] == 0
+    code, out, err = run(capsys, "forget", store_path, "s0", "s1")
+    assert code == 3 and "pinned by tag(s) best" in err and "deltackpt tag STORE s1 --remove best" in err
+    code, out, _ = run(capsys, "forget", store_path, "s1", "--json")
+    assert code == 3 and json.loads(out)["error"]["type"] == "CheckpointPinnedError"
+    assert _names(store_path) == ["s0", "s1", "s2", "s3"]
+    code, _, err = run(capsys, "forget", store_path, "s0", "--keep-last", "1")
+    assert code == 2 and "not both" in err
+    assert _names(store_path) == ["s0", "s1", "s2", "s3"]
+
+
+# -- ls and show -----------------------------------------------------------------------------------------------
+
+
+def test_ls_shows_tags_and_agrees_with_show_on_stored_bytes(store_path, capsys):
+    assert run(capsys, "tag", store_path, "s2", "best", "v1")[0] == 0
+    code, out, _ = run(capsys, "ls", store_path, "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert code == 0 and rows["s2"]["tags"] == ["best", "v1"] and rows["s0"]["tags"] == []
+    code, text, _ = run(capsys, "ls", store_path)
+    assert "TAGS" in text.splitlines()[0]
+    assert [line.split()[-1] for line in text.splitlines()[1:]] == ["-", "-", "best,v1", "-"]
+    store = Store.open(store_path)
+    for name, row in rows.items():
+        code, out, _ = run(capsys, "show", store_path, name, "--json")
+        shown = json.loads(out)
+        for key in ("stored_bytes", "logical_bytes", "dedup_ratio", "tags", "num_chunks", "new_chunks"):
+            assert shown[key] == row[key], (name, key)
+        manifest_bytes = (store_path / "manifests" / name).stat().st_size
+        assert row["stored_bytes"] == store.read_manifest(name).stats.stored_bytes + manifest_bytes
+        assert row["dedup_ratio"] == row["logical_bytes"] / row["stored_bytes"]
+        code, out, _ = run(capsys, "show", store_path, name)
+        ls_line = next(line for line in text.splitlines() if line.startswith(name + " "))
+        stored_text = " ".join(ls_line.split()[5:7])  # NAME DATE TIME LOGICAL(2) STORED(2)
+        assert f"new stored {stored_text}" in out.splitlines()[0]
+
+
+# -- partial verify --------------------------------------------------------------------------------------------
+
+
+def test_verify_with_no_time_says_what_it_did_not_check(store_path, capsys):
+    code, out, _ = run(capsys, "verify", store_path, "--max-duration", "0s")
+    lines = out.splitlines()
+    assert code == 0
+    assert "partial: checked 0 of 4 packs; 4 pack(s) and" in out and "--max-duration" in out
+    assert lines[-1] == "no problems found in what was checked" and "no problems found" not in lines
+    code, out, _ = run(capsys, "verify", store_path, "--max-duration", "0s", "--json")
+    rep = json.loads(out)
+    assert rep["complete"] is False and rep["clean"] is False and rep["ok"] is True
+    assert rep["packs_checked"] == 0 and rep["packs_skipped"] == 4 and rep["chunks_skipped"] >= 4
+    assert rep["skipped_by"] == "max_duration"
+    code, out, _ = run(capsys, "verify", store_path, "--json")
+    rep = json.loads(out)
+    assert rep["complete"] is True and rep["clean"] is True and rep["packs_skipped"] == 0
+
+
+def test_verify_sample_is_partial_in_the_same_words(store_path, capsys):
+    code, out, _ = run(capsys, "verify", store_path, "--sample", "50%")
+    assert code == 0 and "partial: checked 2 of 4 packs; 2 pack(s)" in out and "the sample" in out
+    assert out.splitlines()[-1] == "no problems found in what was checked"
+    rep = json.loads(run(capsys, "verify", store_path, "--sample", "50%", "--json")[1])
+    assert (rep["clean"], rep["complete"], rep["skipped_by"], rep["packs_skipped"]) == (False, False, "sample", 2)
+
+
+def test_partial_verify_with_problems_exits_1(store_path, capsys):
+    store = Store.open(store_path)
+    pack = store.index.lookup(store.read_manifest("s1").items[0].chunks[0].id).pack
+    (store_path / pack_key(pack)).unlink()  # found at level 0, which a time limit never cuts
+    code, out, _ = run(capsys, "verify", store_path, "--max-duration", "0s")
+    assert code == 1 and "partial: checked 0 of" in out and "damaged: s1" in out
+    assert "no problems found" not in out

@@ -108,10 +108,31 @@ def _emit(args, data, text: Callable[[], str]) -> None:
     _out(json.dumps(data, indent=2, sort_keys=True) if args.json else text())
 
 
+def _storage_options(args) -> dict | None:
+    """``--storage-option KEY=VALUE`` pairs (VALUE parsed as JSON when it is JSON, else a string)."""
+    pairs = getattr(args, "storage_option", None) or []
+    out: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option wants KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out or None
+
+
+def _options_for(args, location: str) -> dict | None:
+    from .store.location import scheme_of
+
+    return _storage_options(args) if scheme_of(location) not in (None, "file") else None
+
+
 def _open(args):
     from .store import Store
 
-    return Store.open(args.store)
+    return Store.open(args.store, storage_options=_options_for(args, args.store))
 
 
 def _checkpoint_dict(info, tags: list[str]) -> dict:
@@ -132,7 +153,7 @@ def cmd_init(args) -> int:
         overrides["chunk_size_bytes"] = args.chunk_size
     if args.pack_size is not None:
         overrides["pack_target_bytes"] = args.pack_size
-    store = Store.init(args.store, **overrides)
+    store = Store.init(args.store, storage_options=_options_for(args, args.store), **overrides)
     cfg = store.config
     data = {"store": args.store, "store_id": cfg.store_id, "format_version": cfg.format_version,
             "features": list(cfg.features), "chunk_size_bytes": cfg.chunk_size_bytes, "pack_target_bytes": cfg.pack_target_bytes}
@@ -302,6 +323,59 @@ def cmd_tag(args) -> int:
     return EXIT_OK
 
 
+def cmd_copy(args) -> int:
+    from .store.copy import copy
+
+    if bool(args.checkpoints) == bool(args.all):
+        raise UsageError("name the checkpoints to copy, or pass --all")
+    with _progress(args, "copy") as progress:
+        report = copy(args.src, args.dst, None if args.all else args.checkpoints, verify=args.verify,
+                      overwrite=args.overwrite, src_storage_options=_options_for(args, args.src),
+                      dst_storage_options=_options_for(args, args.dst), progress=progress)
+    data = {"src": args.src, "dst": args.dst, "checkpoints": len(report.copied) + len(report.skipped),
+            **report.as_dict()}
+
+    def text() -> str:
+        lines = [f"copied {len(report.copied)} checkpoint(s), {len(report.skipped)} already there; "
+                 f"sent {fmt_bytes(report.bytes_sent)} ({report.packs_sent} packs whole, {report.packs_repacked} "
+                 f"repacked, {report.chunks_sent} chunks), skipped {fmt_bytes(report.bytes_skipped)} "
+                 f"({report.chunks_skipped} chunks the destination had) in {report.seconds:.1f} s"]
+        if report.verified:
+            lines.append("verify: " + ("; ".join(report.problems) if report.problems else "every copied checkpoint "
+                                       "read back and re-hashed: no problems"))
+        return "\n".join(lines)
+
+    _emit(args, data, text)
+    return EXIT_PROBLEMS if report.problems else EXIT_OK
+
+
+class _progress:
+    """A tqdm bar on stderr when it is a terminal (and not --json); else a no-op. Yields the engine's callback."""
+
+    def __init__(self, args, label: str) -> None:
+        self.enabled = sys.stderr.isatty() and not args.json
+        self.label = label
+        self.bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=0, unit="B", unit_scale=True, desc=self.label, file=sys.stderr, leave=False)
+        return self.update
+
+    def update(self, what: str, done: int, total: int) -> None:
+        self.bar.set_description(f"{self.label} {what}")
+        self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def cmd_bench(args) -> int:
     from .bench import FULL_WORKLOADS, QUICK_WORKLOADS, run_bench
     from .bench.report import markdown
@@ -346,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
         parser = _Parser(add_help=False)
         parser.add_argument("--json", action="store_true", default=default, help="machine-readable output")
         parser.add_argument("--debug", action="store_true", default=default, help="show tracebacks")
+        parser.add_argument("--storage-option", action="append", default=None if default is False else default,
+                            metavar="KEY=VALUE",
+                            help="fsspec option for s3:// and other URLs, e.g. endpoint_url=http://host:9000 "
+                                 "(repeatable; credentials come from the environment or ~/.aws)")
         return parser
 
     common = flags(argparse.SUPPRESS)
@@ -398,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("checkpoint")
     sp.add_argument("add", nargs="*", help="tags to add")
     sp.add_argument("--remove", action="append", help="tag to remove (repeatable)")
+    sp = add("copy", cmd_copy, "copy checkpoints to another store (path or URL), sending only what it lacks; "
+                               "the destination is created with the source's settings")
+    sp.add_argument("src", help="source store (path or URL, e.g. s3://bucket/run)")
+    sp.add_argument("dst", help="destination store (path or URL)")
+    sp.add_argument("checkpoints", nargs="*", metavar="CKPT", help="checkpoints to copy ('latest' = newest)")
+    sp.add_argument("--all", action="store_true", help="copy every checkpoint")
+    sp.add_argument("--verify", action="store_true", help="read every copied checkpoint back and re-hash it")
+    sp.add_argument("--overwrite", action="store_true", help="replace same-named checkpoints that differ")
     sp = add("bench", cmd_bench, "workload benchmark: DCP vs deltackpt vs ZipNN vs restic on real training runs")
     sp.add_argument("--quick", action="store_true", help="small sizes, dense/frozen/sparse only (< 3 min)")
     sp.add_argument("--out", default="bench-out/workloads", help="output directory (default bench-out/workloads)")

@@ -88,6 +88,13 @@ class FsspecBackend(Backend):
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return fn()
+            except FileNotFoundError as e:
+                if "bucket does not exist" in str(e).lower():
+                    raise BackendError(f"{op} {self.url}: the bucket does not exist", key=key, operation=op) from None
+                raise
+            except PermissionError as e:
+                raise BackendError(f"{op} {self.url}/{key}: access denied ({e}); check the credentials "
+                                   "(environment, ~/.aws or storage options)", key=key, operation=op) from None
             except _NOT_RETRIED:
                 raise
             except Exception as e:  # noqa: BLE001 - throttling, 5xx, timeouts, resets: transient

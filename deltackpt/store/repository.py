@@ -301,6 +301,7 @@ class Store:
         parent: str | None = None,
         overwrite: bool = False,
         lock: StoreLock | None = None,
+        created_ns: int | None = None,
     ) -> Manifest:
         """Publish a checkpoint whose chunks are already in packs; the manifest put is the commit point.
 
@@ -348,7 +349,7 @@ class Store:
         manifest = Manifest(
             name=name,
             store_id=self.config.store_id,
-            created_ns=time.time_ns(),
+            created_ns=created_ns or time.time_ns(),  # a copy keeps the source's time
             parent=parent if parent != name else None,
             items=items,
             stats=stats,

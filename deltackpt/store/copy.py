@@ -1,0 +1,234 @@
+"""Copy checkpoints between two stores (local <-> object storage, store <-> store), incrementally.
+
+Content addressing makes the copy incremental: the destination is asked which chunks it already holds,
+and only the rest is sent, coded as it is stored (no decode, no re-encode). A source pack whose every chunk
+is needed and missing is sent whole, under its own name; a pack only part of which is needed (one
+checkpoint out of a long history) is re-packed, so the destination never receives unrelated chunks.
+
+Order (why an interrupted copy is safe and resumable): checkpoints go oldest first; for each, its missing
+chunks (and their delta bases) are put into packs, the packs are indexed, every referenced chunk is checked
+present, and only then the manifest is put -- the same commit rule as a save, so the destination never shows
+a checkpoint whose data is not all there. Re-running finds what arrived and sends nothing twice. The
+destination is held under a shared lock, like a save, so its gc treats the copy's packs as in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import msgspec
+
+from ..errors import CheckpointExistsError, CorruptChunkError, MissingChunkError
+from .lock import SHARED
+from .manifest import Manifest, Stats, encode_manifest
+from .pack import HEADER_SIZE, PackBuilder, PackEntry, pack_bytes_ok, pack_key, read_pack_entries
+
+MAX_COALESCE_GAP = 64 * 1024  # entries closer than this are read with one ranged GET
+
+
+@dataclass
+class CopyReport:
+    copied: list[str] = field(default_factory=list)  # checkpoints put into the destination
+    skipped: list[str] = field(default_factory=list)  # already there, identical
+    packs_sent: int = 0  # source packs sent whole
+    packs_repacked: int = 0  # destination packs built from parts of source packs
+    chunks_sent: int = 0
+    chunks_skipped: int = 0  # needed chunks the destination already had
+    bytes_sent: int = 0  # bytes put into the destination (packs and manifests)
+    bytes_skipped: int = 0  # stored bytes of the chunks the destination already had
+    seconds: float = 0.0
+    verified: bool = False  # whether the copied checkpoints were read back from the destination
+    problems: list[str] = field(default_factory=list)  # what that read-back found
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+Progress = Callable[[str, int, int], None]  # (checkpoint, bytes done, bytes total)
+
+
+def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite: bool = False,
+                     progress: Progress | None = None) -> CopyReport:
+    """Copy checkpoints ``names`` (default: all, oldest first) from Store ``src`` to Store ``dst``."""
+    start = time.perf_counter()
+    report = CopyReport()
+    infos = src.list_checkpoints()
+    if names is None:
+        order = [i.name for i in infos]
+    else:
+        wanted = {src.resolve(n) for n in names}
+        order = [i.name for i in infos if i.name in wanted]
+    dst.ensure_features(src.config.features)
+    with dst.lock(SHARED) as lock:
+        for name in order:
+            _copy_one(src, dst, name, overwrite, lock, report, progress)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _needed_entries(src, manifest: Manifest) -> dict[bytes, PackEntry]:
+    """Every chunk the checkpoint reads, with the keyframes its deltas are coded against."""
+    ids = {ref.id for it in manifest.items for ref in it.chunks}
+    found = src.index.lookup_many(ids)
+    bases = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
+    found.update(src.index.lookup_many(bases))
+    missing = (ids | bases) - found.keys()
+    if missing:
+        raise MissingChunkError(next(iter(missing)).hex(), checkpoint=manifest.name)
+    return found
+
+
+def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, progress) -> None:
+    manifest = src.read_manifest(name)
+    if dst.exists(name):
+        theirs = dst.read_manifest(name)
+        if _same_content(theirs, manifest):
+            report.skipped.append(name)
+            return
+        if not overwrite:
+            raise CheckpointExistsError(f"Checkpoint already exists: {name!r} in the destination holds other "
+                                        "data; pass overwrite=True (--overwrite) to replace it")
+    needed = _needed_entries(src, manifest)
+    have = dst.index.lookup_many(needed.keys())
+    send = {cid: e for cid, e in needed.items() if cid not in have}
+    report.chunks_skipped += len(needed) - len(send)
+    report.bytes_skipped += sum(needed[c].span for c in have)
+    total = sum(e.span for e in send.values())
+    done = 0
+    by_pack: dict[str, list[PackEntry]] = {}
+    for e in send.values():
+        by_pack.setdefault(e.pack, []).append(e)
+    packs: dict[str, int] = {}
+    entries: list[PackEntry] = []
+    builder = _Repacker(dst)
+    for pack, wanted in sorted(by_pack.items()):
+        table = read_pack_entries(src.backend, pack)
+        if len(table) == len(wanted):  # the whole pack is needed: send it as is, under its name
+            data = src.backend.get(pack_key(pack))
+            if not pack_bytes_ok(pack, data):
+                raise CorruptChunkError(f"pack {pack} of the source does not match its hash; run "
+                                        "`deltackpt verify` on the source", pack=pack, checkpoint=name)
+            dst.backend.put(pack_key(pack), data)
+            packs[pack] = len(data)
+            entries.extend(table)  # same name, same bytes: same offsets
+            report.packs_sent += 1
+            report.bytes_sent += len(data)
+        else:
+            for e, payload in _read_payloads(src.backend, pack, wanted):
+                sealed = builder.add(e, payload)
+                if sealed is not None:
+                    _account(sealed, packs, entries, report)
+        report.chunks_sent += len(wanted)
+        done += sum(e.span for e in wanted)
+        if progress is not None:
+            progress(name, done, total)
+    sealed = builder.finish()
+    if sealed is not None:
+        _account(sealed, packs, entries, report)
+    body = msgspec.structs.replace(
+        manifest, store_id=dst.config.store_id,
+        stats=Stats(logical_bytes=manifest.stats.logical_bytes, stored_bytes=sum(packs.values()),
+                    num_chunks=manifest.stats.num_chunks, new_chunks=len(entries)))
+    committed = dst.commit(name, body.items, entries=entries, packs=packs, metadata=body.metadata,
+                           layer_data=body.layer_data, parent=body.parent, overwrite=True, lock=lock,
+                           created_ns=manifest.created_ns)
+    report.bytes_sent += len(encode_manifest(committed))
+    report.copied.append(name)
+
+
+def _account(sealed, packs, entries, report) -> None:
+    name, size, sealed_entries = sealed
+    packs[name] = size
+    entries.extend(sealed_entries)
+    report.packs_repacked += 1
+    report.bytes_sent += size
+
+
+def _read_payloads(backend, pack: str, wanted: list[PackEntry]):
+    """(entry, stored payload) for ``wanted`` entries of one pack, adjacent ones fetched by one ranged read."""
+    key = pack_key(pack)
+    wanted = sorted(wanted, key=lambda e: e.offset)
+    i = 0
+    while i < len(wanted):
+        j = i + 1
+        while j < len(wanted) and wanted[j].offset - (wanted[j - 1].offset + wanted[j - 1].span) <= MAX_COALESCE_GAP:
+            j += 1
+        first, last = wanted[i], wanted[j - 1]
+        data = memoryview(backend.get_range(key, first.offset, last.offset + last.span - first.offset))
+        for e in wanted[i:j]:
+            at = e.offset - first.offset + HEADER_SIZE
+            payload = data[at:at + e.stored_len]
+            if len(payload) != e.stored_len:
+                raise CorruptChunkError(f"pack {pack} of the source is truncated", pack=pack)
+            yield e, payload
+        i = j
+
+
+class _Repacker:
+    """Coded chunks into destination packs of the destination's target size."""
+
+    def __init__(self, dst) -> None:
+        self.dst = dst
+        self.builder: PackBuilder | None = None
+
+    def add(self, e: PackEntry, payload):
+        if self.builder is None:
+            self.builder = PackBuilder(None)
+        self.builder.add(e.chunk_id, e.codec, e.elem_size, e.raw_len, payload, e.base_id, e.age)
+        if self.builder.size_bytes >= self.dst.config.pack_target_bytes:
+            return self.finish()
+        return None
+
+    def finish(self):
+        if self.builder is None or not len(self.builder):
+            return None
+        builder, self.builder = self.builder, None
+        return builder.publish(self.dst.backend)
+
+
+def _same_content(a: Manifest, b: Manifest) -> bool:
+    return (a.created_ns == b.created_ns and a.metadata == b.metadata
+            and [(i.key, i.nbytes, [r.id for r in i.chunks]) for i in a.items]
+            == [(i.key, i.nbytes, [r.id for r in i.chunks]) for i in b.items])
+
+
+def open_or_create_destination(src, dst, storage_options: dict | None = None):
+    """The destination Store: opened, or created with the source's settings (same chunking, so the next
+    save into it deduplicates and delta-codes against what was copied)."""
+    from .config import CONFIG_KEY
+    from .location import open_backend
+    from .repository import Store
+
+    if isinstance(dst, Store):
+        return dst
+    backend = open_backend(dst, storage_options)
+    if backend.exists(CONFIG_KEY):
+        return Store.open(backend)
+    settings = msgspec.structs.asdict(src.config)
+    for key in ("store_id", "format_version"):
+        settings.pop(key)
+    return Store.init(backend, exist_ok=True, **settings)
+
+
+def copy(src, dst, checkpoints: Iterable[str] | None = None, *, verify: bool = False, overwrite: bool = False,
+         src_storage_options: dict | None = None, dst_storage_options: dict | None = None,
+         progress: Progress | None = None) -> CopyReport:
+    """Copy ``checkpoints`` (default: all) from store ``src`` to store ``dst`` (paths, URLs or Stores).
+
+    The destination is created with the source's settings if it does not exist. With ``verify``, every
+    copied checkpoint is then read back from the destination and re-hashed (``report.problems``).
+    """
+    from .repository import Store
+    from .verify import verify_store
+
+    src_store = src if isinstance(src, Store) else Store.open(src, storage_options=src_storage_options)
+    dst_store = open_or_create_destination(src_store, dst, dst_storage_options)
+    report = copy_checkpoints(src_store, dst_store, checkpoints, overwrite=overwrite, progress=progress)
+    if verify:
+        checked = report.copied + report.skipped
+        found = verify_store(dst_store, level=2, checkpoints=checked) if checked else None
+        report.problems = [p.detail for p in found.problems] if found is not None else []
+        report.verified = True
+    return report

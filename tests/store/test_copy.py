@@ -1,0 +1,144 @@
+"""Copies between stores: only what the destination lacks, manifests last, resumable, bit-exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltackpt.errors import CheckpointExistsError
+from deltackpt.store import Store
+from deltackpt.store.copy import copy
+from deltackpt.store.verify import verify_store
+
+from store_helpers import SMALL, assert_items_equal
+
+
+def _history(store: Store, rng, n: int = 6) -> dict[str, dict]:
+    """n checkpoints of a slowly changing state: a frozen table, a trained matrix, a byte item."""
+    frozen = rng.standard_normal(20_000).astype(np.float32)
+    w = rng.standard_normal(30_000).astype(np.float32)
+    saved = {}
+    for step in range(n):
+        w = w.copy()
+        w[rng.integers(0, w.size, 500)] += np.float32(0.01)
+        items = {"frozen": frozen, "w": w, "meta": f'{{"step": {step}}}'.encode()}
+        name = f"step-{step}"
+        store.save(name, items, metadata={"step": step})
+        saved[name] = items
+    return saved
+
+
+def _physical(store: Store) -> int:
+    return store.usage().pack_bytes
+
+
+@pytest.fixture
+def src(tmp_path, rng):
+    store = Store.init(tmp_path / "src", **SMALL)
+    return store, _history(store, rng)
+
+
+def test_copy_all_sends_the_physical_bytes_and_loads_bit_exact(src, tmp_path):
+    store, saved = src
+    report = copy(store, tmp_path / "dst")
+    dst = Store.open(tmp_path / "dst")
+    assert report.copied == list(saved) and report.skipped == []
+    assert [i.name for i in dst.list_checkpoints()] == list(saved)
+    # Everything is needed: whole packs go as they are, and what is sent is the source's pack bytes.
+    assert report.packs_repacked == 0
+    assert _physical(dst) == _physical(store)
+    manifests = sum(i.size_bytes for i in dst.backend.list("manifests/"))
+    assert report.bytes_sent == _physical(store) + manifests
+    for name, items in saved.items():
+        assert_items_equal(items, dst.load(name))
+    assert verify_store(dst, level=2).ok
+    assert dst.config.store_id != store.config.store_id
+    assert dst.config.chunk_size_bytes == store.config.chunk_size_bytes
+    # Same times and order as the source.
+    assert [i.created_ns for i in dst.list_checkpoints()] == [i.created_ns for i in store.list_checkpoints()]
+
+
+def test_copy_again_sends_nothing(src, tmp_path):
+    store, saved = src
+    copy(store, tmp_path / "dst")
+    again = copy(store, tmp_path / "dst")
+    assert again.copied == [] and again.skipped == list(saved)
+    assert again.bytes_sent == 0 and again.chunks_sent == 0
+
+
+def test_copy_one_checkpoint_of_a_long_history_repacks_only_what_it_needs(src, tmp_path):
+    store, saved = src
+    report = copy(store, tmp_path / "dst", ["step-3"], verify=True)
+    dst = Store.open(tmp_path / "dst")
+    assert report.copied == ["step-3"] and report.verified and report.problems == []
+    assert [i.name for i in dst.list_checkpoints()] == ["step-3"]
+    assert_items_equal(saved["step-3"], dst.load("step-3"))
+    needed = set()
+    for it in dst.read_manifest("step-3").items:
+        needed |= {r.id for r in it.chunks}
+    indexed = {e.chunk_id for e in dst.index.iter_entries()}
+    bases = {e.base_id for e in dst.index.iter_entries() if e.base_id is not None}
+    assert indexed == needed | bases, "no unrelated chunk was sent"
+    assert _physical(dst) < _physical(store)
+
+
+def test_incremental_copy_after_more_saves_sends_only_new_chunks(src, tmp_path, rng):
+    store, saved = src
+    copy(store, tmp_path / "dst")
+    before = _physical(Store.open(tmp_path / "dst"))
+    w = saved["step-5"]["w"].copy()
+    w[:10] += 1
+    store.save("step-6", {**saved["step-5"], "w": w})
+    report = copy(store, tmp_path / "dst")
+    assert report.copied == ["step-6"]
+    new_in_src = store.list_checkpoints()[-1].stored_bytes  # the packs step-6 added (the manifest apart)
+    manifest = Store.open(tmp_path / "dst").backend.size("manifests/step-6")
+    assert report.bytes_sent <= new_in_src + manifest
+    assert 0 < _physical(Store.open(tmp_path / "dst")) - before <= new_in_src
+    np.testing.assert_array_equal(Store.open(tmp_path / "dst").load("step-6")["w"], w)
+
+
+def test_interrupted_copy_resumes_without_sending_twice(src, tmp_path, monkeypatch):
+    store, saved = src
+    from deltackpt.store import copy as copy_mod
+
+    real = copy_mod._copy_one
+    calls = []
+
+    def dies_on_third(src_, dst_, name, *a, **k):
+        calls.append(name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(src_, dst_, name, *a, **k)
+
+    monkeypatch.setattr(copy_mod, "_copy_one", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        copy(store, tmp_path / "dst")
+    monkeypatch.undo()
+    dst = Store.open(tmp_path / "dst")
+    assert [i.name for i in dst.list_checkpoints()] == ["step-0", "step-1"]
+    report = copy(store, tmp_path / "dst")
+    assert report.skipped == ["step-0", "step-1"] and report.copied == list(saved)[2:]
+    for name, items in saved.items():
+        assert_items_equal(items, Store.open(tmp_path / "dst").load(name))
+
+
+def test_a_different_checkpoint_of_the_same_name_is_refused(src, tmp_path):
+    store, _ = src
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    dst.save("step-2", {"x": np.arange(5.0)})
+    with pytest.raises(CheckpointExistsError, match="Checkpoint already exists"):
+        copy(store, dst)
+    np.testing.assert_array_equal(dst.load("step-2")["x"], np.arange(5.0))
+
+
+def test_copy_to_and_from_s3(src, tmp_path, s3_server, s3_url):
+    store, saved = src
+    opts = s3_server.storage_options
+    up = copy(store, s3_url, dst_storage_options=opts)
+    remote = Store.open(s3_url, storage_options=opts)
+    assert _physical(remote) == _physical(store)
+    assert up.bytes_sent - sum(i.size_bytes for i in remote.backend.list("manifests/")) == _physical(store)
+    down = copy(s3_url, tmp_path / "back", ["latest"], src_storage_options=opts, verify=True)
+    assert down.copied == ["step-5"] and down.problems == []
+    assert_items_equal(saved["step-5"], Store.open(tmp_path / "back").load("step-5"))

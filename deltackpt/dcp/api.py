@@ -17,21 +17,23 @@ from .writer import DeltaStorageWriter
 
 
 def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group=None, planner=None,
-         overwrite: bool = False, metadata: dict[str, Any] | None = None, no_dist: bool = False):
-    """``dcp.save`` into checkpoint ``checkpoint_id`` of ``store``; returns DCP's Metadata."""
-    writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata)
+         overwrite: bool = False, metadata: dict[str, Any] | None = None, no_dist: bool = False,
+         storage_options: dict | None = None):
+    """``dcp.save`` into checkpoint ``checkpoint_id`` of ``store`` (a path, URL or Store); returns DCP's Metadata."""
+    writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
+                                storage_options=storage_options)
     with quiet_single_process():
         return dcp.save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
                         process_group=process_group, no_dist=no_dist)
 
 
 def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, process_group=None, planner=None,
-         no_dist: bool = False) -> str:
+         no_dist: bool = False, storage_options: dict | None = None) -> str:
     """``dcp.load`` checkpoint ``checkpoint_id`` (default: the newest) in place; returns its name.
 
     A missing checkpoint raises CheckpointNotFoundError on every rank before any collective.
     """
-    reader = DeltaStorageReader(store, checkpoint_id)
+    reader = DeltaStorageReader(store, checkpoint_id, storage_options=storage_options)
     with quiet_single_process():
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
     return reader.checkpoint_id
@@ -40,9 +42,10 @@ def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, proc
 def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
                async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
                process_group=None, planner=None, overwrite: bool = False,
-               metadata: dict[str, Any] | None = None):
+               metadata: dict[str, Any] | None = None, storage_options: dict | None = None):
     """``dcp.async_save`` into ``store``; returns DCP's future. The state is copied before this returns."""
-    writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata)
+    writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
+                                storage_options=storage_options)
     with quiet_single_process():
         return dcp.async_save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
                               process_group=process_group, async_checkpointer_type=async_checkpointer_type)

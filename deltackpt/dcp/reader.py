@@ -39,9 +39,10 @@ class DeltaStorageReader(StorageReader):
     """
 
     def __init__(self, store, checkpoint_id: str | os.PathLike | None = LATEST, *,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, storage_options: dict | None = None) -> None:
         super().__init__()
         self._store_spec = store
+        self._storage_options = storage_options
         self._store: Store | None = store if isinstance(store, Store) else None
         self.num_threads = num_threads  # None: chosen per load (default_read_threads)
         self.checkpoint_id: str | None = None
@@ -60,7 +61,8 @@ class DeltaStorageReader(StorageReader):
     @property
     def store(self) -> Store:
         if self._store is None:
-            self._store = self._store_spec if isinstance(self._store_spec, Store) else Store.open(self._store_spec)
+            self._store = (self._store_spec if isinstance(self._store_spec, Store)
+                           else Store.open(self._store_spec, storage_options=self._storage_options))
         return self._store
 
     # -- StorageReader contract ------------------------------------------------------------------------------

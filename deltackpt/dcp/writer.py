@@ -41,17 +41,18 @@ LAYER_KEY = "dcp"
 log = logging.getLogger("deltackpt.dcp")
 
 
-def open_store(store) -> Store:
-    """A Store from a path (created if absent), a Backend, or a Store."""
+def open_store(store, storage_options: dict | None = None) -> Store:
+    """A Store from a path or URL (created if absent), a Backend, or a Store."""
     if isinstance(store, Store):
         return store
-    return Store.open_or_init(store)
+    return Store.open_or_init(store, storage_options=storage_options)
 
 
 class DeltaStorageWriter(StorageWriter):
     """Save DCP checkpoints into a deltackpt store; each ``checkpoint_id`` becomes one named checkpoint.
 
-    ``store``: a directory (a new store is created there if there is none), a Backend, or a Store.
+    ``store``: a directory or a URL such as ``s3://bucket/run`` (a new store is created there if there is none),
+    a Backend, or a Store; ``storage_options`` go to the fsspec filesystem of a URL.
     ``checkpoint_id``: the checkpoint name; may instead come from ``dcp.save(..., checkpoint_id=...)``.
     ``overwrite``: replace an existing checkpoint of the same name instead of failing.
     ``metadata``: JSON-able user metadata stored in the manifest (e.g. ``{"step": 500}``).
@@ -61,11 +62,12 @@ class DeltaStorageWriter(StorageWriter):
 
     def __init__(self, store, checkpoint_id: str | os.PathLike | None = None, *, overwrite: bool = False,
                  metadata: dict[str, Any] | None = None, num_threads: int | None = None,
-                 replica_check: str = "raise") -> None:
+                 replica_check: str = "raise", storage_options: dict | None = None) -> None:
         if replica_check not in ("raise", "warn", "off"):
             raise ValueError(f"replica_check must be 'raise', 'warn' or 'off', got {replica_check!r}")
         super().__init__()
         self._store_spec = store
+        self._storage_options = storage_options
         self._store: Store | None = store if isinstance(store, Store) else None
         self.checkpoint_id = _name_of(checkpoint_id) if checkpoint_id is not None else None
         self.overwrite = overwrite
@@ -87,7 +89,7 @@ class DeltaStorageWriter(StorageWriter):
     @property
     def store(self) -> Store:
         if self._store is None:
-            self._store = open_store(self._store_spec)
+            self._store = open_store(self._store_spec, self._storage_options)
         return self._store
 
     # -- StorageWriter contract ------------------------------------------------------------------------------

@@ -168,19 +168,43 @@ def cmd_ls(args) -> int:
     store = _open(args)
     infos = store.list_checkpoints()
     tags = read_all_tags(store)
-    data = [_checkpoint_dict(i, tags.get(i.name, [])) for i in infos]
+    where, infos = _tiers(args, store, infos)
+    data = [{**_checkpoint_dict(i, tags.get(i.name, [])), "location": where.get(i.name, "local")} for i in infos]
 
     def text():
         if not data:
             return "no checkpoints"
         rows = [[d["name"], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["created_ns"] / 1e9)),
                  fmt_bytes(d["logical_bytes"]), fmt_bytes(d["stored_bytes"]), fmt_ratio(i.dedup_ratio),
-                 ",".join(d["tags"]) or "-"]
+                 ",".join(d["tags"]) or "-"] + ([d["location"]] if where else [])
                 for i, d in zip(infos, data)]
-        return _table(rows, ["NAME", "CREATED", "LOGICAL", "NEW STORED", "DEDUP", "TAGS"])
+        return _table(rows, ["NAME", "CREATED", "LOGICAL", "NEW STORED", "DEDUP", "TAGS"] + (["WHERE"] if where else []))
 
     _emit(args, data, text)
     return EXIT_OK
+
+
+def _tiers(args, store, infos):
+    """(name -> local/uploading/remote/both, infos with the remote-only checkpoints) for a store whose
+    CheckpointManager uploads to a remote; ({}, infos) otherwise. An unreachable remote shows as '?'."""
+    from .errors import DeltackptError
+    from .store import Store
+    from .store.tier import read_tier, tier_states
+
+    record = read_tier(store)
+    if record is None:
+        return {}, infos
+    url = record["remote"]
+    try:
+        remote = Store.open(url, storage_options=_options_for(args, url))
+        where = tier_states(store, remote)
+        local = {i.name for i in infos}
+        infos = sorted(infos + [i for i in remote.list_checkpoints() if i.name not in local],
+                       key=lambda i: (i.created_ns, i.name))
+    except (DeltackptError, OSError) as e:
+        print(f"deltackpt: warning: remote {url} not reachable ({e}); locations unknown", file=sys.stderr)
+        where = {i.name: "?" for i in infos}
+    return where, infos
 
 
 def cmd_show(args) -> int:

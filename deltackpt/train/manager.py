@@ -41,7 +41,9 @@ from ..errors import (
 )
 from ..store import Store
 from ..store.basecache import reserve_base_cache
+from ..store.copy import copy_checkpoints
 from ..store.retention import plan_forget
+from ..store.tier import Uploader
 from ..store.verify import verify_store
 from .state import TrainState, _rank_and_world
 
@@ -86,15 +88,22 @@ class CheckpointManager:
 
     def __init__(self, store, state: TrainState, *, every_n_steps: int = 100, keep_last: int | None = None,
                  async_mode: str | None = None, process_group=None, name_format: str = "step-{step:08d}",
-                 base_cache_bytes: int = 256 << 20) -> None:
+                 base_cache_bytes: int = 256 << 20, storage_options: dict | None = None, remote=None,
+                 remote_storage_options: dict | None = None, keep_local_last: int | None = None) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (or None to keep every checkpoint)")
         if async_mode not in (None, *_ASYNC_TYPES):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
-        self.store: Store = open_store(store)
+        self.store: Store = open_store(store, storage_options)
         reserve_base_cache(base_cache_bytes)
+        self.remote = remote
+        # The coordinator uploads (every rank's packs are in the one local store it commits to).
+        self._uploader: Uploader | None = None
+        if remote is not None and _rank_and_world()[0] == 0:
+            self._uploader = Uploader(self.store, remote, storage_options=remote_storage_options,
+                                      keep_local_last=keep_local_last, keep_remote_last=keep_last)
         self.state = state
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
@@ -134,7 +143,9 @@ class CheckpointManager:
         """Checkpoint the state now (waiting for a previous async save first). Returns the name."""
         if self._closed:
             raise RuntimeError("CheckpointManager is closed")
-        self.wait()
+        self._wait_save()
+        if self._uploader is not None:
+            self._uploader.raise_if_failed()
         self.state.step = step
         _, world = _rank_and_world()
         name = self.name_for(step)
@@ -156,7 +167,12 @@ class CheckpointManager:
         return name
 
     def wait(self) -> None:
-        """Block until the background save (if any) finishes; raise its error if it failed."""
+        """Block until the background save and uploads (if any) finish; raise their errors."""
+        self._wait_save()
+        if self._uploader is not None:
+            self._uploader.wait()
+
+    def _wait_save(self) -> None:
         if self._pending is None:
             return
         fut, name = self._pending
@@ -169,7 +185,9 @@ class CheckpointManager:
 
     def _raise_if_failed(self) -> None:
         if self._pending is not None and self._pending[0].done():
-            self.wait()
+            self._wait_save()
+        if self._uploader is not None:
+            self._uploader.raise_if_failed()
 
     def close(self) -> None:
         if not self._closed:
@@ -177,10 +195,17 @@ class CheckpointManager:
                 self.wait()
             finally:
                 self._closed = True
+                if self._uploader is not None:
+                    self._uploader.close()
 
     def _after_save(self, name: str) -> None:
         rank, _ = _rank_and_world()
-        if self.keep_last is None or rank != 0:
+        if rank != 0:
+            return
+        if self._uploader is not None:
+            self._uploader.submit(name)  # with a remote, keep_last applies there, after the upload
+            return
+        if self.keep_last is None:
             return
         plan = plan_forget(self.store, keep_last=self.keep_last)  # tagged checkpoints are always kept
         plan.forget = [n for n in plan.forget if n != name]
@@ -188,8 +213,14 @@ class CheckpointManager:
 
     # -- restoring -------------------------------------------------------------------------------------------
     def restore_latest(self) -> int:
-        """Load the newest intact checkpoint into the state; returns its step (0 on an empty store)."""
+        """Load the newest intact checkpoint into the state; returns its step (0 on an empty store).
+
+        With a remote, a remote checkpoint newer than every local one (a replaced node's empty disk, a new
+        cluster) is first fetched into the local store, only the chunks it lacks.
+        """
         self.wait()
+        if self.remote is not None:
+            self._fetch_newer_remote()
         names = [i.name for i in reversed(self.store.list_checkpoints())]
         failures = []
         # list_checkpoints() leaves out manifests it cannot read; they count as damaged checkpoints.
@@ -218,6 +249,20 @@ class CheckpointManager:
                 log.warning("checkpoint %r is damaged (%s); falling back to the previous one", name, damage)
                 failures.append(f"{name}: {damage}")
         raise DeltackptError("no intact checkpoint to resume from; " + "; ".join(failures))
+
+    def _fetch_newer_remote(self) -> None:
+        """On the coordinator: copy the remote's newest checkpoint here if it is newer than every local one."""
+        if self._uploader is not None:
+            remote = self._uploader.remote
+            remote_infos = remote.list_checkpoints()
+            local_infos = self.store.list_checkpoints()
+            newest = remote_infos[-1] if remote_infos else None
+            if newest is not None and (not local_infos or newest.created_ns > local_infos[-1].created_ns) \
+                    and not self.store.exists(newest.name):
+                report = copy_checkpoints(remote, self.store, [newest.name])
+                log.info("fetched checkpoint %r from %s (%d bytes)", newest.name, self.remote, report.bytes_sent)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=self.process_group)  # every rank then sees what the coordinator fetched
 
     def restore(self, name: str) -> int:
         """Load checkpoint ``name`` into the state; returns its step."""

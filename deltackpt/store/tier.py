@@ -1,0 +1,155 @@
+"""Hot and cold tiers: a local store for the newest checkpoints, a remote store (object storage) for all of them.
+
+The training loop saves into the local (hot) store as always; an :class:`Uploader` thread then copies each
+committed checkpoint to the remote (cold) store with :func:`~deltackpt.store.copy.copy_checkpoints` (only
+chunks the remote lacks, manifest last), so the training step never waits on the network. Local checkpoints
+beyond ``keep_local_last`` are forgotten only once the remote holds them.
+
+The local store records its remote in a small JSON object ``tier`` ({"remote": url, "uploading": name or
+null}), so ``deltackpt ls`` can show where each checkpoint lives. Storage options (credentials) are never
+written there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+
+from ..errors import DeltackptError
+from .copy import copy_checkpoints, open_or_create_destination
+from .retention import ForgetPlan, plan_forget, read_all_tags
+
+TIER_KEY = "tier"
+log = logging.getLogger("deltackpt.tier")
+
+
+def read_tier(store) -> dict | None:
+    """The local store's tier record ({"remote": url, "uploading": name or None}), or None."""
+    try:
+        raw = json.loads(store.backend.get(TIER_KEY))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None  # a damaged record only loses the tier column of `ls`
+    if not isinstance(raw, dict) or not isinstance(raw.get("remote"), str):
+        return None
+    uploading = raw.get("uploading")
+    return {"remote": raw["remote"], "uploading": uploading if isinstance(uploading, str) else None}
+
+
+def write_tier(store, remote: str, uploading: str | None = None) -> None:
+    store.backend.put(TIER_KEY, json.dumps({"remote": remote, "uploading": uploading}).encode())
+
+
+def tier_states(local, remote) -> dict[str, str]:
+    """Where each checkpoint lives: 'local', 'uploading', 'remote' or 'both' (names of either store)."""
+    record = read_tier(local) or {}
+    here = set(local.checkpoint_names())
+    there = set(remote.checkpoint_names()) if remote is not None else set()
+    out = {}
+    for name in here | there:
+        if name in here and name in there:
+            out[name] = "both"
+        elif name in there:
+            out[name] = "remote"
+        else:
+            out[name] = "uploading" if name == record.get("uploading") else "local"
+    return out
+
+
+class Uploader:
+    """Copies committed checkpoints of ``local`` to ``remote`` in a background thread, oldest first.
+
+    ``submit(name)`` never blocks; ``wait()`` blocks until everything submitted is remote; an upload error is
+    raised by the next ``submit``/``wait``/``raise_if_failed`` (like an async save's). ``keep_local_last``:
+    forget local checkpoints beyond the newest N once the remote has them; ``keep_remote_last``: retention of
+    the remote store (None keeps all).
+    """
+
+    def __init__(self, local, remote, *, storage_options: dict | None = None, keep_local_last: int | None = None,
+                 keep_remote_last: int | None = None) -> None:
+        if keep_local_last is not None and keep_local_last < 1:
+            raise ValueError("keep_local_last must be >= 1 (or None to keep every local checkpoint)")
+        self.local = local
+        self.remote = open_or_create_destination(local, remote, storage_options)
+        self.remote_url = remote if isinstance(remote, str) else repr(self.remote.backend)
+        self.keep_local_last = keep_local_last
+        self.keep_remote_last = keep_remote_last
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._failed_name: str | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="deltackpt-upload", daemon=True)
+        self._closed = False
+        write_tier(local, self.remote_url)
+        self._thread.start()
+
+    def submit(self, name: str) -> None:
+        self.raise_if_failed()
+        if self._closed:
+            raise RuntimeError("Uploader is closed")
+        self._queue.put(name)
+
+    def wait(self) -> None:
+        """Block until every submitted checkpoint is remote (or failed); raise the first failure."""
+        self._queue.join()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        with self._lock:
+            err, name = self._error, self._failed_name
+            self._error = self._failed_name = None
+        if err is not None:
+            raise DeltackptError(f"background upload of checkpoint {name!r} to {self.remote_url} failed: "
+                                 f"{err}") from err
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            name = self._queue.get()
+            try:
+                if name is None:
+                    return
+                self._upload(name)
+            except BaseException as e:  # noqa: BLE001 - surfaced at the next call
+                log.warning("upload of checkpoint %r failed: %s", name, e)
+                with self._lock:
+                    if self._error is None:
+                        self._error, self._failed_name = e, name
+            finally:
+                self._queue.task_done()
+
+    def _upload(self, name: str) -> None:
+        if not self.local.exists(name):
+            return  # forgotten locally before its turn (retention): nothing to send
+        write_tier(self.local, self.remote_url, uploading=name)
+        report = copy_checkpoints(self.local, self.remote, [name])
+        write_tier(self.local, self.remote_url)
+        log.info("uploaded checkpoint %r: %d bytes sent, %d skipped, %.2f s", name, report.bytes_sent,
+                 report.bytes_skipped, report.seconds)
+        if self.keep_remote_last is not None:
+            plan = plan_forget(self.remote, keep_last=self.keep_remote_last)
+            plan.execute()
+        if self.keep_local_last is not None:
+            self._drop_local()
+
+    def _drop_local(self) -> None:
+        """Forget local checkpoints beyond the newest ``keep_local_last`` that the remote holds."""
+        names = [i.name for i in self.local.list_checkpoints()]
+        old = names[:-self.keep_local_last] if len(names) > self.keep_local_last else []
+        if not old:
+            return
+        pinned = read_all_tags(self.local)
+        confirmed = [n for n in old if n not in pinned and self.remote.exists(n)]
+        ForgetPlan(store=self.local, forget=confirmed).execute()

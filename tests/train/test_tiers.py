@@ -1,0 +1,105 @@
+"""Hot/cold tiers: the manager saves locally, uploads in the background to S3 (moto on 127.0.0.1), keeps
+only the newest local checkpoints once they are remote, and a replaced node (empty local disk) resumes from
+the remote store bit-exact. Upload errors surface at the next call."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from deltackpt import CheckpointManager, DeltackptError, TrainState
+from deltackpt.errors import BackendError
+from deltackpt.store import Store
+from deltackpt.store.tier import tier_states
+from dist import assert_tree_equal
+from train_helpers import dataset, full_state, make_model, make_optim, make_sched, train_step
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def _state(seed=0):
+    model = make_model(seed)
+    optim = make_optim(model)
+    return TrainState(model=model, optimizer=optim, scheduler=make_sched(optim))
+
+
+def _train(state, mgr, start, stop, refs=None):
+    data = torch.stack(dataset(0))
+    m, o, s = state.models["model"], state.optimizers["optim"], state.schedulers["scheduler"]
+    for step in range(start + 1, stop + 1):
+        train_step(m, o, s, data[(4 * step) % 20:(4 * step) % 20 + 4])
+        state.step = step
+        if mgr.maybe_save(step, force=step == stop) and refs is not None:
+            refs[step] = full_state(m, o)
+
+
+def test_upload_keep_local_last_and_resume_on_a_replaced_node(tmp_path, s3_server, s3_url):
+    opts = s3_server.storage_options
+    local = tmp_path / "node-a"
+    state, refs = _state(), {}
+    with CheckpointManager(str(local), state, every_n_steps=2, remote=s3_url, remote_storage_options=opts,
+                           keep_local_last=2) as mgr:
+        assert mgr.restore_latest() == 0
+        _train(state, mgr, 0, 8, refs)
+    remote = Store.open(s3_url, storage_options=opts)
+    names = [f"step-{s:08d}" for s in (2, 4, 6, 8)]
+    assert [i.name for i in remote.list_checkpoints()] == names
+    assert [i.name for i in Store.open(local).list_checkpoints()] == names[-2:]
+    assert tier_states(Store.open(local), remote) == {**{n: "remote" for n in names[:2]},
+                                                      **{n: "both" for n in names[2:]}}
+    # The node dies with its disk; a spare starts with an empty local store and the same remote.
+    shutil.rmtree(local)
+    fresh = _state(seed=123)
+    with CheckpointManager(str(tmp_path / "node-b"), fresh, every_n_steps=2, remote=s3_url,
+                           remote_storage_options=opts) as mgr:
+        assert mgr.restore_latest() == 8
+        assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[8])
+        _train(fresh, mgr, 8, 10)
+    assert [i.name for i in Store.open(s3_url, storage_options=opts).list_checkpoints()][-1] == "step-00000010"
+    # The spare fetched only what the newest checkpoint reads, not the history.
+    assert [i.name for i in Store.open(tmp_path / "node-b").list_checkpoints()] == ["step-00000008",
+                                                                                   "step-00000010"]
+
+
+def test_upload_failure_surfaces_at_the_next_call(tmp_path, s3_server, s3_url):
+    import s3fs
+
+    opts = s3_server.storage_options
+    state = _state()
+    mgr = CheckpointManager(str(tmp_path / "l"), state, every_n_steps=1, remote=s3_url, remote_storage_options=opts)
+    _train(state, mgr, 0, 1)
+    mgr.wait()
+    bucket = s3_url.split("/")[2]
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    fs.rm(bucket, recursive=True)  # the bucket disappears under the run
+    _train(state, mgr, 1, 2)
+    with pytest.raises(DeltackptError, match="background upload of checkpoint 'step-00000002'"):
+        mgr.wait()
+    mgr.close()
+    assert [i.name for i in Store.open(tmp_path / "l").list_checkpoints()] == ["step-00000001", "step-00000002"]
+
+
+def test_a_remote_in_a_missing_bucket_is_refused_at_once(tmp_path, s3_server):
+    with pytest.raises(BackendError, match="bucket does not exist"):
+        CheckpointManager(str(tmp_path / "l"), _state(), remote="s3://no-such-bucket/run",
+                          remote_storage_options=s3_server.storage_options)
+
+
+def test_ls_shows_where_each_checkpoint_lives(tmp_path, s3_server, s3_url, capsys):
+    from deltackpt import cli
+
+    opts = s3_server.storage_options
+    state = _state()
+    with CheckpointManager(str(tmp_path / "l"), state, every_n_steps=1, remote=s3_url, remote_storage_options=opts,
+                           keep_local_last=1) as mgr:
+        _train(state, mgr, 0, 3)
+    args = ["ls", str(tmp_path / "l"), "--json"] + [f"--storage-option={k}={v}" for k, v in
+                                                   (("endpoint_url", opts["endpoint_url"]), ("key", "testing"),
+                                                    ("secret", "testing"))]
+    assert cli.main(args) == 0
+    import json
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["location"]) for r in rows] == [("step-00000001", "remote"), ("step-00000002", "remote"),
+                                                         ("step-00000003", "both")]

@@ -95,24 +95,34 @@ def cmd_init(args) -> int:
 
 def cmd_ls(args) -> int:
     store = _open(args)
-    infos = store.list_checkpoints()
+    infos = store.list_checkpoints(include_damaged=True)
     data = [
         {"name": i.name, "created_ns": i.created_ns, "parent": i.parent, "logical_bytes": i.logical_bytes,
          "stored_bytes": i.stored_bytes + i.manifest_bytes, "num_items": i.num_items,
          "num_chunks": i.num_chunks, "new_chunks": i.new_chunks,
          "dedup_ratio": (i.logical_bytes / (i.stored_bytes + i.manifest_bytes)) if i.manifest_bytes else None,
-         "metadata": i.metadata}
+         "metadata": i.metadata, "damaged": i.damaged, "damage": i.damage}
         for i in infos
     ]
+    for d in data:
+        if d["damaged"]:  # what only the unreadable manifest knew is unknown, not zero
+            d.update(dict.fromkeys(["parent", "logical_bytes", "num_items", "num_chunks", "new_chunks",
+                                    "dedup_ratio", "metadata"]))
 
     def text():
         if not data:
             return "no checkpoints"
         rows = [[d["name"], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["created_ns"] / 1e9)),
-                 fmt_bytes(d["logical_bytes"]), fmt_bytes(d["stored_bytes"]),
-                 fmt_ratio(d["logical_bytes"] / d["stored_bytes"]) if d["stored_bytes"] else "-"]
+                 *(["-", "-", "-"] if d["damaged"] else
+                   [fmt_bytes(d["logical_bytes"]), fmt_bytes(d["stored_bytes"]),
+                    fmt_ratio(d["logical_bytes"] / d["stored_bytes"]) if d["stored_bytes"] else "-"])]
                 for d in data]
-        return _table(rows, ["NAME", "CREATED", "LOGICAL", "NEW STORED", "DEDUP"])
+        header = ["NAME", "CREATED", "LOGICAL", "NEW STORED", "DEDUP"]
+        if any(d["damaged"] for d in data):
+            header.append("STATUS")
+            for row, d in zip(rows, data):
+                row.append("damaged" if d["damaged"] else "")
+        return _table(rows, header)
 
     _emit(args, data, text)
     return EXIT_OK

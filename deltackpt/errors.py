@@ -21,7 +21,7 @@ class StoreNotFoundError(DeltackptError, FileNotFoundError):
 
 
 class StoreExistsError(DeltackptError, FileExistsError):
-    """``Store.init`` on a path that already holds a store or other files."""
+    """``Store.init`` on a path that already holds a store, or a store's folders without its ``config``."""
 
 
 class UnsupportedFormatError(DeltackptError):
@@ -48,7 +48,18 @@ class CheckpointNotFoundError(DeltackptError, KeyError):
 
 
 class CheckpointExistsError(DeltackptError, FileExistsError):
-    """A checkpoint with this name is already committed (pass overwrite=True to replace it)."""
+    """A checkpoint with this name is already committed (pass overwrite=True to replace it).
+
+    The message starts "Checkpoint already exists", as DCP's FileSystemWriter says, so code written against
+    DCP's wording keeps working.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        return f"Checkpoint already exists: {self.name}; pass overwrite=True to replace it"
 
 
 class InvalidNameError(DeltackptError, ValueError):
@@ -136,3 +147,18 @@ class CheckpointMismatchError(DeltackptError, ValueError):
 
 class SilentDataCorruptionError(DeltackptError):
     """Replicas of the same data disagree across ranks: a bit flipped in memory or compute."""
+
+
+class CorruptManifestError(ManifestFormatError):
+    """A checkpoint's stored manifest cannot be decoded or fails validation; ``checkpoint`` names it."""
+
+    def __init__(self, message: str, *, checkpoint: str | None = None):
+        self.checkpoint = checkpoint
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (_rebuild_corrupt_manifest, (self.args[0], self.checkpoint))
+
+
+def _rebuild_corrupt_manifest(message, checkpoint):
+    return CorruptManifestError(message, checkpoint=checkpoint)

@@ -13,6 +13,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CorruptChunkError,
+    CorruptManifestError,
     DeltackptError,
     InvalidNameError,
     ManifestFormatError,
@@ -37,6 +38,7 @@ _LAZY = {
     "save": "deltackpt.dcp.api",
     "load": "deltackpt.dcp.api",
     "async_save": "deltackpt.dcp.api",
+    "unwrap": "deltackpt.dcp.api",
     "TrainState": "deltackpt.train",
     "CheckpointManager": "deltackpt.train",
 }
@@ -47,6 +49,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CorruptChunkError",
+    "CorruptManifestError",
     "DeltackptError",
     "InvalidNameError",
     "ManifestFormatError",

@@ -166,19 +166,32 @@ def cmd_ls(args) -> int:
     from .store.retention import read_all_tags
 
     store = _open(args)
-    infos = store.list_checkpoints()
+    infos = store.list_checkpoints(include_damaged=True)
     tags = read_all_tags(store)
     where, infos = _tiers(args, store, infos)
-    data = [{**_checkpoint_dict(i, tags.get(i.name, [])), "location": where.get(i.name, "local")} for i in infos]
+    data = []
+    for i in infos:
+        d = {**_checkpoint_dict(i, tags.get(i.name, [])), "location": where.get(i.name, "local"),
+             "damaged": i.damaged, "damage": i.damage}
+        if i.damaged:  # what only the unreadable manifest knew is unknown, not zero
+            d.update(dict.fromkeys(["parent", "logical_bytes", "stored_bytes", "num_items", "num_chunks",
+                                    "new_chunks", "dedup_ratio", "metadata"]))
+        data.append(d)
 
     def text():
         if not data:
             return "no checkpoints"
         rows = [[d["name"], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["created_ns"] / 1e9)),
-                 fmt_bytes(d["logical_bytes"]), fmt_bytes(d["stored_bytes"]), fmt_ratio(i.dedup_ratio),
+                 *(["-", "-", "-"] if d["damaged"] else
+                   [fmt_bytes(d["logical_bytes"]), fmt_bytes(d["stored_bytes"]), fmt_ratio(i.dedup_ratio)]),
                  ",".join(d["tags"]) or "-"] + ([d["location"]] if where else [])
                 for i, d in zip(infos, data)]
-        return _table(rows, ["NAME", "CREATED", "LOGICAL", "NEW STORED", "DEDUP", "TAGS"] + (["WHERE"] if where else []))
+        header = ["NAME", "CREATED", "LOGICAL", "NEW STORED", "DEDUP", "TAGS"] + (["WHERE"] if where else [])
+        if any(d["damaged"] for d in data):
+            header.append("STATUS")
+            for row, d in zip(rows, data):
+                row.append("damaged" if d["damaged"] else "")
+        return _table(rows, header)
 
     _emit(args, data, text)
     return EXIT_OK

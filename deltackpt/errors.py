@@ -21,7 +21,7 @@ class StoreNotFoundError(DeltackptError, FileNotFoundError):
 
 
 class StoreExistsError(DeltackptError, FileExistsError):
-    """``Store.init`` on a path that already holds a store or other files."""
+    """``Store.init`` on a path that already holds a store, or a store's folders without its ``config``."""
 
 
 class UnsupportedFormatError(DeltackptError):
@@ -48,7 +48,18 @@ class CheckpointNotFoundError(DeltackptError, KeyError):
 
 
 class CheckpointExistsError(DeltackptError, FileExistsError):
-    """A checkpoint with this name is already committed (pass overwrite=True to replace it)."""
+    """A checkpoint with this name is already committed (pass overwrite=True to replace it).
+
+    The message starts "Checkpoint already exists", as DCP's FileSystemWriter says, so code written against
+    DCP's wording keeps working.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(name)
+
+    def __str__(self) -> str:
+        return f"Checkpoint already exists: {self.name}; pass overwrite=True to replace it"
 
 
 class InvalidNameError(DeltackptError, ValueError):
@@ -170,3 +181,16 @@ class CheckpointPinnedError(DeltackptError):
         removes = " ".join(f"--remove {t}" for t in self.tags)
         return (f"checkpoint {self.name!r} is pinned by tag(s) {', '.join(self.tags)}; remove them first: "
                 f"deltackpt tag STORE {self.name} {removes}")
+class CorruptManifestError(ManifestFormatError):
+    """A checkpoint's stored manifest cannot be decoded or fails validation; ``checkpoint`` names it."""
+
+    def __init__(self, message: str, *, checkpoint: str | None = None):
+        self.checkpoint = checkpoint
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (_rebuild_corrupt_manifest, (self.args[0], self.checkpoint))
+
+
+def _rebuild_corrupt_manifest(message, checkpoint):
+    return CorruptManifestError(message, checkpoint=checkpoint)

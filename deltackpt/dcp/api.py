@@ -1,19 +1,89 @@
-"""``deltackpt.save`` / ``load`` / ``async_save``: thin wrappers that build the writer or reader for DCP."""
+"""``deltackpt.save`` / ``load`` / ``async_save``: thin wrappers that build the writer or reader for DCP.
+
+DCP wraps every rank's error in ``CheckpointException``, a ``BaseException`` that ``except Exception`` does
+not catch; these wrappers raise the typed error instead (see :func:`unwrap`).
+"""
 
 from __future__ import annotations
 
+import traceback
 import warnings
+from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from ..errors import DeltackptError
 from ..store import LATEST
 from .planner import DeltaSavePlanner
 from .reader import DeltaStorageReader
 from .writer import DeltaStorageWriter
+
+T = TypeVar("T")
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The typed error behind DCP's ``CheckpointException``; any other exception is returned as is.
+
+    The error chosen is the lowest rank's deltackpt error, else the lowest rank's error. It carries
+    ``rank_errors`` (rank -> that rank's error) and notes naming its rank and the other ranks' errors::
+
+        try:
+            dcp.save(state, storage_writer=deltackpt.DeltaStorageWriter(store, "step-100"))
+        except CheckpointException as e:
+            raise deltackpt.unwrap(e) from None
+    """
+    if not isinstance(exc, CheckpointException):
+        return exc
+    errors = {rank: unwrap(f[0] if isinstance(f, tuple) else f) for rank, f in sorted(exc.failures.items())}
+    if not errors:
+        return exc
+    rank = next((r for r, e in errors.items() if isinstance(e, DeltackptError)), next(iter(errors)))
+    err = errors[rank]
+    if "rank_errors" in vars(err):
+        return err  # unwrapped before (the same exception object is shared by every rank's entry)
+    err.rank_errors = errors
+    failure = exc.failures[rank]
+    if err.__traceback__ is None and isinstance(failure, tuple) and failure[1]:
+        err.add_note(f"raised on rank {rank}:\n" + "".join(traceback.format_list(failure[1])).rstrip())
+    else:
+        err.add_note(f"raised on rank {rank}")
+    others = [f"rank {r}: {type(e).__name__}: {e}" for r, e in errors.items() if r != rank]
+    if others:
+        err.add_note("other ranks failed too:\n  " + "\n  ".join(others))
+    return err
+
+
+def typed_call(call: Callable[[], T]) -> T:
+    """Run a DCP call; its CheckpointException is raised as the typed error (outside the handler, so the
+    error keeps its own context instead of the wrapper's)."""
+    try:
+        return call()
+    except CheckpointException as e:
+        err = unwrap(e)
+    raise err
+
+
+def typed_future(fut: Future) -> Future:
+    """A future that settles like ``fut``, with its CheckpointException unwrapped."""
+    out: Future = Future()
+
+    def settle(done: Future) -> None:
+        if done.cancelled():
+            out.cancel()
+            return
+        exc = done.exception()
+        if exc is None:
+            out.set_result(done.result())
+        else:
+            out.set_exception(unwrap(exc))
+
+    fut.add_done_callback(settle)
+    return out
 
 
 def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group=None, planner=None,
@@ -23,42 +93,50 @@ def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
                                 storage_options=storage_options)
     with quiet_single_process():
-        return dcp.save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
-                        process_group=process_group, no_dist=no_dist)
+        return typed_call(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
+                                           process_group=process_group, no_dist=no_dist))
 
 
 def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, process_group=None, planner=None,
-         no_dist: bool = False, storage_options: dict | None = None) -> str:
+         no_dist: bool = False, fallback: bool = False, storage_options: dict | None = None) -> str:
     """``dcp.load`` checkpoint ``checkpoint_id`` (default: the newest) in place; returns its name.
 
-    A missing checkpoint raises CheckpointNotFoundError on every rank before any collective.
+    A missing checkpoint raises CheckpointNotFoundError, a damaged manifest CorruptManifestError, on every
+    rank before any collective. ``fallback``: ``latest`` skips a newest checkpoint whose manifest is damaged.
     """
-    reader = DeltaStorageReader(store, checkpoint_id, storage_options=storage_options)
+    reader = DeltaStorageReader(store, checkpoint_id, fallback=fallback, storage_options=storage_options)
     with quiet_single_process():
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
+        typed_call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
+                                    no_dist=no_dist))
     return reader.checkpoint_id
 
 
 def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
                async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
                process_group=None, planner=None, overwrite: bool = False,
-               metadata: dict[str, Any] | None = None, storage_options: dict | None = None):
-    """``dcp.async_save`` into ``store``; returns DCP's future. The state is copied before this returns."""
+               metadata: dict[str, Any] | None = None, storage_options: dict | None = None) -> Future:
+    """``dcp.async_save`` into ``store``; returns a future whose error is the typed one. The state is copied
+    before this returns."""
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
                                 storage_options=storage_options)
     with quiet_single_process():
-        return dcp.async_save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
-                              process_group=process_group, async_checkpointer_type=async_checkpointer_type)
+        fut = typed_call(lambda: dcp.async_save(state_dict, storage_writer=writer,
+                                                planner=planner or DeltaSavePlanner(), process_group=process_group,
+                                                async_checkpointer_type=async_checkpointer_type))
+    return typed_future(fut)
 
 
 @contextmanager
 def quiet_single_process():
     """Without a process group, silence DCP's "assuming the intent is to save/load in a single process"
-    warning, which it repeats on every call; a single process is what our caller asked for."""
-    if dist.is_available() and dist.is_initialized():
-        yield
-        return
-    with warnings.catch_warnings():
+    warning, which it repeats on every call (a single process is what our caller asked for). The filter stays
+    for the process: an async save warns from DCP's background thread, after this context has exited."""
+    global _quieted
+    if not _quieted and not (dist.is_available() and dist.is_initialized()):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                                 category=UserWarning)
-        yield
+        _quieted = True
+    yield
+
+
+_quieted = False

@@ -22,6 +22,7 @@ from torch.futures import Future
 
 from ..errors import ManifestFormatError
 from ..store import LATEST, Store
+from ..store.manifest import Manifest
 from ..store.pausegc import paused_gc
 from ..store.reader import CheckpointReader, default_read_threads
 from .metadata_schema import decode_metadata
@@ -33,20 +34,24 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isi
 class DeltaStorageReader(StorageReader):
     """Load any committed checkpoint of a deltackpt store through ``dcp.load``, resharded as needed.
 
-    ``checkpoint_id`` is a checkpoint name or ``"latest"``; it is resolved when given (here or via
-    ``dcp.load(..., checkpoint_id=...)``), so a missing name raises CheckpointNotFoundError on every rank
-    before any collective starts.
+    ``checkpoint_id`` is a checkpoint name or ``"latest"``; it is resolved and its manifest read when given
+    (here or via ``dcp.load(..., checkpoint_id=...)``), so a missing name raises CheckpointNotFoundError and a
+    damaged manifest CorruptManifestError on every rank before any collective starts. ``fallback``:
+    ``latest`` skips a newest checkpoint whose manifest is damaged.
     """
 
     def __init__(self, store, checkpoint_id: str | os.PathLike | None = LATEST, *,
-                 num_threads: int | None = None, storage_options: dict | None = None) -> None:
+                 num_threads: int | None = None, fallback: bool = False,
+                 storage_options: dict | None = None) -> None:
         super().__init__()
         self._store_spec = store
         self._storage_options = storage_options
         self._store: Store | None = store if isinstance(store, Store) else None
         self.num_threads = num_threads  # None: chosen per load (default_read_threads)
+        self.fallback = fallback
         self.checkpoint_id: str | None = None
         self.load_id = None
+        self._manifest: Manifest | None = None
         self._reader: CheckpointReader | None = None
         self.metadata: Metadata | None = None
         if checkpoint_id is not None:
@@ -56,6 +61,7 @@ class DeltaStorageReader(StorageReader):
         state = self.__dict__.copy()
         state["_store"] = None
         state["_reader"] = None
+        state["_manifest"] = None
         return state
 
     @property
@@ -69,7 +75,9 @@ class DeltaStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             name = _name_of(checkpoint_id) if checkpoint_id != LATEST else LATEST
-            self.checkpoint_id = self.store.resolve(name)
+            self.checkpoint_id = self.store.resolve(name, fallback=self.fallback)
+            # Read and checked here, not in read_metadata: DCP logs that method's errors and replaces them.
+            self._manifest = _dcp_manifest(self.store, self.checkpoint_id)
         self._reader = None
         self.metadata = None
         self.load_id = uuid.uuid4().hex
@@ -88,12 +96,8 @@ class DeltaStorageReader(StorageReader):
     def _read_metadata(self) -> Metadata:
         if self.checkpoint_id is None:
             self.reset(LATEST)
-        manifest = self.store.read_manifest(self.checkpoint_id)
-        layer = manifest.layer_data.get(LAYER_KEY)
-        if layer is None:
-            raise ManifestFormatError(f"checkpoint {manifest.name!r} was not written through DCP "
-                                      "(no DCP metadata); read it with deltackpt.store.Store.load")
-        md = decode_metadata(layer)
+        manifest, self._manifest = self._manifest or _dcp_manifest(self.store, self.checkpoint_id), None
+        md = decode_metadata(manifest.layer_data[LAYER_KEY])
         if md.storage_meta is None:
             md.storage_meta = StorageMeta(checkpoint_id=manifest.name)
         md.storage_meta.load_id = self.load_id
@@ -186,6 +190,14 @@ class DeltaStorageReader(StorageReader):
             return [(job[-1], reader.run_job, job) for job in reader.chunk_jobs(key, dst, first * esize)]
         box = (reader, key, first * esize, nbytes, dtype, contiguous, lengths, strides, shape, target)
         return [(nbytes, _copy_box, box)]
+
+
+def _dcp_manifest(store: Store, name: str) -> Manifest:
+    manifest = store.read_manifest(name)
+    if LAYER_KEY not in manifest.layer_data:
+        raise ManifestFormatError(f"checkpoint {name!r} was not written through DCP (no DCP metadata); "
+                                  "read it with deltackpt.store.Store.load")
+    return manifest
 
 
 BATCH_BYTES = 1 << 20  # jobs smaller than this are run in batches of about this many bytes

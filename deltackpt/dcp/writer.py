@@ -118,8 +118,7 @@ class DeltaStorageWriter(StorageWriter):
                              "dcp.save(..., checkpoint_id=...)")
         store = self.store
         if not self.overwrite and store.exists(self.checkpoint_id):
-            raise CheckpointExistsError(
-                f"checkpoint {self.checkpoint_id!r} already exists; pass overwrite=True to replace it")
+            raise CheckpointExistsError(self.checkpoint_id)
         infos = store.list_checkpoints()
         parents = [i.name for i in infos if i.name != self.checkpoint_id]
         self._parent_name = parents[-1] if parents else None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 _TMP_MARK = ".tmp-"
+STORE_FOLDERS = ("packs", "manifests", "locks", "tags")  # the store's folders of objects; see Store.init
 
 
 @dataclass(frozen=True)
@@ -365,10 +366,15 @@ class LocalBackend(Backend):
         return iter(sorted(out, key=lambda i: i.key))
 
     def list_temp(self) -> list[tuple[str, float]]:
-        """Stray temp files left by a crash mid-put: (relative path, mtime); gc removes old ones."""
+        """Stray temp files left by a crash mid-put: (relative path, mtime); gc removes old ones.
+
+        Only the store's own folders and its config's temp files are looked at: the directory may hold
+        files that are not the store's."""
         out = []
         for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames[:] = [d for d in dirnames if d != "cache"] if dirpath == str(self.root) else dirnames
+            if dirpath == str(self.root):
+                dirnames[:] = [d for d in dirnames if d in STORE_FOLDERS]
+                filenames = [n for n in filenames if n.startswith(f"config{_TMP_MARK}")]
             for name in filenames:
                 if _TMP_MARK in name:
                     path = os.path.join(dirpath, name)
@@ -379,8 +385,10 @@ class LocalBackend(Backend):
         return sorted(out)
 
     def delete_temp(self, rel_path: str) -> None:
-        if _TMP_MARK not in os.path.basename(rel_path) or ".." in rel_path.split(os.sep):
-            raise ValueError(f"not a temp file: {rel_path!r}")
+        parts = rel_path.split(os.sep)
+        owned = parts[0] in STORE_FOLDERS or (len(parts) == 1 and parts[0].startswith(f"config{_TMP_MARK}"))
+        if _TMP_MARK not in parts[-1] or ".." in parts or not owned:
+            raise ValueError(f"not a temp file of the store: {rel_path!r}")
         (self.root / rel_path).unlink(missing_ok=True)
 
     def delete(self, key):

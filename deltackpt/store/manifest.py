@@ -21,7 +21,7 @@ import msgspec
 import xxhash
 import zstandard
 
-from ..errors import InvalidNameError, ManifestFormatError, UnsupportedFormatError
+from ..errors import CorruptManifestError, InvalidNameError, UnsupportedFormatError
 from .codec import VALID_ELEM_SIZES
 
 MANIFEST_MAGIC = b"DCMF"
@@ -99,52 +99,61 @@ def encode_manifest(m: Manifest) -> bytes:
     return out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out))
 
 
-def decode_manifest(data: bytes, where: str = "manifest") -> Manifest:
+def decode_manifest(data: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> Manifest:
+    """Parse and validate a stored manifest; any damage raises CorruptManifestError naming ``checkpoint``."""
+
+    def corrupt(msg: str) -> CorruptManifestError:
+        return CorruptManifestError(f"{where}: {msg}", checkpoint=checkpoint)
+
     if len(data) < 13 or data[:4] != MANIFEST_MAGIC:
-        raise ManifestFormatError(f"{where}: not a deltackpt manifest (bad magic)")
+        raise corrupt("not a deltackpt manifest (bad magic)")
     # The version comes first: a newer format may lay out the rest (checksum included) differently.
     if data[4] > MANIFEST_VERSION:
         raise UnsupportedFormatError(f"{where}: manifest version {data[4]} is newer than supported")
     (digest,) = struct.unpack("<Q", data[-8:])
     if xxhash.xxh3_64_intdigest(data[:-8]) != digest:
-        raise ManifestFormatError(f"{where}: checksum mismatch (damaged or truncated)")
+        raise corrupt("checksum mismatch (damaged or truncated)")
     if data[4] < 1:
-        raise ManifestFormatError(f"{where}: invalid manifest version {data[4]}")
+        raise corrupt(f"invalid manifest version {data[4]}")
     frame = data[5:-8]
     try:
         declared = zstandard.frame_content_size(frame)
     except zstandard.ZstdError as e:
-        raise ManifestFormatError(f"{where}: damaged manifest ({e})") from None
+        raise corrupt(f"damaged manifest ({e})") from None
     if not (0 <= declared <= MAX_MANIFEST_BYTES) or declared > 1024 * len(frame) + (1 << 20):
         # zstd allocates the declared size up front; a forged header must not make us allocate gigabytes
-        raise ManifestFormatError(f"{where}: implausible manifest size {declared}")
+        raise corrupt(f"implausible manifest size {declared}")
     try:
         body = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_MANIFEST_BYTES)
     except zstandard.ZstdError as e:
-        raise ManifestFormatError(f"{where}: damaged manifest ({e})") from None
+        raise corrupt(f"damaged manifest ({e})") from None
     try:
         m = msgspec.msgpack.decode(body, type=Manifest)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
-        raise ManifestFormatError(f"{where}: {e}") from None
-    _check_manifest(m, where)
+        raise corrupt(str(e)) from None
+    problem = _manifest_problem(m)
+    if problem:
+        raise corrupt(problem)
     return m
 
 
-def _check_manifest(m: Manifest, where: str) -> None:
+def _manifest_problem(m: Manifest) -> str | None:
+    """What is invalid in a decoded manifest, or None."""
     try:
         validate_name(m.name)
     except InvalidNameError as e:
-        raise ManifestFormatError(f"{where}: {e}") from None
+        return str(e)
     for it in m.items:
-        at = f"{where}: item {it.key!r}"
+        at = f"item {it.key!r}"
         if it.elem_size not in VALID_ELEM_SIZES:
-            raise ManifestFormatError(f"{at}: invalid element size {it.elem_size}")
+            return f"{at}: invalid element size {it.elem_size}"
         if it.nbytes < 0 or it.global_offset < 0 or any(d < 0 for d in it.shape):
-            raise ManifestFormatError(f"{at}: negative size or offset")
+            return f"{at}: negative size or offset"
         total = 0
         for ref in it.chunks:
             if len(ref.id) != 16 or ref.length < 0 or ref.skip < 0:
-                raise ManifestFormatError(f"{at}: malformed chunk ref")
+                return f"{at}: malformed chunk ref"
             total += ref.length
         if total != it.nbytes:
-            raise ManifestFormatError(f"{at}: chunk lengths sum to {total}, expected {it.nbytes}")
+            return f"{at}: chunk lengths sum to {total}, expected {it.nbytes}"
+    return None

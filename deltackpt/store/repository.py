@@ -25,8 +25,8 @@ import numpy as np
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CorruptManifestError,
     InvalidNameError,
-    ManifestFormatError,
     MissingChunkError,
     StoreExistsError,
     StoreNotFoundError,
@@ -56,6 +56,12 @@ class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_items: int
     metadata: dict[str, Any]
     manifest_bytes: int
+    manifest_mtime_s: float = 0.0  # with manifest_bytes: a cached summary is stale when either differs
+    damage: str | None = None  # why the manifest cannot be read; None for an intact checkpoint
+
+    @property
+    def damaged(self) -> bool:
+        return self.damage is not None
 
     @property
     def added_bytes(self) -> int:
@@ -127,15 +133,20 @@ class Store:
         """Create a store at ``location`` (a directory, a URL such as ``s3://bucket/prefix``, or a Backend).
 
         ``storage_options`` go to the fsspec filesystem of a URL; ``config`` overrides the store's defaults.
+        A directory may hold other files: the store only uses its own ``config``, ``packs/``, ``manifests/``,
+        ``locks/``, ``tags/`` and ``cache/``. Packs or manifests without a config (a damaged store) are refused.
         """
         backend = _as_backend(location, storage_options)
         if backend.exists(CONFIG_KEY):
             if exist_ok:
                 return cls.open(backend, cache_dir=cache_dir)
             raise StoreExistsError(f"{_describe(backend)} already holds a deltackpt store")
-        local = backend.local_path()
-        if local is not None and local.exists() and any(p.name != "cache" for p in local.iterdir()):
-            raise StoreExistsError(f"{local} is not empty; a new store needs an empty or missing directory")
+        # A store's config is written before any pack or manifest: objects with still no config after they
+        # were listed belong to a damaged store, not to an init racing with us (that one wins put_new below).
+        if _holds_store_objects(backend) and not backend.exists(CONFIG_KEY):
+            where = _describe(backend)
+            raise StoreExistsError(f"{where} holds a deltackpt store's packs or manifests but no config (a damaged "
+                                   f"store); recreate its config with `deltackpt repair {where}`")
         cfg = new_config(**config)
         try:
             backend.put_new(CONFIG_KEY, encode_config(cfg))  # two racing inits: exactly one wins
@@ -159,19 +170,12 @@ class Store:
 
     @classmethod
     def open_or_init(cls, location, *, cache_dir=None, storage_options: dict | None = None, **config) -> "Store":
-        """Open the store at ``location``, creating it if there is none (safe when many ranks race)."""
+        """Open the store at ``location``, creating it if there is none (safe when many ranks race: the config
+        is published create-if-absent, so exactly one init wins and the others open its store)."""
         backend = _as_backend(location, storage_options)
-        for attempt in range(50):
-            if backend.exists(CONFIG_KEY):
-                return cls.open(backend, cache_dir=cache_dir)
-            try:
-                return cls.init(backend, cache_dir=cache_dir, exist_ok=True, **config)
-            except StoreExistsError:
-                # Another process is creating it (its temp file is there, its config not yet): wait.
-                if attempt == 49:
-                    raise
-                time.sleep(0.1)
-        raise AssertionError("unreachable")
+        if backend.exists(CONFIG_KEY):
+            return cls.open(backend, cache_dir=cache_dir)
+        return cls.init(backend, cache_dir=cache_dir, exist_ok=True, **config)
 
     def ensure_features(self, names=WRITER_FEATURES) -> None:
         """Record ``names`` in the store's config before data that needs them is written (the format gate).
@@ -218,27 +222,36 @@ class Store:
                 names.append(name)
         return names
 
-    def list_checkpoints(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest first."""
-        listed = {info.key[len("manifests/"):]: info.size_bytes for info in self.backend.list("manifests/")}
+    def list_checkpoints(self, *, include_damaged: bool = False) -> list[CheckpointInfo]:
+        """Committed checkpoints, oldest first.
+
+        A checkpoint whose manifest cannot be read is left out, or with ``include_damaged`` listed with
+        ``damage`` set, placed by its manifest's modification time.
+        """
+        listed = {info.key[len("manifests/"):]: info for info in self.backend.list("manifests/")}
         cached = self.index.get_summaries()
         out, fresh = [], {}
-        for name, size in listed.items():
+        for name, obj in listed.items():
             info = None
+            stamp = (obj.size_bytes, obj.mtime_s)  # rewriting a manifest changes its mtime, maybe its size
             raw = cached.get(name)
             if raw is not None:
                 try:
                     info = msgspec.msgpack.decode(raw, type=CheckpointInfo)
                 except (msgspec.ValidationError, msgspec.DecodeError):
                     info = None
-                if info is not None and info.manifest_bytes != size:
+                if info is not None and (info.manifest_bytes, info.manifest_mtime_s) != stamp:
                     info = None
             if info is None:
                 try:
                     m = self.read_manifest(name)
-                except (ManifestFormatError, CheckpointNotFoundError, InvalidNameError):
-                    continue  # stray or unreadable manifests are verify's business, not ls's
-                info = _summarize(m, size)
+                except CorruptManifestError as e:
+                    if include_damaged:
+                        out.append(_damaged_info(name, obj, str(e)))
+                    continue
+                except (CheckpointNotFoundError, InvalidNameError):
+                    continue  # stray files and manifests forgotten meanwhile are not checkpoints
+                info = _summarize(m, obj.size_bytes, obj.mtime_s)
                 fresh[name] = msgspec.msgpack.encode(info)
             out.append(info)
         stale = [n for n in cached if n not in listed]
@@ -249,21 +262,46 @@ class Store:
 
     def summarize(self, manifest: Manifest) -> CheckpointInfo:
         """The ``list_checkpoints`` entry of a manifest already read."""
-        return _summarize(manifest, self.backend.size(manifest_key(manifest.name)))
+        obj = self._manifest_object(manifest.name)
+        return _summarize(manifest, obj.size_bytes if obj else 0, obj.mtime_s if obj else 0.0)
 
-    def resolve(self, name: str) -> str:
-        """The concrete checkpoint name for ``name`` (``latest`` = newest); CheckpointNotFoundError if none."""
+    def _manifest_object(self, name: str):
+        """The ObjectInfo (size, mtime) of checkpoint ``name``'s manifest, or None."""
+        key = manifest_key(name)
+        return next((i for i in self.backend.list(key) if i.key == key), None)
+
+    def resolve(self, name: str, *, fallback: bool = False) -> str:
+        """The concrete checkpoint name for ``name`` (``latest`` = newest); CheckpointNotFoundError if none.
+
+        A newest checkpoint whose manifest is damaged raises CorruptManifestError naming it, unless
+        ``fallback``: then the newest readable checkpoint is chosen.
+        """
         if name == LATEST:
-            infos = self.list_checkpoints()
-            if not infos:
+            m = self._newest_manifest(fallback)
+            if m is None:
                 raise CheckpointNotFoundError(LATEST)
-            return infos[-1].name
+            return m.name
         validate_name(name)
         if not self.backend.exists(manifest_key(name)):
             names = self.checkpoint_names()
             nearby = difflib.get_close_matches(name, names, n=5, cutoff=0.5) or sorted(names)[-5:]
             raise CheckpointNotFoundError(name, nearby)
         return name
+
+    def _newest_manifest(self, fallback: bool) -> Manifest | None:
+        for info in reversed(self.list_checkpoints(include_damaged=True)):
+            damage = info.damage
+            if damage is None:
+                try:
+                    return self.read_manifest(info.name)  # a cached summary does not prove it still decodes
+                except CheckpointNotFoundError:
+                    continue  # forgotten meanwhile
+                except CorruptManifestError as e:
+                    damage = str(e)
+            if not fallback:
+                raise CorruptManifestError(f"the newest checkpoint is damaged: {damage}; load an older "
+                                           "checkpoint by name", checkpoint=info.name)
+        return None
 
     def read_manifest(self, name: str) -> Manifest:
         name = self.resolve(name) if name == LATEST else validate_name(name)
@@ -272,15 +310,14 @@ class Store:
         except FileNotFoundError:
             self.resolve(name)  # raises CheckpointNotFoundError with nearby names
             raise CheckpointNotFoundError(name) from None
-        m = decode_manifest(data, f"manifest {name!r}")
+        m = decode_manifest(data, f"manifest {name!r}", checkpoint=name)
         if m.name != name:
-            raise ManifestFormatError(f"manifest {name!r} says its name is {m.name!r}")
+            raise CorruptManifestError(f"manifest {name!r} says its name is {m.name!r}", checkpoint=name)
         return m
 
     def latest_manifest(self) -> Manifest | None:
-        """The newest checkpoint's manifest, or None in an empty store."""
-        infos = self.list_checkpoints()
-        return self.read_manifest(infos[-1].name) if infos else None
+        """The newest readable checkpoint's manifest (damaged ones are skipped), or None in an empty store."""
+        return self._newest_manifest(fallback=True)
 
     def exists(self, name: str) -> bool:
         return self.backend.exists(manifest_key(name))
@@ -311,7 +348,7 @@ class Store:
         """
         validate_name(name)
         if not overwrite and self.exists(name):
-            raise CheckpointExistsError(f"checkpoint {name!r} already exists; pass overwrite=True to replace it")
+            raise CheckpointExistsError(name)
         keys = [it.key for it in items]
         if len(set(keys)) != len(keys):
             raise ValueError("item keys must be unique within a checkpoint")
@@ -362,7 +399,9 @@ class Store:
         crash_point("commit:before-manifest")
         self.backend.put(manifest_key(name), data)
         crash_point("commit:after-manifest")
-        self.index.put_summaries({name: msgspec.msgpack.encode(_summarize(manifest, len(data)))})
+        obj = self._manifest_object(name)
+        mtime_s = obj.mtime_s if obj else 0.0
+        self.index.put_summaries({name: msgspec.msgpack.encode(_summarize(manifest, len(data), mtime_s))})
         return manifest
 
     def save(self, name: str, items: Mapping[str, Any], *, metadata=None, overwrite: bool = False,
@@ -370,7 +409,7 @@ class Store:
         """Save a dict of numpy arrays / bytes as checkpoint ``name`` in one call (single process)."""
         validate_name(name)
         if not overwrite and self.exists(name):
-            raise CheckpointExistsError(f"checkpoint {name!r} already exists; pass overwrite=True to replace it")
+            raise CheckpointExistsError(name)
         with self.lock(SHARED) as lock:
             return self._save_locked(name, items, metadata, overwrite, lock, writer_kwargs)
 
@@ -382,8 +421,10 @@ class Store:
                 if isinstance(value, np.generic):
                     value = np.asarray(value)
                 if isinstance(value, np.ndarray):
+                    _check_plain_dtype(key, value.dtype)
                     arr = value if value.flags.c_contiguous else np.ascontiguousarray(value)
-                    w.add_array(key, arr, dtype=arr.dtype.str, elem_size=_elem_size(arr), shape=value.shape)
+                    data = arr.reshape(-1).view(np.uint8)  # the buffer protocol refuses some dtypes (datetime64)
+                    w.add_array(key, data, dtype=arr.dtype.str, elem_size=_elem_size(arr), shape=value.shape)
                 elif isinstance(value, (bytes, bytearray, memoryview)):
                     w.add_bytes(key, value)
                 else:
@@ -452,12 +493,22 @@ class Store:
         )
 
 
+def _check_plain_dtype(key: str, dtype: np.dtype) -> None:
+    """Only plain data round-trips: object arrays hold pointers, and a structured dtype's fields are lost."""
+    if dtype.hasobject:
+        raise TypeError(f"item {key!r}: dtype {dtype} holds Python objects, which cannot be stored as bytes; "
+                        "convert it to a numeric or fixed-width string dtype, or save bytes you serialized")
+    if dtype.names is not None:
+        raise TypeError(f"item {key!r}: structured dtype {dtype} is not supported; save each field as its own "
+                        "item, or a .view(np.uint8) of the array")
+
+
 def _elem_size(arr: np.ndarray) -> int:
     size = arr.dtype.itemsize
     return size if size in (1, 2, 4, 8) else 1
 
 
-def _summarize(m: Manifest, manifest_bytes: int) -> CheckpointInfo:
+def _summarize(m: Manifest, manifest_bytes: int, manifest_mtime_s: float) -> CheckpointInfo:
     return CheckpointInfo(
         name=m.name,
         created_ns=m.created_ns,
@@ -469,7 +520,19 @@ def _summarize(m: Manifest, manifest_bytes: int) -> CheckpointInfo:
         num_items=len(m.items),
         metadata=m.metadata,
         manifest_bytes=manifest_bytes,
+        manifest_mtime_s=manifest_mtime_s,
     )
+
+
+def _damaged_info(name: str, obj, damage: str) -> CheckpointInfo:
+    """A listing entry for an unreadable manifest, placed in time by when it was written."""
+    return CheckpointInfo(name=name, created_ns=int(obj.mtime_s * 1e9), parent=None, logical_bytes=0,
+                          stored_bytes=0, num_chunks=0, new_chunks=0, num_items=0, metadata={},
+                          manifest_bytes=obj.size_bytes, manifest_mtime_s=obj.mtime_s, damage=damage)
+
+
+def _holds_store_objects(backend: Backend) -> bool:
+    return any(next(iter(backend.list(prefix)), None) is not None for prefix in ("packs/", "manifests/"))
 
 
 def _describe(backend: Backend) -> str:

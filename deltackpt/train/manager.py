@@ -23,12 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
-from ..dcp.api import quiet_single_process
+from ..dcp.api import quiet_single_process, typed_call, typed_future
 from ..dcp.planner import DeltaSavePlanner
 from ..dcp.reader import DeltaStorageReader
 from ..dcp.writer import DeltaStorageWriter, open_store
@@ -52,18 +51,6 @@ log = logging.getLogger("deltackpt.train")
 STATE_KEY = "train"
 _DAMAGE = (CorruptChunkError, MissingChunkError, ManifestFormatError)
 _ASYNC_TYPES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
-
-
-def _damage_in(exc: BaseException) -> BaseException | None:
-    """The store-damage error behind ``exc`` (directly or inside DCP's CheckpointException), if any."""
-    if isinstance(exc, _DAMAGE):
-        return exc
-    if isinstance(exc, CheckpointException):
-        for failure in exc.failures.values():
-            err = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(err, _DAMAGE):
-                return err
-    return None
 
 
 def _flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -155,14 +142,15 @@ class CheckpointManager:
         payload = {STATE_KEY: self.state}
         if self.async_mode is None:
             with quiet_single_process():
-                dcp.save(payload, storage_writer=writer, planner=DeltaSavePlanner(), process_group=self.process_group)
+                typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
+                                            process_group=self.process_group))
             self._after_save(name)
         else:
             with quiet_single_process():
-                fut = dcp.async_save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
-                                     process_group=self.process_group,
-                                     async_checkpointer_type=_ASYNC_TYPES[self.async_mode])
-            self._pending = (fut, name)
+                fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
+                                                        process_group=self.process_group,
+                                                        async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
+            self._pending = (typed_future(fut), name)
         self._saved_step = step
         return name
 
@@ -179,8 +167,11 @@ class CheckpointManager:
         self._pending = None
         try:
             fut.result()
-        except BaseException as e:
-            raise DeltackptError(f"background save of checkpoint {name!r} failed: {e}") from e
+        except DeltackptError as e:
+            e.add_note(f"background save of checkpoint {name!r} failed")
+            raise
+        except Exception as e:
+            raise DeltackptError(f"background save of checkpoint {name!r} failed: {type(e).__name__}: {e}") from e
         self._after_save(name)
 
     def _raise_if_failed(self) -> None:
@@ -221,15 +212,17 @@ class CheckpointManager:
         self.wait()
         if self.remote is not None:
             self._fetch_newer_remote()
-        names = [i.name for i in reversed(self.store.list_checkpoints())]
-        failures = []
-        # list_checkpoints() leaves out manifests it cannot read; they count as damaged checkpoints.
-        for name in sorted(set(self.store.checkpoint_names()) - set(names)):
-            log.warning("checkpoint %r has an unreadable manifest; skipping it", name)
-            failures.append(f"{name}: unreadable manifest")
-        if not names and not failures:
+        infos = list(reversed(self.store.list_checkpoints(include_damaged=True)))
+        if not infos:
             return 0
-        for name in names:
+        failures = []
+        for info in infos:
+            name = info.name
+            if info.damaged:
+                log.warning("checkpoint %r has a damaged manifest (%s); falling back to the previous one", name,
+                            info.damage)
+                failures.append(f"{name}: {info.damage}")
+                continue
             # Structure first (manifest, chunks indexed, packs and bases present): a damaged checkpoint is
             # skipped before it touches the state. Chunk bytes are re-hashed as they load.
             report = verify_store(self.store, level=0, checkpoints=[name])
@@ -240,12 +233,7 @@ class CheckpointManager:
                 continue
             try:
                 return self.restore(name)
-            except CheckpointMismatchError:
-                raise
-            except BaseException as e:  # CheckpointException is a BaseException
-                damage = _damage_in(e)
-                if damage is None:
-                    raise
+            except _DAMAGE as damage:
                 log.warning("checkpoint %r is damaged (%s); falling back to the previous one", name, damage)
                 failures.append(f"{name}: {damage}")
         raise DeltackptError("no intact checkpoint to resume from; " + "; ".join(failures))
@@ -280,8 +268,9 @@ class CheckpointManager:
             target = self.state.state_dict()
             self._check_compatible(name, target, metadata)
             with quiet_single_process():
-                dcp.load({STATE_KEY: self.state}, storage_reader=DeltaStorageReader(self.store, reader.checkpoint_id),
-                         process_group=self.process_group)
+                typed_call(lambda: dcp.load({STATE_KEY: self.state},
+                                            storage_reader=DeltaStorageReader(self.store, reader.checkpoint_id),
+                                            process_group=self.process_group))
         finally:
             self.state.prepare_load(None)
         log.info("restored checkpoint %r (step %d)", reader.checkpoint_id, self.state.step)

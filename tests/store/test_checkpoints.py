@@ -8,6 +8,7 @@ import pytest
 from deltackpt.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CorruptManifestError,
     DeltackptError,
     InvalidNameError,
 )
@@ -152,11 +153,17 @@ def test_commit_rejects_duplicate_item_keys(mem_store):
     assert not mem_store.exists("dupkeys")
 
 
-def test_unreadable_manifest_is_skipped_by_listing(local_store):
+def test_unreadable_manifest_is_skipped_by_listing_but_not_by_latest(local_store):
     local_store.save("good", {"x": b"1"})
     (local_store.backend.root / "manifests" / "junk.txt").write_bytes(b"not a manifest")
     assert [i.name for i in local_store.list_checkpoints()] == ["good"]
-    assert local_store.resolve(LATEST) == "good"
+    listed = local_store.list_checkpoints(include_damaged=True)
+    assert [(i.name, i.damaged) for i in listed] == [("good", False), ("junk.txt", True)]
+    # The newest manifest is unreadable: latest says so instead of silently meaning an older checkpoint.
+    with pytest.raises(CorruptManifestError, match="junk.txt") as ei:
+        local_store.resolve(LATEST)
+    assert ei.value.checkpoint == "junk.txt"
+    assert local_store.resolve(LATEST, fallback=True) == "good"
 
 
 def test_stray_invalid_name_in_manifests_dir_does_not_break_listing(local_store):

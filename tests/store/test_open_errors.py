@@ -114,13 +114,13 @@ def test_init_on_existing_store(tmp_path, make_store):
 
 
 def test_init_on_non_empty_non_store_dir(tmp_path):
+    """Other files may share the directory (DCP writes beside model.pt); the store leaves them alone."""
     d = tmp_path / "busy"
     d.mkdir()
     (d / "important.txt").write_text("keep me")
-    with pytest.raises(StoreExistsError):
-        Store.init(d)
-    assert not (d / "config").exists()
-    assert [p.name for p in d.iterdir()] == ["important.txt"]
+    store = Store.init(d)
+    assert (d / "config").is_file() and (d / "important.txt").read_text() == "keep me"
+    assert Store.open(d).config == store.config
 
 
 def test_init_missing_or_empty_dir_works(tmp_path):

@@ -1,0 +1,65 @@
+"""CheckpointManager raises the typed deltackpt error (never DCP's CheckpointException, a BaseException that
+``except Exception`` misses) from a blocking save, a background save and a restore."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from deltackpt import CheckpointManager, CorruptChunkError, CorruptManifestError, DeltackptError, TrainState
+from deltackpt.dcp.writer import DeltaStorageWriter
+from deltackpt.store import Store
+from train_helpers import make_model, make_optim
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+
+def _state(seed=0):
+    model = make_model(seed)
+    return TrainState(model=model, optimizer=make_optim(model))
+
+
+def _failing_finish(self, metadata, results):
+    raise CorruptChunkError("injected damage", chunk_id="cd" * 16)
+
+
+@pytest.mark.parametrize("async_mode", [None, "thread"])
+def test_save_failure_is_the_typed_error(tmp_path, monkeypatch, async_mode):
+    path = str(tmp_path / "store")
+    monkeypatch.setattr(DeltaStorageWriter, "finish", _failing_finish)
+    mgr = CheckpointManager(path, _state(), async_mode=async_mode)
+    try:
+        mgr.save(1)
+        mgr.wait()
+    except Exception as e:  # a plain `except Exception` catches it
+        err = e
+    else:
+        pytest.fail("the injected failure was not raised")
+    assert isinstance(err, CorruptChunkError) and err.chunk_id == "cd" * 16
+    assert set(err.rank_errors) == {0}
+    if async_mode:
+        assert any("step-00000001" in n and "background" in n for n in err.__notes__)
+    monkeypatch.undo()
+    mgr.close()
+    assert Store.open(path).list_checkpoints() == []
+
+
+def test_restore_of_damaged_manifest_names_it(tmp_path):
+    path = str(tmp_path / "store")
+    with CheckpointManager(path, _state()) as mgr:
+        name = mgr.save(1)
+    f = os.path.join(path, "manifests", name)
+    data = bytearray(open(f, "rb").read())
+    data[len(data) // 2] ^= 0x5A
+    open(f, "wb").write(bytes(data))
+    with CheckpointManager(path, _state(seed=1)) as mgr:
+        with pytest.raises(CorruptManifestError) as ei:
+            mgr.restore(name)
+        assert ei.value.checkpoint == name
+        with pytest.raises(DeltackptError, match="no intact checkpoint"):
+            mgr.restore_latest()

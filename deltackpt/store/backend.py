@@ -12,6 +12,7 @@ or a stray ``*.tmp-*`` file that ``list`` ignores and ``gc`` removes.
 from __future__ import annotations
 
 import abc
+import errno
 import os
 import threading
 import time
@@ -20,7 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..errors import DiskFullError
+
 _TMP_MARK = ".tmp-"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def raise_if_disk_full(err: OSError, path, needed_bytes: int | None = None) -> None:
+    """Raise :class:`DiskFullError` naming ``path`` (from ``err``) when ``err`` says the filesystem is full."""
+    if err.errno not in _NO_SPACE or isinstance(err, DiskFullError):
+        return
+    try:
+        st = os.statvfs(os.path.dirname(os.fspath(path)) or ".")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    raise DiskFullError(os.fspath(path), needed_bytes, free, err.errno) from err
 
 
 @dataclass(frozen=True)
@@ -239,16 +255,18 @@ class LocalBackend(Backend):
 
     def _write_temp(self, path: Path, data) -> Path:
         """Write ``data`` durably to a temp file beside ``path``; the caller links or renames it into place."""
-        self._ensure_dir(path.parent)
         tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
         try:
+            self._ensure_dir(path.parent)
             with open(tmp, "wb") as f:
                 f.write(data)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-        except BaseException:
+        except BaseException as e:
             tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise_if_disk_full(e, path, memoryview(data).nbytes)
             raise
         return tmp
 
@@ -270,14 +288,18 @@ class LocalBackend(Backend):
 
     def put_spooled(self, key, f):
         path = self._path(key)
-        self._ensure_dir(path.parent)
         try:
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        finally:
-            f.close()
-        os.replace(f.name, path)
+            self._ensure_dir(path.parent)
+            try:
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            finally:
+                f.close()
+            os.replace(f.name, path)
+        except OSError as e:
+            raise_if_disk_full(e, path)
+            raise
         if self.fsync:
             _fsync_dir(path.parent)
 

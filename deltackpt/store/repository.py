@@ -361,13 +361,13 @@ class Store:
                     w.add_bytes(key, value)
                 else:
                     raise TypeError(f"item {key!r}: expected a numpy array or bytes, got {type(value).__name__}")
+            summary: WriteSummary = w.finish()
+            crash_point("save:after-packs")
+            return self.commit(name, summary.items, entries=summary.entries, packs=summary.packs,
+                               metadata=metadata, overwrite=overwrite, lock=lock)
         except BaseException:
-            w.abort()
+            w.abort()  # its spool files, and its packs unless the commit already indexed them
             raise
-        summary: WriteSummary = w.finish()
-        crash_point("save:after-packs")
-        return self.commit(name, summary.items, entries=summary.entries, packs=summary.packs,
-                           metadata=metadata, overwrite=overwrite, lock=lock)
 
     def lock(self, kind: str = SHARED, **kwargs) -> StoreLock:
         """A store lock to use as a context manager: SHARED for saves, EXCLUSIVE for gc."""

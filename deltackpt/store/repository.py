@@ -37,7 +37,7 @@ from .index import ChunkIndex
 from .manifest import LATEST, Item, Manifest, Stats, decode_manifest, encode_manifest, manifest_key, validate_name
 from .faults import crash_point
 from .lock import SHARED, StoreLock
-from .pack import PackEntry, pack_key, read_pack_entries
+from .pack import PackEntry, pack_key, pack_name_from_key, read_pack_entries
 from .reader import CheckpointReader
 from .writer import ChunkWriter, WriteSummary
 
@@ -127,6 +127,9 @@ class Store:
             if exist_ok:
                 return cls.open(backend, cache_dir=cache_dir)
             raise StoreExistsError(f"{_describe(backend)} already holds a deltackpt store")
+        if holds_store_data(backend):
+            raise StoreExistsError(f"{_describe(backend)} holds a deltackpt store whose config is missing; "
+                                   f"{_repair_hint(backend)}")
         local = backend.local_path()
         if local is not None and local.exists() and any(p.name != "cache" for p in local.iterdir()):
             raise StoreExistsError(f"{local} is not empty; a new store needs an empty or missing directory")
@@ -141,22 +144,31 @@ class Store:
 
     @classmethod
     def open(cls, location, *, cache_dir=None) -> "Store":
-        """Open an existing store; ``StoreNotFoundError`` if there is none at ``location``."""
+        """Open an existing store; ``StoreNotFoundError`` if there is none at ``location``.
+
+        A store whose config is missing or damaged is refused with a message naming ``deltackpt repair``."""
         backend = _as_backend(location)
         try:
             data = backend.get(CONFIG_KEY)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise StoreNotFoundError(
-                f"{_describe(backend)} is not a deltackpt store (no config); create one with `deltackpt init`"
-            ) from None
-        return cls(backend, decode_config(data), cache_dir)
+            if holds_store_data(backend):
+                raise StoreNotFoundError(f"{_describe(backend)} holds deltackpt packs or manifests but no config "
+                                         f"(lost or deleted); {_repair_hint(backend)}") from None
+            raise not_a_store_error(backend) from None
+        try:
+            config = decode_config(data)
+        except ManifestFormatError as e:
+            if holds_store_data(backend):
+                raise ManifestFormatError(f"{e}; {_repair_hint(backend)}") from None
+            raise
+        return cls(backend, config, cache_dir)
 
     @classmethod
     def open_or_init(cls, location, *, cache_dir=None, **config) -> "Store":
         """Open the store at ``location``, creating it if there is none (safe when many ranks race)."""
         backend = _as_backend(location)
         for attempt in range(50):
-            if backend.exists(CONFIG_KEY):
+            if backend.exists(CONFIG_KEY) or holds_store_data(backend):  # (a lost config is repaired, not new)
                 return cls.open(backend, cache_dir=cache_dir)
             try:
                 return cls.init(backend, cache_dir=cache_dir, exist_ok=True, **config)
@@ -448,3 +460,18 @@ def _summarize(m: Manifest, manifest_bytes: int) -> CheckpointInfo:
 def _describe(backend: Backend) -> str:
     local = backend.local_path()
     return str(local) if local is not None else repr(backend)
+
+
+def _repair_hint(backend: Backend) -> str:
+    return f"run `deltackpt repair {_describe(backend)}` to recreate it from the packs and manifests"
+
+
+def holds_store_data(backend: Backend) -> bool:
+    """Whether ``backend`` holds packs or manifests: a store, even one whose config was lost."""
+    return (any(pack_name_from_key(i.key) for i in backend.list("packs/"))
+            or any("/" not in i.key[len("manifests/"):] for i in backend.list("manifests/")))
+
+
+def not_a_store_error(backend: Backend) -> StoreNotFoundError:
+    return StoreNotFoundError(
+        f"{_describe(backend)} is not a deltackpt store (no config); create one with `deltackpt init`")

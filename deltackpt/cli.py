@@ -269,6 +269,37 @@ def cmd_index_rebuild(args) -> int:
     return EXIT_OK
 
 
+def cmd_repair(args) -> int:
+    from .store.repair import repair_store
+
+    report = repair_store(args.store)
+
+    def text():
+        lines = []
+        if report.config_recreated:
+            how = "inferred from the manifests" if report.chunk_size_inferred else "default"
+            lines.append(f"config recreated: store id {report.store_id[:12]}, chunks "
+                         f"{fmt_bytes(report.chunk_size_bytes)} ({how})"
+                         + (f"; damaged config kept as {report.config_backup}" if report.config_backup else ""))
+        for old, new in sorted(report.rebuilt_packs.items()):
+            lines.append(f"pack {old}: table rebuilt from its entries as {', '.join(new)} (old pack kept as "
+                         f"packs/{old[:2]}/{old}.damaged)")
+        if report.dropped_entries:
+            n = report.dropped_entries
+            lines.append(f"  {n} damaged {'entry' if n == 1 else 'entries'} could not be recovered (kept in the "
+                         ".damaged copy)")
+        for name in report.unrecoverable_packs:
+            lines.append(f"pack {name}: table damaged and no intact entry found; left as it is")
+        lines.append(f"index rebuilt: {report.packs_indexed} packs"
+                     + ("" if report.ok else "; run `deltackpt verify --level 2` to see what is affected"))
+        if len(lines) == 1 and report.ok:
+            lines.insert(0, "nothing to repair")
+        return "\n".join(lines)
+
+    _emit(args, report.as_dict(), text)
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
 def cmd_verify(args) -> int:
     from .store.retention import parse_duration
     from .store.verify import verify_store
@@ -492,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0 structure, 1 + pack hashes (default), 2 + decode and re-hash every chunk")
     sp.add_argument("--sample", help="check only this share of packs, least recently verified first (10%% or 0.1)")
     sp.add_argument("--max-duration", help="stop after this long (e.g. 10m), least recently verified packs first")
+    sp = add("repair", cmd_repair, "recreate a missing or damaged config and rebuild damaged pack tables from "
+                                   "their entries, then the index (deletes nothing; exit 1 if data stays lost)")
+    sp.add_argument("store")
     sp = add("gc", cmd_gc, "delete or repack packs no checkpoint needs (takes the exclusive store lock)")
     sp.add_argument("store")
     sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")

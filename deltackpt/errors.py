@@ -194,3 +194,29 @@ class CorruptManifestError(ManifestFormatError):
 
 def _rebuild_corrupt_manifest(message, checkpoint):
     return CorruptManifestError(message, checkpoint=checkpoint)
+class DiskFullError(DeltackptError, OSError):
+    """The filesystem ran out of space (ENOSPC, or a quota) while deltackpt wrote ``filename``.
+
+    A failed save removes its temporary files and the packs it created, so retrying after freeing space (e.g.
+    ``deltackpt forget`` then ``deltackpt gc``) starts clean.
+    """
+
+    def __init__(self, filename: str, needed_bytes: int | None = None, free_bytes: int | None = None,
+                 errno_: int | None = None):
+        import errno
+
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+        msg = f"disk full while writing {filename}"
+        if needed_bytes is not None:
+            msg += f": at least {needed_bytes} more bytes needed"
+            if free_bytes is not None:
+                msg += f", {free_bytes} free"
+        super().__init__(errno_ or errno.ENOSPC, msg + "; free space on that filesystem and retry")
+        self.filename = filename
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):
+        return (DiskFullError, (self.filename, self.needed_bytes, self.free_bytes, self.errno))

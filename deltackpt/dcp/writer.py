@@ -4,7 +4,8 @@ Every rank writes the chunks of its own write items into its own packs (no tenso
 rank 0); its WriteResults carry only the item's chunk refs and the names of the packs it wrote. The
 coordinator's ``finish`` indexes those packs and writes the manifest, which holds DCP's Metadata under a
 strict schema. If any rank fails, DCP never calls ``finish``, so no manifest appears and earlier
-checkpoints are untouched; the packs already written are orphans for ``gc``.
+checkpoints are untouched; the failing rank removes the packs it wrote, the other ranks' packs are orphans
+for ``gc``.
 
 The writer is picklable (``dcp.async_save`` with PROCESS pickles it per request): the store is opened
 lazily in whichever process runs the save.
@@ -185,10 +186,10 @@ class DeltaStorageWriter(StorageWriter):
                                                 tensor.element_size())
                 writer.add_array(key, raw, dtype=str(tensor.dtype).removeprefix("torch."), elem_size=elem_size,
                                  shape=list(tensor.shape), group=group, global_offset=offset)
+            summary = writer.finish()
         except BaseException:
-            writer.abort()
+            writer.abort()  # its spool files and the packs it created (finish cleans up the same way)
             raise
-        summary = writer.finish()
         results = []
         for (item, _key), rec in zip(keys, summary.items):
             payload = {"item": msgspec.msgpack.encode(rec)}

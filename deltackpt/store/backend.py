@@ -12,6 +12,7 @@ or a stray ``*.tmp-*`` file that ``list`` ignores and ``gc`` removes.
 from __future__ import annotations
 
 import abc
+import errno
 import os
 import threading
 import time
@@ -20,8 +21,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..errors import DiskFullError
+
 _TMP_MARK = ".tmp-"
 STORE_FOLDERS = ("packs", "manifests", "locks", "tags")  # the store's folders of objects; see Store.init
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def raise_if_disk_full(err: OSError, path, needed_bytes: int | None = None) -> None:
+    """Raise :class:`DiskFullError` naming ``path`` (from ``err``) when ``err`` says the filesystem is full."""
+    if err.errno not in _NO_SPACE or isinstance(err, DiskFullError):
+        return
+    try:
+        st = os.statvfs(os.path.dirname(os.fspath(path)) or ".")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    raise DiskFullError(os.fspath(path), needed_bytes, free, err.errno) from err
 
 
 @dataclass(frozen=True)
@@ -240,16 +256,18 @@ class LocalBackend(Backend):
 
     def _write_temp(self, path: Path, data) -> Path:
         """Write ``data`` durably to a temp file beside ``path``; the caller links or renames it into place."""
-        self._ensure_dir(path.parent)
         tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
         try:
+            self._ensure_dir(path.parent)
             with open(tmp, "wb") as f:
                 f.write(data)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
-        except BaseException:
+        except BaseException as e:
             tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                raise_if_disk_full(e, path, memoryview(data).nbytes)
             raise
         return tmp
 
@@ -271,14 +289,18 @@ class LocalBackend(Backend):
 
     def put_spooled(self, key, f):
         path = self._path(key)
-        self._ensure_dir(path.parent)
         try:
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        finally:
-            f.close()
-        os.replace(f.name, path)
+            self._ensure_dir(path.parent)
+            try:
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            finally:
+                f.close()
+            os.replace(f.name, path)
+        except OSError as e:
+            raise_if_disk_full(e, path)
+            raise
         if self.fsync:
             _fsync_dir(path.parent)
 
@@ -374,7 +396,7 @@ class LocalBackend(Backend):
         for dirpath, dirnames, filenames in os.walk(self.root):
             if dirpath == str(self.root):
                 dirnames[:] = [d for d in dirnames if d in STORE_FOLDERS]
-                filenames = [n for n in filenames if n.startswith(f"config{_TMP_MARK}")]
+                filenames = [n for n in filenames if n.startswith((f"config{_TMP_MARK}", f"tier{_TMP_MARK}"))]
             for name in filenames:
                 if _TMP_MARK in name:
                     path = os.path.join(dirpath, name)
@@ -386,7 +408,7 @@ class LocalBackend(Backend):
 
     def delete_temp(self, rel_path: str) -> None:
         parts = rel_path.split(os.sep)
-        owned = parts[0] in STORE_FOLDERS or (len(parts) == 1 and parts[0].startswith(f"config{_TMP_MARK}"))
+        owned = parts[0] in STORE_FOLDERS or (len(parts) == 1 and parts[0].startswith((f"config{_TMP_MARK}", f"tier{_TMP_MARK}")))
         if _TMP_MARK not in parts[-1] or ".." in parts or not owned:
             raise ValueError(f"not a temp file of the store: {rel_path!r}")
         (self.root / rel_path).unlink(missing_ok=True)

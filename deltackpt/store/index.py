@@ -180,13 +180,16 @@ class ChunkIndex:
                 yield decode_record(bytes(k), bytes(v))
 
     # -- writes ------------------------------------------------------------------------------------------
-    def add(self, entries, packs: dict[str, int]) -> None:
+    def add(self, entries, packs: dict[str, int], *, if_present: bool = False) -> None:
         """Record ``entries`` and mark ``packs`` (name -> size) as indexed, in one transaction.
 
-        An id already indexed keeps its first location, so repeated chunks never move.
+        An id already indexed keeps its first location, so repeated chunks never move. ``if_present``: record
+        nothing unless every pack still exists (checked inside the transaction, see delete_unindexed_packs).
         """
         chunks, packs_db, meta = self._dbs()
         with self.env.begin(write=True) as txn:
+            if if_present and not all(self.backend.exists(pack_key(name)) for name in packs):
+                return
             if txn.get(b"store_id", db=meta) != self.store_id:
                 txn.put(b"store_id", self.store_id, db=meta)
                 txn.put(b"version", INDEX_VERSION, db=meta)
@@ -216,6 +219,23 @@ class ChunkIndex:
                     txn.delete(k, db=chunks)
             for rn in raw_names:
                 txn.delete(rn, db=packs_db)
+
+    def delete_unindexed_packs(self, names, delete) -> list[str]:
+        """Call ``delete(name)`` for each of ``names`` this index has not recorded; returns those names.
+
+        For a failed save's own packs: a pack no index knows cannot have been deduplicated against.
+        """
+        _, packs_db, _ = self._dbs()
+        # A write transaction shuts out every other index writer (refresh, commit) between the check and the
+        # delete; a refresh that read a pack's table just before finds the pack gone in its own transaction.
+        txn = self.env.begin(write=True)
+        try:
+            unknown = [n for n in sorted(names) if txn.get(bytes.fromhex(n), db=packs_db) is None]
+            for name in unknown:
+                delete(name)
+            return unknown
+        finally:
+            txn.abort()  # nothing to write (and on a full disk a commit could fail)
 
     def _is_foreign(self) -> bool:
         _, _, meta = self._dbs()
@@ -277,4 +297,5 @@ class ChunkIndex:
                 entries = walk_entries(self.backend.get(pack_key(name)), name)
             except FileNotFoundError:
                 entries = []
-        self.add(entries, {name: size})
+        # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
+        self.add(entries, {name: size}, if_present=self.backend.local_path() is not None)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ..errors import ManifestFormatError
+from .backend import raise_if_disk_full
 from .codec import CODEC_NAMES, DELTA, VALID_ELEM_SIZES
 
 PACK_MAGIC = b"DCPACK\x00\x01"
@@ -130,7 +131,11 @@ class PackBuilder:
     def _write(self, data) -> None:
         self._hash.update(data)
         if self._file is not None:
-            self._file.write(data)
+            try:
+                self._file.write(data)
+            except OSError as e:
+                raise_if_disk_full(e, self._spool, len(data))
+                raise
         else:
             self._buf += memoryview(data)
         self._size += len(data)
@@ -172,28 +177,45 @@ class PackBuilder:
         data, self._buf = self._buf, bytearray()
         return name, data, entries
 
-    def publish(self, backend) -> tuple[str, int, list[PackEntry]]:
-        """Finish the pack and store it under its name. Returns (name, size, entries)."""
+    def publish(self, backend, before_put=None) -> tuple[str, int, list[PackEntry]]:
+        """Finish the pack and store it under its name. Returns (name, size, entries).
+
+        ``before_put(name)``, if given, runs just before the object is stored (a writer notes which packs it
+        creates there, so that an interrupt during the put still leaves the pack on its list)."""
         if self._file is None:
             name, data, entries = self.seal()
+            if before_put is not None:
+                before_put(name)
             backend.put(pack_key(name), data)
             return name, len(data), entries
         name, entries = self._finish()
         size = self._size
         f, self._file = self._file, None
         try:
+            if before_put is not None:
+                before_put(name)
             backend.put_spooled(pack_key(name), f)
         except BaseException:
-            os.unlink(self._spool) if os.path.exists(self._spool) else None
+            _remove_spool(f, self._spool)
             raise
         return name, size, entries
 
     def discard(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            if os.path.exists(self._spool):
-                os.unlink(self._spool)
+        """Drop an unpublished pack and its spool file."""
+        f, self._file = self._file, None
+        if f is not None:
+            _remove_spool(f, self._spool)
+
+
+def _remove_spool(f, path) -> None:
+    try:
+        f.close()
+    except OSError:
+        pass  # a failed flush (a full disk) still closes the file, whose bytes are thrown away anyway
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def parse_footer(tail: bytes, pack_size: int, name: str) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptManifestError,
     InvalidNameError,
+    ManifestFormatError,
     MissingChunkError,
     StoreExistsError,
     StoreNotFoundError,
@@ -143,10 +144,9 @@ class Store:
             raise StoreExistsError(f"{_describe(backend)} already holds a deltackpt store")
         # A store's config is written before any pack or manifest: objects with still no config after they
         # were listed belong to a damaged store, not to an init racing with us (that one wins put_new below).
-        if _holds_store_objects(backend) and not backend.exists(CONFIG_KEY):
-            where = _describe(backend)
-            raise StoreExistsError(f"{where} holds a deltackpt store's packs or manifests but no config (a damaged "
-                                   f"store); recreate its config with `deltackpt repair {where}`")
+        if holds_store_data(backend) and not backend.exists(CONFIG_KEY):
+            raise StoreExistsError(f"{_describe(backend)} holds a deltackpt store's packs or manifests but no config "
+                                   f"(a damaged store); {_repair_hint(backend)}")
         cfg = new_config(**config)
         try:
             backend.put_new(CONFIG_KEY, encode_config(cfg))  # two racing inits: exactly one wins
@@ -158,20 +158,30 @@ class Store:
 
     @classmethod
     def open(cls, location, *, cache_dir=None, storage_options: dict | None = None) -> "Store":
-        """Open an existing store (a directory, a URL or a Backend); ``StoreNotFoundError`` if there is none."""
+        """Open an existing store (a directory, a URL or a Backend); ``StoreNotFoundError`` if there is none.
+
+        A store whose config is missing or damaged is refused with a message naming ``deltackpt repair``."""
         backend = _as_backend(location, storage_options)
         try:
             data = backend.get(CONFIG_KEY)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise StoreNotFoundError(
-                f"{_describe(backend)} is not a deltackpt store (no config); create one with `deltackpt init`"
-            ) from None
-        return cls(backend, decode_config(data), cache_dir)
+            if holds_store_data(backend):
+                raise StoreNotFoundError(f"{_describe(backend)} holds deltackpt packs or manifests but no config "
+                                         f"(lost or deleted); {_repair_hint(backend)}") from None
+            raise not_a_store_error(backend) from None
+        try:
+            config = decode_config(data)
+        except ManifestFormatError as e:
+            if holds_store_data(backend):
+                raise ManifestFormatError(f"{e}; {_repair_hint(backend)}") from None
+            raise
+        return cls(backend, config, cache_dir)
 
     @classmethod
     def open_or_init(cls, location, *, cache_dir=None, storage_options: dict | None = None, **config) -> "Store":
         """Open the store at ``location``, creating it if there is none (safe when many ranks race: the config
-        is published create-if-absent, so exactly one init wins and the others open its store)."""
+        is published create-if-absent, so exactly one init wins and the others open its store). A store whose
+        config was lost is refused (naming ``deltackpt repair``), never replaced by a new one."""
         backend = _as_backend(location, storage_options)
         if backend.exists(CONFIG_KEY):
             return cls.open(backend, cache_dir=cache_dir)
@@ -429,13 +439,13 @@ class Store:
                     w.add_bytes(key, value)
                 else:
                     raise TypeError(f"item {key!r}: expected a numpy array or bytes, got {type(value).__name__}")
+            summary: WriteSummary = w.finish()
+            crash_point("save:after-packs")
+            return self.commit(name, summary.items, entries=summary.entries, packs=summary.packs,
+                               metadata=metadata, overwrite=overwrite, lock=lock)
         except BaseException:
-            w.abort()
+            w.abort()  # its spool files, and its packs unless the commit already indexed them
             raise
-        summary: WriteSummary = w.finish()
-        crash_point("save:after-packs")
-        return self.commit(name, summary.items, entries=summary.entries, packs=summary.packs,
-                           metadata=metadata, overwrite=overwrite, lock=lock)
 
     def lock(self, kind: str = SHARED, **kwargs) -> StoreLock:
         """A store lock to use as a context manager: SHARED for saves, EXCLUSIVE for gc."""
@@ -531,10 +541,20 @@ def _damaged_info(name: str, obj, damage: str) -> CheckpointInfo:
                           manifest_bytes=obj.size_bytes, manifest_mtime_s=obj.mtime_s, damage=damage)
 
 
-def _holds_store_objects(backend: Backend) -> bool:
-    return any(next(iter(backend.list(prefix)), None) is not None for prefix in ("packs/", "manifests/"))
-
-
 def _describe(backend: Backend) -> str:
     local = backend.local_path()
     return str(local) if local is not None else getattr(backend, "url", None) or repr(backend)
+
+
+def _repair_hint(backend: Backend) -> str:
+    return f"run `deltackpt repair {_describe(backend)}` to recreate it from the packs and manifests"
+
+
+def holds_store_data(backend: Backend) -> bool:
+    """Whether ``backend`` holds packs or manifests: a store, even one whose config was lost."""
+    return any(next(iter(backend.list(prefix)), None) is not None for prefix in ("packs/", "manifests/"))
+
+
+def not_a_store_error(backend: Backend) -> StoreNotFoundError:
+    return StoreNotFoundError(
+        f"{_describe(backend)} is not a deltackpt store (no config); create one with `deltackpt init`")

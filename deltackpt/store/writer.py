@@ -3,8 +3,9 @@
 A :class:`ChunkWriter` takes the items of one save (arrays and byte strings) and writes every chunk the
 store does not have yet into packs of its own. Hashing and encoding run in a thread pool over chunks
 (xxhash, zstd and the native kernels release the GIL); a cap on in-flight bytes keeps memory bounded for
-any checkpoint size. Nothing becomes visible until :meth:`Store.commit` writes the manifest; a writer that
-fails or is abandoned leaves only unreferenced packs, which ``gc`` removes.
+any checkpoint size. Nothing becomes visible until :meth:`Store.commit` writes the manifest. A writer that
+fails (or is aborted) removes its spool files and the packs it created that no index has seen yet; a writer
+that is abandoned (a killed process) leaves only unreferenced packs, which ``gc`` removes.
 
 Several processes (DCP ranks) each run their own writer; their packs never collide because a pack is named
 by the hash of its bytes.
@@ -12,10 +13,10 @@ by the hash of its bytes.
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -136,6 +137,9 @@ class ChunkWriter:
                       if self.num_threads > 1 else _InlineExecutor())
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
+        self._open_builders: set[PackBuilder] = set()  # with a spool file to remove if the save fails
+        self._created: set[str] = set()  # packs this writer published that did not exist before
+        self._failed: BaseException | None = None  # the first coding job's error: stop queueing more
         self._builder = self._new_builder()
         self._entries: list[PackEntry] = []
         self._packs: dict[str, int] = {}
@@ -175,10 +179,13 @@ class ChunkWriter:
         self._queue(Item(key=key, kind="bytes", nbytes=len(view), chunks=[]), view, spans, 1, None, 0)
 
     def finish(self) -> WriteSummary:
-        """Wait for every chunk, seal the last pack, and return the items and new pack entries."""
+        """Wait for every chunk, seal the last pack, and return the items and new pack entries.
+
+        On failure (a full disk, an interrupt) it cleans up as :meth:`abort` does before raising."""
         if self._finished:
             raise RuntimeError("ChunkWriter.finish() was already called")
         self._finished = True
+        done = False
         try:
             self._submit_batch()
             items = []
@@ -191,24 +198,44 @@ class ChunkWriter:
                 self._put_pack(builder)
             else:
                 builder.discard()
+            done = True
             return WriteSummary(items=items, entries=self._entries, packs=self._packs)
         finally:
             self._pending.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
-            self._discard_builder()
+            self._discard_builders()
+            if not done:
+                self._remove_created_packs()
 
     def abort(self) -> None:
-        """Stop and drop everything queued; packs already written stay as orphans for gc."""
+        """Stop, drop everything queued, and remove this writer's spool files and the packs it created that
+        no index has recorded. Also right after :meth:`finish` when the commit failed: packs the commit
+        already indexed are left to ``gc``."""
         self._finished = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # running jobs may still publish a pack
         self._pending.clear()
-        self._discard_builder()
+        self._discard_builders()
+        self._remove_created_packs()
 
-    def _discard_builder(self) -> None:
+    def _discard_builders(self) -> None:
         with self._lock:
-            builder, self._builder = self._builder, None
-        if builder is not None:
+            builders, self._open_builders, self._builder = self._open_builders, set(), None
+        for builder in builders:
             builder.discard()
+
+    def _remove_created_packs(self) -> None:
+        with self._lock:
+            names, self._created = self._created, set()
+        store = self.store
+        local = store.backend.local_path()
+        # Another writer may have indexed (and deduplicated against) a pack of ours once it was listed; only
+        # an index inside the store is seen by every such writer, so elsewhere the packs are left to gc.
+        if not names or local is None or Path(store.cache_dir).resolve() != (local / "cache").resolve():
+            return
+        try:
+            store.index.delete_unindexed_packs(names, lambda name: store.backend.delete(pack_key(name)))
+        except Exception:  # noqa: BLE001 - cleanup never hides the save's own error; gc removes what is left
+            pass
 
     # -- internals ---------------------------------------------------------------------------------------
     def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
@@ -217,6 +244,8 @@ class ChunkWriter:
         slots: list[list] = []
         self._pending.append((item, slots))
         for s, e in spans:
+            if self._failed is not None:
+                raise self._failed  # e.g. a full disk: coding the rest of the checkpoint would be wasted
             n = e - s
             self._reserve(n)
             slot = [None, len(self._batch)]  # [the batch's future, this span's index in it]
@@ -238,7 +267,7 @@ class ChunkWriter:
         except BaseException:
             self._release(n)
             raise
-        fut.add_done_callback(lambda _f: self._release(n))
+        fut.add_done_callback(lambda f: self._job_done(f, n))
         for slot in slots:
             slot[0] = fut
 
@@ -259,6 +288,11 @@ class ChunkWriter:
         with self._cond:
             self._inflight -= n
             self._cond.notify_all()
+
+    def _job_done(self, fut: Future, n: int) -> None:
+        if not fut.cancelled() and fut.exception() is not None and self._failed is None:
+            self._failed = fut.exception()
+        self._release(n)
 
     def _write_span(self, view: memoryview, elem_size: int, group: str | None, gstart: int) -> list[ChunkRef]:
         """Refs for one grid span: an existing chunk, slices of the parent's chunks, or a new chunk."""
@@ -383,10 +417,19 @@ class ChunkWriter:
             self._put_pack(sealed)
 
     def _new_builder(self) -> PackBuilder:
-        return PackBuilder(self.store.backend.spool_path())
+        builder = PackBuilder(self.store.backend.spool_path())
+        self._open_builders.add(builder)  # (callers hold self._lock, or no job is running yet)
+        return builder
 
     def _put_pack(self, builder: PackBuilder) -> None:
-        name, size, entries = builder.publish(self.store.backend)
+        name, size, entries = builder.publish(self.store.backend, before_put=self._note_created)
         with self._lock:
+            self._open_builders.discard(builder)
             self._entries.extend(entries)
             self._packs[name] = size
+
+    def _note_created(self, name: str) -> None:
+        # A pack of the same bytes that is already there may be another writer's: never ours to remove.
+        if not self.store.backend.exists(pack_key(name)):
+            with self._lock:
+                self._created.add(name)

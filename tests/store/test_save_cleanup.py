@@ -1,0 +1,196 @@
+"""A failed save leaves nothing behind: a full disk (a real tmpfs), a real SIGINT, an exception mid-save.
+
+Afterwards the store holds exactly the packs of its committed checkpoints, no spool or temp file, and every
+earlier checkpoint loads bit-exact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deltackpt.errors import DiskFullError
+from deltackpt.store import LocalBackend, Store
+from deltackpt.store.verify import verify_store
+
+from store_helpers import REPO_ROOT, assert_items_equal, pack_keys
+
+MiB = 1 << 20
+
+
+def stray_files(root: Path) -> list[str]:
+    """Every temp or spool file anywhere in the store (the index cache aside)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                  if p.is_file() and ".tmp-" in p.name and "cache" not in p.relative_to(root).parts)
+
+
+def assert_clean(store: Store, packs_before: set[str], expected: dict[str, dict]) -> None:
+    root = store.backend.local_path()
+    assert stray_files(root) == []
+    assert set(pack_keys(store)) == packs_before  # no pack of the failed save survives
+    for name, items in expected.items():
+        assert_items_equal(items, Store.open(root).load(name))
+    report = verify_store(Store.open(root), level=2)
+    assert report.ok and report.orphan_packs == [], report.as_dict()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real 64 MiB tmpfs (needs root and mount); skipped where it cannot be mounted."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_disk_full_save_fails_typed_and_cleans_up(tmpfs, rng, threads):
+    store = Store.init(tmpfs / "s", chunk_size_bytes=1 * MiB, pack_target_bytes=8 * MiB)
+    first = {"w": rng.bytes(3 * MiB), "b": np.arange(1000, dtype=np.float32)}
+    first = {"w": np.frombuffer(first["w"], dtype=np.uint8).copy(), "b": first["b"]}
+    store.save("first", first)
+    packs_before = set(pack_keys(store))
+
+    big = {f"layer{i}": np.frombuffer(rng.bytes(20 * MiB), dtype=np.float32) for i in range(10)}  # 200 MiB
+    with pytest.raises(DiskFullError) as ei:
+        store.save("big", big, num_threads=threads)
+    err = ei.value
+    assert isinstance(err, OSError) and err.errno == 28
+    assert str(err).startswith("disk full while writing ") and str(tmpfs / "s") in str(err)
+    assert not store.exists("big")
+    assert_clean(store, packs_before, {"first": first})
+    # the space came back: a save that fits succeeds
+    store.save("after", {"x": big["layer0"][: 2 * MiB]})
+    np.testing.assert_array_equal(Store.open(tmpfs / "s").load("after")["x"], big["layer0"][: 2 * MiB])
+
+
+def test_exception_mid_save_cleans_up(tmp_path, rng):
+    store = Store.init(LocalBackend(tmp_path / "s", fsync=False), chunk_size_bytes=64 * 1024,
+                       pack_target_bytes=64 * 1024)
+    first = {"a": rng.standard_normal(50_000).astype(np.float32)}
+    store.save("first", first)
+    packs_before = set(pack_keys(store))
+    seen = []
+
+    class Spy(dict):  # records how many packs exist when the bad item is reached
+        def items(self):
+            for k, v in super().items():
+                if k == "bad":
+                    seen.append(len(pack_keys(store)))
+                yield k, v
+
+    items = Spy(x=rng.standard_normal(300_000).astype(np.float32), bad=object(),
+                y=rng.standard_normal(1000).astype(np.float32))
+    with pytest.raises(TypeError, match="'bad'"):
+        store.save("second", items, num_threads=1)
+    assert seen and seen[0] > len(packs_before)  # the failed save had published packs of its own
+    assert_clean(store, packs_before, {"first": first})
+
+
+_CHILD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from deltackpt.store import Store
+    store = Store.open(sys.argv[1])
+    rng = np.random.default_rng(7)
+    state = {f"p{i}": rng.integers(0, 256, size=16 << 20, dtype=np.uint8) for i in range(24)}
+    print("ready", flush=True)
+    store.save("big", state, num_threads=int(sys.argv[2]))
+    print("committed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sigint_mid_save_cleans_up(tmp_path, rng, threads):
+    root = tmp_path / "s"
+    store = Store.init(LocalBackend(root, fsync=False), chunk_size_bytes=1 * MiB, pack_target_bytes=4 * MiB)
+    first = {"a": rng.standard_normal(100_000).astype(np.float32)}
+    store.save("first", first)
+    packs_before = set(pack_keys(store))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(root), str(threads)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while set(pack_keys(store)) == packs_before:  # interrupt once the save has published a pack
+            assert child.poll() is None and time.monotonic() < deadline, "the save never published a pack"
+            time.sleep(0.005)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert "committed" not in out and "KeyboardInterrupt" in err, err[-2000:]
+    assert not store.exists("big")
+    assert_clean(store, packs_before, {"first": first})
+
+
+def test_packs_another_writer_indexed_are_kept(tmp_path, rng):
+    """Once another process's index has recorded a pack of ours it may dedup against it: the pack stays."""
+    root = tmp_path / "s"
+    store = Store.init(LocalBackend(root, fsync=False), chunk_size_bytes=64 * 1024, pack_target_bytes=64 * 1024)
+    store.save("first", {"a": np.zeros(10, dtype=np.float32)})
+    before = set(pack_keys(store))
+    data = rng.standard_normal(600_000).astype(np.float32)  # more than one coding batch (1 MiB)
+    w = store.writer(num_threads=1)
+    w.add_array("x", data, dtype="<f4", elem_size=4, shape=data.shape)
+    published = set(pack_keys(store)) - before
+    assert published
+    other = Store.open(root)
+    other.refresh_index()  # what a save starting now does: its index records the packs listed
+    w.abort()
+    assert published <= set(pack_keys(store))
+    # the other writer dedups against them and commits a checkpoint that loads
+    s = other.writer(num_threads=1)
+    s.add_array("x", data[:16384], dtype="<f4", elem_size=4, shape=(16384,))
+    summary = s.finish()
+    assert summary.packs == {}  # every chunk deduplicated against the aborted writer's packs
+    other.commit("second", summary.items, entries=summary.entries, packs=summary.packs)
+    np.testing.assert_array_equal(Store.open(root).load("second")["x"], data[:16384])
+
+
+def test_identical_pack_published_by_another_writer_is_kept(tmp_path, rng):
+    """A pack of the same bytes already there (another writer's, not yet indexed) is never ours to remove."""
+    root = tmp_path / "s"
+    a = Store.init(LocalBackend(root, fsync=False), chunk_size_bytes=64 * 1024, pack_target_bytes=1 << 20)
+    b = Store.open(root)
+    a.refresh_index(), b.refresh_index()  # both indexes are up to date before either writer publishes
+    data = rng.standard_normal(50_000).astype(np.float32)
+    wb = b.writer(num_threads=1)
+    wb.add_array("x", data, dtype="<f4", elem_size=4, shape=data.shape)
+    sb = wb.finish()
+    wa = a.writer(num_threads=1)
+    wa.add_array("x", data, dtype="<f4", elem_size=4, shape=data.shape)
+    sa = wa.finish()
+    assert sa.packs == sb.packs  # the same pack, published again by the second writer
+    wa.abort()  # e.g. its commit failed
+    assert set(pack_keys(a)) == {f"packs/{n[:2]}/{n}" for n in sb.packs}
+    b.commit("from-b", sb.items, entries=sb.entries, packs=sb.packs)
+    np.testing.assert_array_equal(Store.open(root).load("from-b")["x"], data)
+
+
+def test_abort_after_a_failed_commit_removes_unindexed_packs(tmp_path, rng):
+    root = tmp_path / "s"
+    store = Store.init(LocalBackend(root, fsync=False), chunk_size_bytes=64 * 1024, pack_target_bytes=1 << 20)
+    store.refresh_index()
+    w = store.writer(num_threads=1)
+    w.add_bytes("x", rng.bytes(300_000))
+    summary = w.finish()
+    assert len(pack_keys(store)) == len(summary.packs) == 1
+    w.abort()
+    assert pack_keys(store) == [] and stray_files(root) == []

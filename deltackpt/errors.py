@@ -136,3 +136,14 @@ class CheckpointMismatchError(DeltackptError, ValueError):
 
 class SilentDataCorruptionError(DeltackptError):
     """Replicas of the same data disagree across ranks: a bit flipped in memory or compute."""
+
+
+class StorePermissionError(DeltackptError, PermissionError):
+    """A write to a store this user cannot write (a read-only store or mount, another user's store).
+
+    Reading commands still work: the index cache then lives in the user's cache directory or in memory.
+    """
+
+
+class StoreFullError(DeltackptError, OSError):
+    """A write to the store failed because its disk (or quota) is full."""

@@ -12,6 +12,8 @@ or a stray ``*.tmp-*`` file that ``list`` ignores and ``gc`` removes.
 from __future__ import annotations
 
 import abc
+import errno
+import functools
 import os
 import threading
 import time
@@ -19,6 +21,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from ..errors import DeltackptError, StoreFullError, StorePermissionError
 
 _TMP_MARK = ".tmp-"
 
@@ -193,6 +197,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _writes(method):
+    """A LocalBackend method that writes: the OS's refusal becomes the store's typed error, naming the path."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            if isinstance(e, DeltackptError):
+                raise
+            path = e.filename or self.root
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise StorePermissionError(f"cannot write {path} ({e.strerror}): the store at {self.root} is "
+                                           "read-only for this user") from e
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(f"disk full: cannot write {path} ({e.strerror})") from e
+            raise
+
+    return run
+
+
 class LocalBackend(Backend):
     """Objects as files under a root directory; puts are temp file + fsync + rename + fsync(dir)."""
 
@@ -252,6 +277,7 @@ class LocalBackend(Backend):
             raise
         return tmp
 
+    @_writes
     def put(self, key, data):
         path = self._path(key)
         tmp = self._write_temp(path, data)
@@ -263,11 +289,13 @@ class LocalBackend(Backend):
         if self.fsync:
             _fsync_dir(path.parent)
 
+    @_writes
     def spool_path(self) -> Path:
         d = self.root / "packs"
         self._ensure_dir(d)
         return d / f"spool{_TMP_MARK}{uuid.uuid4().hex[:12]}"
 
+    @_writes
     def put_spooled(self, key, f):
         path = self._path(key)
         self._ensure_dir(path.parent)
@@ -281,6 +309,7 @@ class LocalBackend(Backend):
         if self.fsync:
             _fsync_dir(path.parent)
 
+    @_writes
     def put_new(self, key, data):
         path = self._path(key)
         tmp = self._write_temp(path, data)
@@ -378,11 +407,13 @@ class LocalBackend(Backend):
                         continue
         return sorted(out)
 
+    @_writes
     def delete_temp(self, rel_path: str) -> None:
         if _TMP_MARK not in os.path.basename(rel_path) or ".." in rel_path.split(os.sep):
             raise ValueError(f"not a temp file: {rel_path!r}")
         (self.root / rel_path).unlink(missing_ok=True)
 
+    @_writes
     def delete(self, key):
         self._path(key).unlink(missing_ok=True)
 

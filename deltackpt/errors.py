@@ -181,6 +181,8 @@ class CheckpointPinnedError(DeltackptError):
         removes = " ".join(f"--remove {t}" for t in self.tags)
         return (f"checkpoint {self.name!r} is pinned by tag(s) {', '.join(self.tags)}; remove them first: "
                 f"deltackpt tag STORE {self.name} {removes}")
+
+
 class CorruptManifestError(ManifestFormatError):
     """A checkpoint's stored manifest cannot be decoded or fails validation; ``checkpoint`` names it."""
 
@@ -194,6 +196,8 @@ class CorruptManifestError(ManifestFormatError):
 
 def _rebuild_corrupt_manifest(message, checkpoint):
     return CorruptManifestError(message, checkpoint=checkpoint)
+
+
 class DiskFullError(DeltackptError, OSError):
     """The filesystem ran out of space (ENOSPC, or a quota) while deltackpt wrote ``filename``.
 
@@ -220,3 +224,12 @@ class DiskFullError(DeltackptError, OSError):
 
     def __reduce__(self):
         return (DiskFullError, (self.filename, self.needed_bytes, self.free_bytes, self.errno))
+
+
+class StorePermissionError(DeltackptError, PermissionError):
+    """A write to a store this user cannot write (a read-only store or mount, another user's store).
+
+    Reading commands still work: the index cache then lives in the user's cache directory or in memory.
+    """
+
+

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import errno
+import functools
 import os
 import threading
 import time
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import DiskFullError
+from ..errors import DeltackptError, DiskFullError, StorePermissionError
 
 _TMP_MARK = ".tmp-"
 STORE_FOLDERS = ("packs", "manifests", "locks", "tags")  # the store's folders of objects; see Store.init
@@ -210,6 +211,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _writes(method):
+    """A LocalBackend method that writes: the OS's refusal becomes the store's typed error, naming the path."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            if isinstance(e, DeltackptError):
+                raise
+            path = e.filename or self.root
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise StorePermissionError(f"cannot write {path} ({e.strerror}): the store at {self.root} is "
+                                           "read-only for this user") from e
+            raise_if_disk_full(e, path)
+            raise
+
+    return run
+
+
 class LocalBackend(Backend):
     """Objects as files under a root directory; puts are temp file + fsync + rename + fsync(dir)."""
 
@@ -271,6 +292,7 @@ class LocalBackend(Backend):
             raise
         return tmp
 
+    @_writes
     def put(self, key, data):
         path = self._path(key)
         tmp = self._write_temp(path, data)
@@ -282,11 +304,13 @@ class LocalBackend(Backend):
         if self.fsync:
             _fsync_dir(path.parent)
 
+    @_writes
     def spool_path(self) -> Path:
         d = self.root / "packs"
         self._ensure_dir(d)
         return d / f"spool{_TMP_MARK}{uuid.uuid4().hex[:12]}"
 
+    @_writes
     def put_spooled(self, key, f):
         path = self._path(key)
         try:
@@ -304,6 +328,7 @@ class LocalBackend(Backend):
         if self.fsync:
             _fsync_dir(path.parent)
 
+    @_writes
     def put_new(self, key, data):
         path = self._path(key)
         tmp = self._write_temp(path, data)
@@ -406,6 +431,7 @@ class LocalBackend(Backend):
                         continue
         return sorted(out)
 
+    @_writes
     def delete_temp(self, rel_path: str) -> None:
         parts = rel_path.split(os.sep)
         owned = parts[0] in STORE_FOLDERS or (len(parts) == 1 and parts[0].startswith((f"config{_TMP_MARK}", f"tier{_TMP_MARK}")))
@@ -413,6 +439,7 @@ class LocalBackend(Backend):
             raise ValueError(f"not a temp file of the store: {rel_path!r}")
         (self.root / rel_path).unlink(missing_ok=True)
 
+    @_writes
     def delete(self, key):
         self._path(key).unlink(missing_ok=True)
 

@@ -6,12 +6,26 @@ packs it has not seen (a crash between pack upload and index update leaves such 
 scratch when a pack it knows has disappeared, when the cache is unreadable, or when it belongs to another
 store. ``deltackpt index rebuild`` forces a rebuild.
 
+A fault of the cache never makes the store unusable (each kind is logged once, as a warning):
+
+- a cache location this user cannot write (a read-only store, another user's) is passed over for the next
+  candidate (the per-user cache directory); when none can be written the index lives in memory;
+- any LMDB error, or a malformed record, means the cache is damaged: it is dropped and rebuilt from the
+  pack tables, and the operation retried; a reader that finds a well-formed record wrong calls
+  :meth:`ChunkIndex.distrust` for the same;
+- a cache write that fails for want of space (or I/O) moves the index into memory, rebuilt from the pack
+  tables, except for records that are only nice to have (checkpoint summaries, verification times),
+  which are skipped.
+
 LMDB allows one open environment per path per process, so environments are shared through a small
 process-level registry and never pickled or inherited across ``fork``.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import logging
 import os
 import shutil
 import struct
@@ -22,17 +36,33 @@ from pathlib import Path
 import lmdb
 
 from ..errors import ManifestFormatError
-from .codec import CODEC_NAMES, DELTA, VALID_ELEM_SIZES
-from .pack import PackEntry, pack_key, pack_name_from_key, read_pack_entries, walk_entries
+from .codec import DELTA
+from .memenv import MemoryEnv
+from .pack import PackEntry, _check_fields, pack_key, pack_name_from_key, read_pack_entries, walk_entries
+
+log = logging.getLogger("deltackpt.store")
 
 _RECORD = struct.Struct("<16sQQQBB16sH")
 _NO_BASE = bytes(16)
 _MAP_SIZE = 1 << 36  # virtual; the file grows as needed
 INDEX_VERSION = b"2"
 
+# LMDB maps its lock file: touching a page of it on a full disk is SIGBUS, not an error Python can catch.
+_MIN_FREE_BYTES = 1 << 20
 _DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts", b"verified")
 _envs: dict[str, tuple] = {}
 _envs_lock = threading.Lock()
+
+# Errors that say the cache cannot be written at this place (permissions, space, I/O), not that it is damaged.
+_CANNOT_WRITE = (lmdb.ReadonlyError, lmdb.DiskError, lmdb.MapFullError, lmdb.MemoryError, lmdb.LockError,
+                 lmdb.ReadersFullError, lmdb.TlsFullError)
+_CANNOT_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EIO,
+                        errno.ENOMEM}
+
+
+def _cannot_write(exc: BaseException) -> bool:
+    return (isinstance(exc, (OSError, *_CANNOT_WRITE))
+            or (isinstance(exc, lmdb.Error) and getattr(exc, "code", None) in _CANNOT_WRITE_ERRNOS))
 
 
 def _open_env(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]]:
@@ -43,6 +73,9 @@ def _open_env(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]]:
         if hit is not None and hit[0] == os.getpid():
             return hit[1], hit[2]
         path.mkdir(parents=True, exist_ok=True)
+        free = os.statvfs(path)
+        if free.f_bavail * free.f_frsize < _MIN_FREE_BYTES:
+            raise OSError(errno.ENOSPC, "too little free space to open an LMDB cache", str(path))
         env = lmdb.open(str(path), map_size=_MAP_SIZE, max_dbs=8, subdir=True, lock=True, readahead=False)
         try:
             dbs = {name: env.open_db(name) for name in _DB_NAMES}
@@ -70,60 +103,183 @@ def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
     if len(rec) != _RECORD.size:
         raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} has {len(rec)} bytes")
     pack, off, slen, rlen, codec, es, base, age = _RECORD.unpack(rec)
-    if codec not in CODEC_NAMES or es not in VALID_ELEM_SIZES or (codec == DELTA) != (base != _NO_BASE):
+    _check_fields(codec, es, rlen, slen, f"index record for chunk {chunk_id.hex()} is malformed")
+    if (codec == DELTA) != (base != _NO_BASE):
         raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} is malformed")
     return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base, age)
 
 
-class ChunkIndex:
-    """Chunk id -> PackEntry, cached in LMDB under ``cache_dir``."""
+def _guarded(best_effort: bool = False):
+    """Run an index operation so that a fault of the cache is repaired and the operation retried.
 
-    def __init__(self, backend, cache_dir: Path, store_id: str) -> None:
+    ``best_effort``: the operation only caches what can be had again (summaries, verification times), so
+    when the cache cannot be written it is skipped rather than moving the index into memory.
+    """
+
+    def wrap(op):
+        @functools.wraps(op)
+        def run(self, *args, **kwargs):
+            for attempt in range(3):
+                gen = self._gen
+                try:
+                    return op(self, *args, **kwargs)
+                except (lmdb.Error, ManifestFormatError) as exc:
+                    # A malformed record in a cache this process rebuilt from the packs is not the cache's fault.
+                    if attempt == 2 or (isinstance(exc, ManifestFormatError) and self._trusted):
+                        raise
+                    if best_effort and _cannot_write(exc):
+                        self._warn("skip", f"index cache {self.path} cannot be written ({exc}); not caching")
+                        return None
+                    self._recover(exc, gen)
+            raise AssertionError("unreachable")
+
+        return run
+
+    return wrap
+
+
+class ChunkIndex:
+    """Chunk id -> PackEntry, cached in LMDB under the first of ``cache_dir``, ``*fallback_dirs`` that this
+    process can write, else in memory."""
+
+    def __init__(self, backend, cache_dir: Path, store_id: str, fallback_dirs=()) -> None:
         self.backend = backend
-        self.path = Path(cache_dir) / "index.lmdb"
+        self._candidates = [Path(d) / "index.lmdb" for d in (cache_dir, *fallback_dirs)]
+        self.path: Path | None = self._candidates[0]  # the LMDB in use; None while the index is in memory
         self.store_id = store_id.encode()
-        self._env: lmdb.Environment | None = None
+        self._env = None
         self._db: dict[bytes, object] = {}
         self._pid = None
+        self._gen = 0  # bumped by every repair: an operation that failed before it just retries
+        self._trusted = False  # rebuilt from the packs by this process (or in memory)
+        self._repair_lock = threading.RLock()
+        self._warned: set[str] = set()
 
     def __getstate__(self):
         raise TypeError("ChunkIndex holds an LMDB environment and is not picklable; reopen the store")
 
     @property
-    def env(self) -> lmdb.Environment:
-        if self._env is None or self._pid != os.getpid():
-            try:
-                self._env, self._db = _open_env(self.path)
-            except lmdb.Error:
-                # An unreadable cache is rebuilt, never trusted.
-                _close_env(self.path)
-                shutil.rmtree(self.path, ignore_errors=True)
-                self._env, self._db = _open_env(self.path)
-            self._pid = os.getpid()
+    def in_memory(self) -> bool:
+        return self.path is None
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever the index is repaired or rebuilt (see :meth:`distrust`)."""
+        return self._gen
+
+    @property
+    def env(self):
+        if self._env is None or (self.path is not None and self._pid != os.getpid()):
+            with self._repair_lock:
+                if self._env is None or (self.path is not None and self._pid != os.getpid()):
+                    self._open()
         return self._env
+
+    def _open(self) -> None:
+        """Open the first candidate location this process can write; else keep the index in memory."""
+        for path in self._candidates:
+            opened = self._open_at(path)
+            if opened is not None:
+                self._env, self._db = opened
+                self.path, self._pid = path, os.getpid()
+                return
+        self._use_memory(f"no index cache location is writable ({', '.join(map(str, self._candidates))})")
+
+    def _open_at(self, path: Path):
+        try:
+            return _open_env(path)
+        except (lmdb.Error, OSError) as exc:
+            if _cannot_write(exc):
+                log.debug("index cache %s is not usable (%s); trying the next location", path, exc)
+                return None
+            # An unreadable cache is rebuilt, never trusted.
+            self._warn("damaged", f"index cache {path} is damaged ({exc}); rebuilding it from the pack tables")
+            _close_env(path)
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                return _open_env(path)
+            except (lmdb.Error, OSError):
+                return None
+
+    def _use_memory(self, why: str) -> None:
+        self._warn("memory", f"{why}; keeping the chunk index in memory (rebuilt from the pack tables)")
+        self._env = MemoryEnv(_DB_NAMES)
+        self._db = self._env.dbs
+        self.path = None
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message)
+
+    def _recover(self, exc: BaseException, gen: int) -> None:
+        """Make the index usable again after ``exc`` (seen by an operation started at generation ``gen``)."""
+        with self._repair_lock:
+            if gen != self._gen:
+                return  # another thread repaired it meanwhile
+            self._gen += 1
+            path = self.path
+            if path is not None:
+                hit = _envs.get(str(path.resolve()))
+                if hit is not None and hit[0] == os.getpid() and hit[1] is not self._env:
+                    self._env, self._db = hit[1], hit[2]  # another index of this process already reopened it
+                    return
+            if path is not None and not _cannot_write(exc):
+                self._warn("damaged", f"index cache {path} is damaged ({exc}); rebuilding it from the pack tables")
+                _close_env(path)
+                shutil.rmtree(path, ignore_errors=True)
+                try:
+                    self._env, self._db = _open_env(path)
+                    self._pid = os.getpid()
+                    self._rebuild()
+                    return
+                except (lmdb.Error, OSError) as again:
+                    exc = again
+            if path is not None:
+                _close_env(path)
+            self._use_memory(f"index cache {path} cannot be written ({exc})")
+            self._rebuild()
+
+    def distrust(self, gen: int) -> bool:
+        """A caller found a record of the index wrong (its pack is missing, its bytes are not that chunk):
+        rebuild the index from the packs unless this process already did. ``gen`` is :attr:`generation`
+        when the caller looked the record up. True when the caller should look again."""
+        with self._repair_lock:
+            if gen != self._gen:
+                return True  # rebuilt since the caller looked
+            if self._trusted:
+                return False  # the index says what the packs say: the damage is real
+            self._warn("distrust", f"index cache {self.path} disagrees with the packs; rebuilding it from the "
+                                   "pack tables")
+            self.rebuild()
+            return True
 
     def _dbs(self):
         self.env
         return self._db[b"chunks"], self._db[b"packs"], self._db[b"meta"]
 
     # -- verification times (which packs verify checked last, so partial runs rotate) -------------------------
+    @_guarded()
     def last_verified(self, pack: str) -> float:
         self.env
         with self.env.begin(db=self._db[b"verified"]) as txn:
             raw = txn.get(bytes.fromhex(pack))
         return struct.unpack("<d", raw)[0] if raw is not None and len(raw) == 8 else 0.0
 
+    @_guarded(best_effort=True)
     def mark_verified(self, pack: str, when: float | None = None) -> None:
         self.env
         with self.env.begin(write=True, db=self._db[b"verified"]) as txn:
             txn.put(bytes.fromhex(pack), struct.pack("<d", time.time() if when is None else when))
 
     # -- checkpoint summaries (a cache of what ``ls`` needs, keyed by manifest name) ------------------------
+    @_guarded()
     def get_summaries(self) -> dict[str, bytes]:
         self.env
         with self.env.begin(db=self._db[b"ckpts"]) as txn:
             return {bytes(k).decode(): bytes(v) for k, v in txn.cursor()}
 
+    @_guarded(best_effort=True)
     def put_summaries(self, summaries: dict[str, bytes], drop=()) -> None:
         self.env
         with self.env.begin(write=True, db=self._db[b"ckpts"]) as txn:
@@ -133,12 +289,14 @@ class ChunkIndex:
                 txn.put(name.encode(), value)
 
     # -- reads -------------------------------------------------------------------------------------------
+    @_guarded()
     def lookup(self, chunk_id: bytes) -> PackEntry | None:
         chunks, _, _ = self._dbs()
         with self.env.begin(db=chunks) as txn:
             rec = txn.get(chunk_id)
         return None if rec is None else decode_record(chunk_id, rec)
 
+    @_guarded()
     def lookup_many(self, chunk_ids) -> dict[bytes, PackEntry]:
         chunks, _, _ = self._dbs()
         out = {}
@@ -149,6 +307,7 @@ class ChunkIndex:
                     out[cid] = decode_record(cid, rec)
         return out
 
+    @_guarded()
     def check_records(self) -> int:
         """Number of malformed records in the cache (a damaged cache is rebuilt, never trusted)."""
         chunks, _, _ = self._dbs()
@@ -163,29 +322,39 @@ class ChunkIndex:
                     bad += 1
         return bad
 
+    @_guarded()
     def known_packs(self) -> set[str]:
+        return self._known_packs()
+
+    def _known_packs(self) -> set[str]:
         _, packs, _ = self._dbs()
         with self.env.begin(db=packs) as txn:
-            return {k.hex() for k in txn.cursor().iternext(keys=True, values=False)}
+            return {bytes(k).hex() for k, _ in txn.cursor()}
 
+    @_guarded()
     def num_chunks(self) -> int:
         chunks, _, _ = self._dbs()
         with self.env.begin(db=chunks) as txn:
             return txn.stat(chunks)["entries"]
 
+    @_guarded()
     def iter_entries(self):
+        """Every indexed entry (read at once, so a repair never leaves a half-consumed iterator)."""
         chunks, _, _ = self._dbs()
         with self.env.begin(db=chunks) as txn:
-            for k, v in txn.cursor():
-                yield decode_record(bytes(k), bytes(v))
+            return iter([decode_record(bytes(k), bytes(v)) for k, v in txn.cursor()])
 
     # -- writes ------------------------------------------------------------------------------------------
+    @_guarded()
     def add(self, entries, packs: dict[str, int], *, if_present: bool = False) -> None:
         """Record ``entries`` and mark ``packs`` (name -> size) as indexed, in one transaction.
 
         An id already indexed keeps its first location, so repeated chunks never move. ``if_present``: record
         nothing unless every pack still exists (checked inside the transaction, see delete_unindexed_packs).
         """
+        self._add(list(entries), packs, if_present=if_present)
+
+    def _add(self, entries, packs: dict[str, int], if_present: bool = False) -> None:
         chunks, packs_db, meta = self._dbs()
         with self.env.begin(write=True) as txn:
             if if_present and not all(self.backend.exists(pack_key(name)) for name in packs):
@@ -198,6 +367,7 @@ class ChunkIndex:
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
 
+    @_guarded()
     def relocate(self, entries, packs: dict[str, int]) -> None:
         """Point ``entries``' chunks at their new location (repack), in one transaction."""
         chunks, packs_db, _ = self._dbs()
@@ -207,6 +377,7 @@ class ChunkIndex:
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
 
+    @_guarded()
     def remove_packs(self, names) -> None:
         """Forget ``names`` and every chunk located in them (used by gc after deleting packs)."""
         names = set(names)
@@ -252,38 +423,54 @@ class ChunkIndex:
                 out[name] = (info.size_bytes, info.mtime_s)
         return out
 
+    @_guarded()
     def refresh(self) -> tuple[int, int]:
         """Bring the cache in line with the packs in the backend. Returns (packs added, packs removed)."""
         present = self._listed()
-        known = self.known_packs()
+        known = self._known_packs()
         gone = known - present.keys()
         if gone or self._is_foreign():
-            return self.rebuild(present)
+            return self._rebuild(present)
         new = [n for n in present if n not in known]
         for name in new:
             self._index_pack(name, present[name][0])
         return len(new), 0
 
+    @_guarded()
     def rebuild(self, present: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
         """Drop the cache and index every pack again. Returns (packs indexed, packs dropped).
 
         Packs are indexed newest first and a chunk keeps the first location found, so where a chunk has
         several copies (an interrupted repack) the newest is used and older packs become gc's orphans.
         """
-        if present is None:
-            present = self._listed()
-        before = len(self.known_packs()) if self.path.exists() else 0
-        chunks, packs_db, meta = self._dbs()
-        with self.env.begin(write=True) as txn:
-            txn.drop(chunks, delete=False)
-            txn.drop(packs_db, delete=False)
-            txn.drop(meta, delete=False)
-            txn.drop(self._db[b"ckpts"], delete=False)
-        for name in sorted(present, key=lambda n: (-present[n][1], n)):
-            self._index_pack(name, present[name][0])
-        # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
-        self.add([], {})
-        return len(present), max(0, before - len(present))
+        if self._env is None:
+            # Never opened here: delete the files unread (LMDB has no page checksums, and a damaged page
+            # pointer can crash the process before any error is raised).
+            for path in self._candidates:
+                hit = _envs.get(str(path.resolve()))
+                if hit is None or hit[0] != os.getpid():  # one this process has open is readable
+                    shutil.rmtree(path, ignore_errors=True)
+        return self._rebuild(present)
+
+    def _rebuild(self, present: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
+        # Under the repair lock, then a new generation: a thread that missed a record meanwhile looks again.
+        with self._repair_lock:
+            if present is None:
+                present = self._listed()
+            before = len(self._known_packs())
+            chunks, packs_db, meta = self._dbs()
+            with self.env.begin(write=True) as txn:
+                txn.drop(chunks, delete=False)
+                txn.drop(packs_db, delete=False)
+                txn.drop(meta, delete=False)
+                txn.drop(self._db[b"ckpts"], delete=False)
+            for name in sorted(present, key=lambda n: (-present[n][1], n)):
+                self._index_pack(name, present[name][0])
+            # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
+            self._add([], {})
+            self._trusted = True
+            self._gen += 1
+            return len(present), max(0, before - len(present))
 
     def _index_pack(self, name: str, size: int) -> None:
         try:
@@ -298,4 +485,4 @@ class ChunkIndex:
             except FileNotFoundError:
                 entries = []
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
-        self.add(entries, {name: size}, if_present=self.backend.local_path() is not None)
+        self._add(entries, {name: size}, if_present=self.backend.local_path() is not None)

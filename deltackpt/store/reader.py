@@ -69,13 +69,33 @@ class ChunkSource:
         self._scratch = threading.local()
 
     def entry(self, cid: bytes, *, checkpoint=None, item=None) -> PackEntry:
-        entry = self.store.index.lookup(cid)
+        index = self.store.index
+        gen = index.generation
+        entry = index.lookup(cid)
         if entry is None:
             self.store.refresh_index()
-            entry = self.store.index.lookup(cid)
+            entry = index.lookup(cid)
+        if entry is None and index.distrust(gen):  # a damaged cache can lose a record the packs still hold
+            entry = index.lookup(cid)
         if entry is None:
             raise MissingChunkError(cid.hex(), checkpoint=checkpoint, item=item)
         return entry
+
+    def decode_chunk(self, cid: bytes, *, checkpoint=None, item=None, out=None):
+        """:meth:`decode_entry` of the copy the index locates; a location found wrong (a damaged cache, not
+        a damaged store, until the index rebuilt from the packs says the same) is looked up once more."""
+        gen = self.store.index.generation
+        try:
+            return self.decode_entry(self.entry(cid, checkpoint=checkpoint, item=item), checkpoint=checkpoint,
+                                     item=item, out=out)
+        except (CorruptChunkError, MissingChunkError) as first:
+            if not self.store.index.distrust(gen):
+                raise
+            try:
+                return self.decode_entry(self.entry(cid, checkpoint=checkpoint, item=item),
+                                         checkpoint=checkpoint, item=item, out=out)
+            except MissingChunkError:
+                raise first from None  # not even in the rebuilt index (its pack's table is damaged): say where
 
     def _from_cache(self, cid: bytes):
         with self._lock:
@@ -90,8 +110,7 @@ class ChunkSource:
         raw = self._from_cache(cid)
         if raw is not None:
             return raw
-        raw = self.decode_entry(self.entry(cid, checkpoint=checkpoint, item=item), checkpoint=checkpoint,
-                                item=item)
+        raw = self.decode_chunk(cid, checkpoint=checkpoint, item=item)
         if keep:
             self._remember(cid, raw)
         return raw
@@ -374,7 +393,7 @@ class CheckpointReader:
         if src_off == 0 and n == entry.raw_len:
             # A whole chunk is decoded straight into the destination and not cached: a full load touches
             # each chunk once. On an error that slice of the destination holds garbage.
-            self.source.decode_entry(entry, out=dst[dst_off : dst_off + n], **where)
+            self.source.decode_chunk(ref.id, out=dst[dst_off : dst_off + n], **where)
             return
         # Part of a chunk: cached, since resharded loads read one chunk from several read items.
         raw = self.source.get(ref.id, **where)

@@ -103,6 +103,14 @@ def _default_cache_dir(backend: Backend, store_id: str) -> Path:
     return Path(tempfile.gettempdir()) / "deltackpt-cache" / store_id
 
 
+def _user_cache_dirs(store_id: str) -> list[Path]:
+    """Where this user's index cache of a store goes when the default place cannot be written (a read-only
+    store, another user's): the user's cache directory, else (no usable home) a per-user temp directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return [Path(base) / "deltackpt" / store_id,
+            Path(tempfile.gettempdir()) / f"deltackpt-{os.getuid()}" / store_id]
+
+
 class Store:
     """A deltackpt store. Create with :meth:`init`, open with :meth:`open`."""
 
@@ -110,6 +118,9 @@ class Store:
         self.backend = backend
         self.config = config
         self.cache_dir = Path(cache_dir) if cache_dir else _default_cache_dir(backend, config.store_id)
+        # A chosen cache directory is used or else the index is kept in memory; the default one falls back.
+        self._fallback_cache_dirs = [] if cache_dir or os.environ.get("DELTACKPT_CACHE_DIR") else \
+            _user_cache_dirs(config.store_id)
         self._index: ChunkIndex | None = None
         self._index_lock = threading.Lock()
 
@@ -209,7 +220,7 @@ class Store:
         if self._index is None:
             with self._index_lock:
                 if self._index is None:
-                    index = ChunkIndex(self.backend, self.cache_dir, self.config.store_id)
+                    index = self._new_index()
                     index.refresh()
                     self._index = index
         return self._index
@@ -220,8 +231,11 @@ class Store:
     def rebuild_index(self) -> tuple[int, int]:
         """Drop the index cache and re-read every pack table. Returns (packs indexed, packs dropped)."""
         if self._index is None:
-            self._index = ChunkIndex(self.backend, self.cache_dir, self.config.store_id)
+            self._index = self._new_index()
         return self._index.rebuild()
+
+    def _new_index(self) -> ChunkIndex:
+        return ChunkIndex(self.backend, self.cache_dir, self.config.store_id, self._fallback_cache_dirs)
 
     # -- checkpoints -----------------------------------------------------------------------------------------
     def checkpoint_names(self) -> list[str]:

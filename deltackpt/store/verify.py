@@ -129,9 +129,10 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     packs.pop(None, None)
     report.num_packs = len(packs)
 
-    # After a refresh the cache knows exactly the packs present; a record pointing elsewhere means the cache
-    # itself is damaged (well-formed but wrong), which is not damage to the store: rebuild and look again.
-    if any((e := index.lookup(cid)) is not None and e.pack not in packs for cid in users):
+    # After a refresh the cache knows exactly the packs present; a record pointing elsewhere, or missing,
+    # may mean the cache itself is damaged (a record well-formed but wrong, or under a wrong key), which is
+    # not damage to the store: rebuild and look again.
+    if level == 0 and any((e := index.lookup(cid)) is None or e.pack not in packs for cid in users):
         store.rebuild_index()
 
     # Level 0: every needed chunk is indexed, in an existing pack, with an intact base.

@@ -9,9 +9,11 @@ from __future__ import annotations
 from importlib import import_module
 
 from .errors import (
+    BackendError,
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointPinnedError,
     CorruptChunkError,
     CorruptManifestError,
     DeltackptError,
@@ -23,6 +25,7 @@ from .errors import (
     StoreExistsError,
     StoreLockedError,
     StoreNotFoundError,
+    StorePermissionError,
     UnsupportedFormatError,
 )
 
@@ -40,15 +43,18 @@ _LAZY = {
     "load": "deltackpt.dcp.api",
     "async_save": "deltackpt.dcp.api",
     "unwrap": "deltackpt.dcp.api",
+    "copy": "deltackpt.store.copy",
     "TrainState": "deltackpt.train",
     "CheckpointManager": "deltackpt.train",
 }
 
 __all__ = [
     "__version__",
+    "BackendError",
     "CheckpointExistsError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointPinnedError",
     "CorruptChunkError",
     "CorruptManifestError",
     "DeltackptError",
@@ -60,6 +66,7 @@ __all__ = [
     "StoreExistsError",
     "StoreLockedError",
     "StoreNotFoundError",
+    "StorePermissionError",
     "UnsupportedFormatError",
     *_LAZY,
 ]

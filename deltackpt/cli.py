@@ -342,7 +342,7 @@ def cmd_gc(args) -> int:
 
     store = _open(args)
     max_unused = parse_fraction(args.max_unused, "--max-unused")
-    plan = plan_gc(store, max_unused=max_unused, grace_s=args.grace)
+    plan = plan_gc(store, max_unused=max_unused, grace_s=args.grace, wait_s=args.wait)
     if args.dry_run:
         d = plan.as_dict()
         _emit(args, {"dry_run": True, **d}, lambda: (
@@ -350,7 +350,7 @@ def cmd_gc(args) -> int:
             f"{len(d['temp_files'])} temp file(s); reclaim {fmt_bytes(d['reclaim_bytes'])} "
             f"({d['live_chunks']} live chunks, {d['kept_young_packs']} pack(s) younger than the grace period)"))
         return EXIT_OK
-    result = plan.execute()
+    result = plan.execute(wait_s=args.wait)
     _emit(args, result.as_dict(), lambda: (
         f"deleted {result.deleted_packs} pack(s), repacked {result.repacked_packs} ({result.moved_chunks} chunks "
         f"moved), removed {result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"))
@@ -532,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-unused", default="10%", help="repack packs with more dead bytes than this (default 10%%)")
     sp.add_argument("--grace", type=_seconds, default=3600.0,
                     help="never touch packs or temp files younger than this many seconds (default 3600)")
+    sp.add_argument("--wait", type=_seconds, default=600.0,
+                    help="wait this many seconds for running saves to finish before deleting (default 600)")
     sp = add("forget", cmd_forget, "remove checkpoints by a retention policy (rules are ORed; tagged ones and the "
                                    "newest are kept) or exactly the named ones (tagged ones are refused)")
     sp.add_argument("store")

@@ -234,8 +234,8 @@ def test_gc_dry_run_then_gc(store_path, capsys):
 def test_gc_while_locked_exits_3(store_path, capsys):
     store = Store.open(store_path)
     with store.lock(SHARED, refresh=False):
-        code, _, err = run(capsys, "gc", store_path, "--grace", "0")
-        assert code == 3 and "locked" in err
+        code, _, err = run(capsys, "gc", store_path, "--grace", "0", "--wait", "0.2")  # a save runs: gc waits
+        assert code == 3 and "locked" in err and "gave up after waiting" in err
     with store.lock(EXCLUSIVE, refresh=False):
         code, _, err = run(capsys, "verify", store_path)  # verify needs no lock
         assert code == 0

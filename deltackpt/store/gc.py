@@ -9,8 +9,25 @@ Sweep, per pack (read from its table, the truth): an entry is live if its chunk 
 locates that chunk in this pack (a copy elsewhere, left by an interrupted repack, is dead). A pack with no
 live entry is deleted; a pack whose dead fraction exceeds ``max_unused`` is repacked: its live entries are
 copied byte for byte (no re-encoding) into new packs, the index is pointed at them, then the old pack is
-deleted. Packs younger than ``grace_s`` are never touched, nor are stray temp files: an in-flight save may
-still need them. gc runs under the store's exclusive lock, so no save commits meanwhile.
+deleted. No delta is left without its base: a pack that would keep a dead delta whose base is deleted is
+repacked (its dead entries dropped), and the bases of deltas in young packs stay. Packs younger than
+``grace_s`` are never touched, nor are temp files younger than it (nor a temp file under ``locks/``
+younger than the lock staleness limit: it may be a lock being taken right now).
+
+Two phases, so that saves go on while gc works (see :mod:`.lock` for the waiting rules):
+
+1. ``plan_gc`` marks and plans under a *shared* lock, like a save: saves run and commit meanwhile.
+2. ``GcPlan.execute`` takes the *exclusive* lock, which waits for running saves to finish and makes new
+   ones wait; it re-checks the plan against the store as it is now, and deletes only what still holds.
+   A save that committed since the mark may reference a chunk the plan meant to delete (it deduplicated
+   against it): every manifest new or changed since the mark is read, its chunks and their delta bases join
+   the live set, and a pack holding any of them, or a live duplicate the index no longer locates in a kept
+   pack, is dropped from the plan (left for the next gc), as is a pack holding the base of a delta that
+   stays. No save is in flight during this phase (each holds its shared lock from its first dedup decision
+   to its manifest), so the chunks saves claim are exactly those of the manifests present: no committed
+   checkpoint loses a chunk and no in-flight save fails at commit. The phase reads only new manifests, the
+   tables of packs published since the mark and a few index records, so saves wait little. (A writer
+   claims only a chunk it can restore: a delta whose base is indexed too.)
 
 Crash safety: every step publishes new objects before it removes old ones, so a crash leaves at worst
 duplicate chunks or unindexed packs, which the index refresh and the next gc clean up.
@@ -18,6 +35,7 @@ duplicate chunks or unindexed packs, which the index refresh and the next gc cle
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -25,8 +43,8 @@ import numpy as np
 
 from . import codec
 from .faults import crash_point
-from .lock import EXCLUSIVE
-from ..errors import ManifestFormatError
+from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
+from ..errors import CheckpointNotFoundError, ManifestFormatError
 from .pack import (
     FOOTER_SIZE,
     HEADER_SIZE,
@@ -56,6 +74,11 @@ class GcPlan:
     repack_sizes: dict[str, int] = field(default_factory=dict)
     temp_files: list[str] = field(default_factory=list)
     kept_young: int = 0  # packs skipped because younger than the grace period
+    # What the plan was made from, to re-check it under the exclusive lock.
+    live: np.ndarray | None = field(default=None, repr=False)
+    manifests: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)  # name -> (size, mtime)
+    pack_entries: dict[str, list[PackEntry]] = field(default_factory=dict, repr=False)  # planned packs' tables
+    packs: set[str] = field(default_factory=set, repr=False)  # every pack listed
 
     @property
     def reclaim_bytes(self) -> int:
@@ -68,13 +91,14 @@ class GcPlan:
                 "repack_packs": sorted(self.repack), "temp_files": self.temp_files,
                 "kept_young_packs": self.kept_young, "reclaim_bytes": self.reclaim_bytes}
 
-    def execute(self) -> "GcResult":
-        """Take the exclusive lock, plan again under it (a save may have committed since this plan was
-        made), and carry that plan out."""
+    def execute(self, *, wait_s: float = DEFAULT_WAIT_S) -> "GcResult":
+        """Take the exclusive lock (waiting up to ``wait_s`` for running saves to finish), re-check this plan
+        against the store as it is now (saves may have committed since it was made), and carry out what
+        still holds."""
         store = self.store
         t0 = time.monotonic()
-        with store.lock(EXCLUSIVE):
-            plan = plan_gc(store, max_unused=self.max_unused, grace_s=self.grace_s)
+        with store.lock(EXCLUSIVE, wait_s=wait_s):
+            plan = self.revalidate()
             moved, published = 0, set()
             for old, entries in sorted(plan.repack.items()):
                 n, names = _repack(store, old, entries)
@@ -94,6 +118,63 @@ class GcPlan:
         return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack),
                         moved_chunks=moved, reclaimed_bytes=plan.reclaim_bytes,
                         removed_temp_files=len(plan.temp_files), duration_s=time.monotonic() - t0)
+
+    def revalidate(self) -> "GcPlan":
+        """This plan less what no longer holds (call it under the exclusive lock): packs gone since, packs
+        holding a chunk that a manifest new or changed since the mark references (or the delta base of
+        one), packs whose live duplicate the index no longer locates in a kept pack; and temp files gone or
+        too young."""
+        store = self.store
+        if self.live is None:  # not made by plan_gc: plan from scratch
+            return _plan(store, max_unused=self.max_unused, grace_s=self.grace_s)
+        store.refresh_index()
+        manifests = _list_manifests(store)
+        changed = [n for n, seen in manifests.items() if self.manifests.get(n) != seen]
+        live = _union(self.live, live_chunk_ids(store, changed)) if changed else self.live
+        listed = _list_packs(store)
+        present = set(listed)
+        # Packs published since the mark keep their deltas' bases (an aborted save's deltas stay restorable).
+        live = _union(live, _delta_bases(store, {n: listed[n] for n in present - self.packs}))
+        kept = {name: {e.chunk_id for e in keep} for name, keep in self.repack.items()}
+        index = store.index
+
+        def still_dead(name: str, dropped) -> bool:
+            """Whether removing ``dropped`` (entries of pack ``name``) loses no live chunk."""
+            if name not in present:
+                return False
+            for e in dropped:
+                if not _contains(live, e.chunk_id):
+                    continue
+                where = index.lookup(e.chunk_id)  # a live duplicate: its indexed copy must stay
+                if (where is None or where.pack == name or where.pack not in present
+                        or where.pack in self.delete_packs
+                        or (where.pack in kept and e.chunk_id not in kept[where.pack])):
+                    return False
+            return True
+
+        while True:
+            delete = [n for n in self.delete_packs if still_dead(n, self.pack_entries[n])]
+            repack = [n for n in self.repack
+                      if still_dead(n, [e for e in self.pack_entries[n] if e.chunk_id not in kept[n]])]
+            # A pack dropped from the plan keeps its dead deltas as they are: their bases must stay too.
+            dropped = (set(self.delete_packs) - set(delete)) | (set(self.repack) - set(repack))
+            pins = {e.base_id for n in dropped for e in self.pack_entries[n]
+                    if e.base_id is not None and not _contains(live, e.base_id)}
+            if not pins:
+                break
+            live = _union(live, pins)
+        plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=self.max_unused, grace_s=self.grace_s,
+                      kept_young=self.kept_young, live=live, manifests=manifests, packs=present)
+        for name in delete:
+            plan.delete_packs[name] = self.delete_packs[name]
+            plan.pack_entries[name] = self.pack_entries[name]
+        for name in repack:
+            plan.repack[name] = self.repack[name]
+            plan.repack_sizes[name] = self.repack_sizes[name]
+            plan.pack_entries[name] = self.pack_entries[name]
+        planned = set(self.temp_files)
+        plan.temp_files = [p for p in _removable_temp_files(store, self.grace_s) if p in planned]
+        return plan
 
 
 @dataclass
@@ -118,12 +199,15 @@ def _ids(ids: list[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(ids), dtype=ID_DTYPE) if ids else np.empty(0, dtype=ID_DTYPE)
 
 
-def live_chunk_ids(store) -> np.ndarray:
+def live_chunk_ids(store, names=None) -> np.ndarray:
     """Sorted unique ids (dtype ID_DTYPE, 16 bytes each) of every chunk a manifest references, plus their
-    delta bases."""
+    delta bases; of the checkpoints ``names`` only, if given."""
     parts = []
-    for name in store.checkpoint_names():
-        manifest = store.read_manifest(name)
+    for name in store.checkpoint_names() if names is None else names:
+        try:
+            manifest = store.read_manifest(name)
+        except CheckpointNotFoundError:
+            continue  # forgotten since it was listed (forget takes no lock): it makes nothing live
         parts.append(_ids([ref.id for item in manifest.items for ref in item.chunks]))
     # (concatenate may turn the fields native-endian; astype restores the byte-order the ids are kept in)
     live = np.unique(np.concatenate(parts)).astype(ID_DTYPE) if parts else np.empty(0, dtype=ID_DTYPE)
@@ -137,6 +221,58 @@ def live_chunk_ids(store) -> np.ndarray:
     if bases:
         live = np.unique(np.concatenate([live, _ids(bases)])).astype(ID_DTYPE)
     return live
+
+
+def _list_manifests(store) -> dict[str, tuple[int, float]]:
+    """Checkpoint name -> (manifest size, mtime): what tells a manifest written since apart."""
+    out = {}
+    for info in store.backend.list("manifests/"):
+        name = info.key[len("manifests/"):]
+        if "/" not in name:
+            out[name] = (info.size_bytes, info.mtime_s)
+    return out
+
+
+def _union(live: np.ndarray, ids) -> np.ndarray:
+    ids = ids if isinstance(ids, np.ndarray) else _ids(list(ids))
+    return np.unique(np.concatenate([live, ids])).astype(ID_DTYPE) if ids.size else live
+
+
+def _list_packs(store) -> dict[str, object]:
+    """Pack name -> its ObjectInfo."""
+    out = {}
+    for info in store.backend.list("packs/"):
+        name = pack_name_from_key(info.key)
+        if name is not None:
+            out[name] = info
+    return out
+
+
+def _read_tables(store, listed: dict) -> dict[str, list[PackEntry]]:
+    tables = {}
+    for name, info in listed.items():
+        try:
+            tables[name] = read_pack_entries(store.backend, name, info.size_bytes)
+        except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
+            continue
+    return tables
+
+
+def _delta_bases(store, listed: dict) -> set[bytes]:
+    """The delta bases the entries of the packs ``listed`` need."""
+    return {e.base_id for entries in _read_tables(store, listed).values() for e in entries if e.base_id}
+
+
+def _removable_temp_files(store, grace_s: float) -> list[str]:
+    """Stray temp files gc may remove: older than ``grace_s``, and under ``locks/`` older than a lock can
+    stay fresh (a younger one may be a lock being taken by a save right now)."""
+    list_temp = getattr(store.backend, "list_temp", None)
+    if list_temp is None:
+        return []
+    now = time.time()
+    return [p for p, mtime in list_temp()
+            if now - mtime >= (max(grace_s, STALE_AFTER_S) if p.replace(os.sep, "/").startswith("locks/")
+                               else grace_s)]
 
 
 def _contains(sorted_ids: np.ndarray, cid: bytes) -> bool:
@@ -155,26 +291,33 @@ def _indexed_copy_is_valid(store, where: PackEntry, present: set[str]) -> bool:
         return False
 
 
-def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S) -> GcPlan:
-    """Plan a gc. ``max_unused``: repack a pack once more than this fraction of its bytes is dead."""
+def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S,
+            wait_s: float = DEFAULT_WAIT_S) -> GcPlan:
+    """Plan a gc, under a shared lock (saves go on meanwhile; a running gc's delete phase is waited for,
+    up to ``wait_s``). ``max_unused``: repack a pack once more than this fraction of its bytes is dead."""
     if not (0.0 <= max_unused <= 1.0):
         raise ValueError("max_unused must be a fraction in [0, 1]")
+    with store.lock(SHARED, wait_s=wait_s):
+        return _plan(store, max_unused=max_unused, grace_s=grace_s)
+
+
+def _plan(store, *, max_unused: float, grace_s: float) -> GcPlan:
     store.refresh_index()
     now = time.time()
-    live = live_chunk_ids(store)
-    plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=max_unused, grace_s=grace_s)
+    manifests = _list_manifests(store)  # before the manifests are read: one written after counts as new
+    live = live_chunk_ids(store, list(manifests))
+    plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=max_unused, grace_s=grace_s,
+                  live=live, manifests=manifests)
     index = store.index
-    listed = [(pack_name_from_key(i.key), i) for i in store.backend.list("packs/")]
-    listed = [(n, i) for n, i in listed if n is not None]
-    present = {n for n, _ in listed}
-    for name, info in listed:
-        if now - info.mtime_s < grace_s:
-            plan.kept_young += 1
-            continue
-        try:
-            entries = read_pack_entries(store.backend, name, info.size_bytes)
-        except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
-            continue
+    listed = _list_packs(store)
+    plan.packs = set(listed)
+    young = {n: i for n, i in listed.items() if now - i.mtime_s < grace_s}
+    plan.kept_young = len(young)
+    # A young pack may be an in-flight save's: the bases of its deltas stay, whether or not it commits.
+    live = plan.live = _union(live, _delta_bases(store, young))
+    old = {n: i for n, i in listed.items() if n not in young}
+    for name, entries in _read_tables(store, old).items():
+        size = old[name].size_bytes
         keep, fixes = [], []
         for e in entries:
             if not _contains(live, e.chunk_id):
@@ -182,7 +325,7 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S)
             where = index.lookup(e.chunk_id)
             if where is not None and where.pack == name:
                 keep.append(e)
-            elif where is None or not _indexed_copy_is_valid(store, where, present):
+            elif where is None or not _indexed_copy_is_valid(store, where, plan.packs):
                 keep.append(e)  # the only trustworthy copy: keep it, and point the index at it
                 fixes.append(e)
             # else: a duplicate of a chunk that lives elsewhere (e.g. left by an interrupted repack)
@@ -190,14 +333,16 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S)
             index.relocate(fixes, {})
         # The pack's fixed overhead (magic, table rows, footer) belongs to its live entries too.
         live_bytes = sum(HEADER_SIZE + e.stored_len + ROW_SIZE for e in keep) + len(PACK_MAGIC) + FOOTER_SIZE
+        # A dead delta whose base is deleted could not be restored: its pack is repacked, never kept as is.
+        orphaned = any(e.base_id is not None and not _contains(live, e.base_id) for e in entries)
         if not keep:
-            plan.delete_packs[name] = info.size_bytes
-        elif 1.0 - live_bytes / info.size_bytes > max_unused:
+            plan.delete_packs[name] = size
+            plan.pack_entries[name] = entries
+        elif orphaned or 1.0 - live_bytes / size > max_unused:
             plan.repack[name] = keep
-            plan.repack_sizes[name] = info.size_bytes
-    list_temp = getattr(store.backend, "list_temp", None)
-    if list_temp is not None:
-        plan.temp_files = [p for p, mtime in list_temp() if now - mtime >= grace_s]
+            plan.repack_sizes[name] = size
+            plan.pack_entries[name] = entries
+    plan.temp_files = _removable_temp_files(store, grace_s)
     return plan
 
 

@@ -426,8 +426,9 @@ class ChunkIndex:
     @_guarded()
     def refresh(self) -> tuple[int, int]:
         """Bring the cache in line with the packs in the backend. Returns (packs added, packs removed)."""
-        present = self._listed()
+        # Known before listed: a pack a concurrent commit indexes in between must not look gone (a rebuild).
         known = self._known_packs()
+        present = self._listed()
         gone = known - present.keys()
         if gone or self._is_foreign():
             return self._rebuild(present)

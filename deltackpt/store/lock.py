@@ -1,10 +1,23 @@
-"""Store locks: saves share the store, gc needs it alone.
+"""Store locks: saves share the store, gc's short delete phase needs it alone.
 
 A lock is an object ``locks/<kind>-<id>`` holding JSON {kind, host, pid, time, id}; it is refreshed (rewritten
 with a new time) while held. Taking a lock writes the object first, then lists the others: an exclusive
-lock must be alone, a shared lock must see no exclusive one; on conflict the new lock is removed and
-:class:`StoreLockedError` names the holder. Writing before looking means two racing processes can both back
-off, but never both proceed.
+lock must be alone, a shared lock must see no exclusive one. Writing before looking means two racing
+processes can both back off, but never both proceed.
+
+Waiting, so that maintenance never costs a save: a shared lock (a save, gc's mark phase) that meets an
+exclusive one removes its object, logs once on the ``deltackpt`` logger that it waits for gc, and tries
+again until ``wait_s`` (default :data:`DEFAULT_WAIT_S`) has passed. An exclusive lock (gc's delete phase)
+that meets shared ones keeps its object while it waits for them to be released, so no new save starts
+meanwhile and gc is not starved by saves that overlap one another; it gives up after ``wait_s``. Two
+exclusive locks never wait for each other: the later one is refused at once (:class:`StoreLockedError`).
+
+The protocol with gc (see :mod:`.gc`): a save holds its shared lock from before it decides which existing
+chunks to reuse (its *claims*: the index's chunks it deduplicates against, its parent's chunks and delta
+bases) until its manifest is written. gc deletes only under the exclusive lock, after re-checking its plan
+against the manifests present at that moment, so no chunk a committed checkpoint or an in-flight save
+needs is ever deleted. Lock objects are written through temp files; gc never removes a temp file under
+``locks/`` younger than ``STALE_AFTER_S`` (it may be a lock being taken right now).
 
 A lock is *stale* when its time is older than ``stale_after_s`` (its holder stopped refreshing it), or when it
 was taken on this host by a process that no longer exists. Stale locks are ignored and removed by whoever
@@ -15,6 +28,7 @@ raises, because gc may already have deleted chunks it relies on.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -26,6 +40,10 @@ from ..errors import StoreLockedError
 SHARED = "shared"
 EXCLUSIVE = "exclusive"
 STALE_AFTER_S = 300.0
+DEFAULT_WAIT_S = 600.0  # how long a save waits for gc (and gc for running saves) before giving up
+_POLL_S = (0.02, 1.0)  # first and longest pause between two looks while waiting
+
+log = logging.getLogger("deltackpt")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -61,11 +79,17 @@ def _parse(data: bytes) -> dict | None:
 
 
 class StoreLock:
-    """A held lock; use as a context manager. Refreshed by a daemon thread every ``stale_after_s / 4``."""
+    """A held lock; use as a context manager. Refreshed by a daemon thread every ``stale_after_s / 4``.
 
-    def __init__(self, backend, kind: str, *, stale_after_s: float = STALE_AFTER_S, refresh: bool = True):
+    ``wait_s``: how long :meth:`acquire` waits for a conflicting lock to go away (0: not at all)."""
+
+    def __init__(self, backend, kind: str, *, stale_after_s: float = STALE_AFTER_S, refresh: bool = True,
+                 wait_s: float = DEFAULT_WAIT_S):
         if kind not in (SHARED, EXCLUSIVE):
             raise ValueError(f"lock kind must be {SHARED!r} or {EXCLUSIVE!r}")
+        if not wait_s >= 0:
+            raise ValueError(f"wait_s must be >= 0 seconds, got {wait_s!r}")
+        self.wait_s = float(wait_s)
         self.backend = backend
         self.kind = kind
         self.id = uuid.uuid4().hex[:16]
@@ -81,19 +105,79 @@ class StoreLock:
                            "time": time.time(), "id": self.id}).encode()
 
     def acquire(self) -> "StoreLock":
-        self.backend.put(self.key, self._payload())
-        try:
-            self._check_others()
-        except BaseException:
-            self.backend.delete(self.key)  # never leave our lock behind when we did not get it
-            raise
+        deadline = time.monotonic() + self.wait_s
+        if self.kind == SHARED:
+            self._acquire_shared(deadline)
+        else:
+            self._acquire_exclusive(deadline)
         self._held = True
-        if self._refresh:
-            self._thread = threading.Thread(target=self._refresh_loop, name="deltackpt-lock", daemon=True)
-            self._thread.start()
         return self
 
-    def _check_others(self) -> None:
+    def _acquire_shared(self, deadline: float) -> None:
+        pause, waited = _POLL_S[0], False
+        while True:
+            self.backend.put(self.key, self._payload())
+            try:
+                other = self._conflict()
+            except BaseException:
+                self.backend.delete(self.key)  # never leave our lock behind when we did not get it
+                raise
+            if other is None:
+                break
+            self.backend.delete(self.key)  # a waiting save holds nothing: gc must not wait for it
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._locked_error(other, waited)
+            if not waited:
+                log.warning("waiting for gc to finish (exclusive lock by pid %s on %s), up to %.0f s",
+                            other["pid"], other["host"], self.wait_s)
+                waited = True
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, _POLL_S[1])
+        if waited:
+            log.info("gc finished; continuing")
+        self._start_refresh()
+
+    def _acquire_exclusive(self, deadline: float) -> None:
+        self.backend.put(self.key, self._payload())
+        self._start_refresh()  # a long wait for saves must not let our own lock go stale
+        pause, waited = _POLL_S[0], False
+        try:
+            while True:
+                other = self._conflict()
+                if other is None:
+                    break
+                remaining = deadline - time.monotonic()
+                if other["kind"] == EXCLUSIVE or remaining <= 0:
+                    raise self._locked_error(other, waited)
+                if not waited:
+                    log.info("gc waits for running saves to finish (shared lock by pid %s on %s), up to %.0f s",
+                             other["pid"], other["host"], self.wait_s)
+                    waited = True
+                time.sleep(min(pause, remaining))
+                pause = min(pause * 2, _POLL_S[1])
+            self._held = True
+            self.check()  # still ours after the wait (never judged stale meanwhile)
+        except BaseException:
+            self._held = False
+            self._stop_refresh()
+            self.backend.delete(self.key)  # never leave our lock behind when we did not get it
+            raise
+
+    def _start_refresh(self) -> None:
+        if self._refresh and self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._refresh_loop, name="deltackpt-lock", daemon=True)
+            self._thread.start()
+
+    def _stop_refresh(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _conflict(self) -> dict | None:
+        """The first live lock that conflicts with ours, or None; garbage and stale locks are removed."""
         now = time.time()
         for info in self.backend.list("locks/"):
             if info.key == self.key:
@@ -106,10 +190,16 @@ class StoreLock:
                 self.backend.delete(info.key)  # garbage or abandoned: clean it up
                 continue
             if self.kind == EXCLUSIVE or other["kind"] == EXCLUSIVE:
-                raise StoreLockedError(
-                    f"store is locked ({other['kind']} lock by pid {other['pid']} on {other['host']}, "
-                    f"{now - float(other['time']):.0f}s ago); "
-                    + ("gc needs the store alone" if self.kind == EXCLUSIVE else "a gc is running"))
+                return other
+        return None
+
+    def _locked_error(self, other: dict, waited: bool) -> StoreLockedError:
+        why = ("another gc is running" if self.kind == EXCLUSIVE and other["kind"] == EXCLUSIVE
+               else "gc needs the store alone" if self.kind == EXCLUSIVE else "a gc is running")
+        after = f"; gave up after waiting {self.wait_s:.0f}s" if waited else ""
+        return StoreLockedError(
+            f"store is locked ({other['kind']} lock by pid {other['pid']} on {other['host']}, "
+            f"{time.time() - float(other['time']):.0f}s ago); {why}{after}")
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.stale_after_s / 4):
@@ -130,10 +220,7 @@ class StoreLock:
                                    "refusing to commit, since gc may have run")
 
     def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._stop_refresh()
         if self._held:
             self.backend.delete(self.key)
             self._held = False

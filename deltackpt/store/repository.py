@@ -38,7 +38,7 @@ from .config import CONFIG_KEY, WRITER_FEATURES, StoreConfig, decode_config, enc
 from .index import ChunkIndex
 from .manifest import LATEST, Item, Manifest, Stats, decode_manifest, encode_manifest, manifest_key, validate_name
 from .faults import crash_point
-from .lock import SHARED, StoreLock
+from .lock import DEFAULT_WAIT_S, SHARED, StoreLock
 from .pack import PackEntry, pack_key, read_pack_entries
 from .reader import CheckpointReader
 from .writer import ChunkWriter, WriteSummary
@@ -382,18 +382,15 @@ class Store:
         entries = list(entries)
         crash_point("commit:before-index")
         self.index.add(entries, packs)
+        self._index_rewritten_chunks(entries)
         crash_point("commit:after-index")
         wanted = {ref.id for it in items for ref in it.chunks}
-        found = self.index.lookup_many(wanted)
-        # Delta bases must survive too; and every pack we point into must still exist (gc elsewhere).
-        bases = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
-        found.update(self.index.lookup_many(bases))
-        missing = (wanted | bases) - found.keys()
-        if not missing:
-            # Only the packs this checkpoint points into (a stat each): listing every pack of a long run's
-            # store took 53 ms at 10,000 packs, on the coordinator's commit of every save.
-            gone = {p for p in {e.pack for e in found.values()} if not self.backend.exists(pack_key(p))}
-            missing = {cid for cid, e in found.items() if e.pack in gone}
+        missing = self._missing_chunks(wanted)
+        if missing:
+            # Another process may be rebuilding the index cache (it drops it first): re-index, look again.
+            self.index.refresh()
+            self.index.add(entries, packs)
+            missing = self._missing_chunks(wanted)
         if missing:
             cid = next(iter(missing))
             owner = next((it.key for it in items if any(r.id == cid for r in it.chunks)), None)
@@ -428,13 +425,40 @@ class Store:
         self.index.put_summaries({name: msgspec.msgpack.encode(_summarize(manifest, len(data), mtime_s))})
         return manifest
 
+    def _missing_chunks(self, wanted: set[bytes]) -> set[bytes]:
+        """Which of ``wanted`` or their delta bases are not indexed in an existing pack."""
+        found = self.index.lookup_many(wanted)
+        # Delta bases must survive too; and every pack we point into must still exist (gc elsewhere).
+        bases = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
+        found.update(self.index.lookup_many(bases))
+        missing = (wanted | bases) - found.keys()
+        if not missing:
+            # Only the packs this checkpoint points into (a stat each): listing every pack of a long run's
+            # store took 53 ms at 10,000 packs, on the coordinator's commit of every save.
+            gone = {p for p in {e.pack for e in found.values()} if not self.backend.exists(pack_key(p))}
+            missing = {cid for cid, e in found.items() if e.pack in gone}
+        return missing
+
+    def _index_rewritten_chunks(self, entries: list[PackEntry]) -> None:
+        """Point the index at this save's copy of a chunk whose indexed copy cannot be restored: the writer
+        wrote it again because it was a delta whose base is gone."""
+        indexed = self.index.lookup_many({e.chunk_id for e in entries})
+        bases = self.index.lookup_many({e.base_id for e in indexed.values() if e.base_id is not None})
+        own = [e for e in entries if (old := indexed.get(e.chunk_id)) is not None and old != e
+               and old.base_id is not None and old.base_id not in bases]
+        if own:
+            self.index.relocate(own, {})
+
     def save(self, name: str, items: Mapping[str, Any], *, metadata=None, overwrite: bool = False,
-             **writer_kwargs) -> Manifest:
-        """Save a dict of numpy arrays / bytes as checkpoint ``name`` in one call (single process)."""
+             lock_wait_s: float = DEFAULT_WAIT_S, **writer_kwargs) -> Manifest:
+        """Save a dict of numpy arrays / bytes as checkpoint ``name`` in one call (single process).
+
+        A running gc's delete phase is waited for (up to ``lock_wait_s``, logged), never a reason to fail."""
         validate_name(name)
         if not overwrite and self.exists(name):
             raise CheckpointExistsError(name)
-        with self.lock(SHARED) as lock:
+        # Held from before the first dedup decision until the manifest is written: gc spares our claims.
+        with self.lock(SHARED, wait_s=lock_wait_s) as lock:
             return self._save_locked(name, items, metadata, overwrite, lock, writer_kwargs)
 
     def _save_locked(self, name, items, metadata, overwrite, lock, writer_kwargs) -> Manifest:

@@ -298,7 +298,7 @@ class ChunkWriter:
         """Refs for one grid span: an existing chunk, slices of the parent's chunks, or a new chunk."""
         n = len(view)
         cid = chunk_id_of(view)
-        if self.store.index.lookup(cid) is not None:
+        if self._reusable(cid):
             return [ChunkRef(cid, n)]
         with self._lock:
             if cid in self._claimed:
@@ -321,6 +321,14 @@ class ChunkWriter:
             self._claimed.add(cid)
         self._store_chunk(cid, view, elem_size, base, is_array=group is not None)
         return [ChunkRef(cid, n)]
+
+    def _reusable(self, cid: bytes) -> bool:
+        """Whether the store holds a restorable copy of ``cid`` to deduplicate against (a claim, which gc
+        spares while this save holds its shared lock): indexed, and if a delta, its base indexed too (a delta
+        whose base is gone, e.g. with a lost pack, is written again rather than claimed)."""
+        index = self.store.index
+        entry = index.lookup(cid)
+        return entry is not None and (entry.base_id is None or index.lookup(entry.base_id) is not None)
 
     def _delta_base(self, parent_chunk: bytes, n: int) -> tuple[PackEntry, int, int | None] | None:
         """(keyframe entry, age, stored size of the parent's delta or None) to code a changed chunk against,

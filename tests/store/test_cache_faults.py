@@ -347,13 +347,13 @@ def test_gc_on_a_completely_full_disk_says_disk_full(small_tmpfs, rng):
     root = small_tmpfs / "S"
     _two_checkpoints(root, rng)
     Store.open(root).forget("one")
-    _fill(small_tmpfs)
     s = Store.open(root)
-    plan = plan_gc(s, grace_s=0)
-    assert plan.delete_packs
+    planned = plan_gc(s, grace_s=0).delete_packs
+    assert planned
+    _fill(small_tmpfs)
     before = _snapshot(root)
     with pytest.raises(DiskFullError, match="disk full"):
-        plan.execute()
+        plan_gc(s, grace_s=0).execute()  # the mark phase's shared lock is already an object to write
     assert _snapshot(root) == before
     (small_tmpfs / "filler").unlink()  # space freed elsewhere: now it runs
-    assert plan_gc(s, grace_s=0).execute().deleted_packs == len(plan.delete_packs)
+    assert plan_gc(s, grace_s=0).execute().deleted_packs == len(planned)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -18,7 +20,7 @@ import xxhash
 from deltackpt.errors import DeltackptError, StoreLockedError
 from deltackpt.store import Store, codec
 from deltackpt.store.gc import live_chunk_ids, plan_gc
-from deltackpt.store.lock import EXCLUSIVE, SHARED
+from deltackpt.store.lock import EXCLUSIVE, SHARED, STALE_AFTER_S, list_locks
 from deltackpt.store.manifest import manifest_key
 from deltackpt.store.pack import pack_key
 from deltackpt.store.verify import verify_store
@@ -267,33 +269,105 @@ def test_temp_files_older_than_grace_are_removed(local_store, rng):
     assert verify_store(store, level=2).ok
 
 
+def test_gc_never_removes_a_lock_being_taken(local_store, rng):
+    """A temp file under locks/ may be a save's lock object being written right now: gc leaves it alone until
+    a lock that old would be stale anyway, whatever the grace period."""
+    store = local_store
+    store.save("a", {"x": _arr(rng, 3000)})
+    root = store.backend.local_path()
+    (root / "locks").mkdir(exist_ok=True)
+    taking = root / "locks" / "shared-0123456789abcdef.tmp-deadbeef0003"
+    abandoned = root / "locks" / "shared-fedcba9876543210.tmp-deadbeef0004"
+    stray = root / "manifests" / "b.tmp-deadbeef0005"
+    for p in (taking, abandoned, stray):
+        p.write_bytes(b"{}")
+    old = time.time() - STALE_AFTER_S - 10
+    os.utime(abandoned, (old, old))
+    plan = plan_gc(store, grace_s=0)
+    assert sorted(plan.temp_files) == sorted(os.path.relpath(p, root) for p in (abandoned, stray))
+    assert plan.execute().removed_temp_files == 2
+    assert taking.exists() and not abandoned.exists() and not stray.exists()
+
+
 # -- locks ---------------------------------------------------------------------------------------------------
 
 
-def test_gc_refuses_while_a_save_holds_the_shared_lock(store, rng):
+def test_gc_waits_for_a_running_save_and_gives_up_after_wait_s(store, rng):
     store.save("a", {"x": _arr(rng, 3000)})
     store.forget("a")
     plan = plan_gc(store, grace_s=0)
     before = pack_names(store)
-    with store.lock(SHARED):
-        with pytest.raises(StoreLockedError):
-            plan.execute()
+    with store.lock(SHARED) as running:
+        t0 = time.monotonic()
+        with pytest.raises(StoreLockedError, match="gave up after waiting"):
+            plan.execute(wait_s=0.3)
+        assert time.monotonic() - t0 >= 0.3
         assert pack_names(store) == before
-    plan.execute()  # released: now it runs
-    assert pack_names(store) == set()
+        assert [i.key for i in store.backend.list("locks/")] == [running.key]  # gc's pending lock is gone
+    running = store.lock(SHARED).acquire()
+    threading.Timer(0.4, running.release).start()  # the save ends while gc waits: then gc runs
+    t0 = time.monotonic()
+    result = plan.execute(wait_s=30)
+    assert time.monotonic() - t0 >= 0.35
+    assert result.deleted_packs == 1 and pack_names(store) == set()
 
 
-def test_save_refuses_while_gc_holds_the_exclusive_lock(store, rng):
+def test_save_waits_for_gc_then_commits(store, rng, caplog):
     x = {"x": _arr(rng, 3000)}
-    with store.lock(EXCLUSIVE):
-        with pytest.raises(StoreLockedError):
-            store.save("a", x)
-        assert not store.exists("a")
-        with pytest.raises(StoreLockedError):
-            plan_gc(store, grace_s=0).execute()  # two gcs exclude each other too
-    store.save("a", x)
+    gc_lock = store.lock(EXCLUSIVE).acquire()
+    threading.Timer(0.5, gc_lock.release).start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="deltackpt"):
+        store.save("a", x)
+    assert time.monotonic() - t0 >= 0.45
+    assert any("waiting for gc" in r.getMessage() for r in caplog.records)
     assert_items_equal(x, store.load("a"))
+    plan = plan_gc(store, grace_s=0)
+    with store.lock(EXCLUSIVE):
+        with pytest.raises(StoreLockedError, match="a gc is running; gave up after waiting"):
+            store.save("b", x, lock_wait_s=0.2)  # the wait is bounded
+        assert not store.exists("b")
+        t0 = time.monotonic()
+        with pytest.raises(StoreLockedError, match="another gc is running"):
+            plan.execute()  # two gcs never wait for each other
+        assert time.monotonic() - t0 < 5
     assert list(store.backend.list("locks/")) == []
+
+
+def test_save_in_flight_while_gc_waits_commits_and_keeps_its_claims(store, rng):
+    """A save running when gc wants the store alone reuses chunks the gc plan meant to delete: it commits,
+    gc re-checks its plan and spares them, and a save that starts meanwhile waits for gc, then commits."""
+    x, junk, y = {"x": _arr(rng, 3000)}, {"j": _arr(rng, 3000)}, {"y": _arr(rng, 3000)}
+    store.save("old", x)
+    store.save("junk", junk)
+    x_packs, junk_packs = packs_of_checkpoint(store, "old"), packs_of_checkpoint(store, "junk")
+    store.forget(["old", "junk"])
+    plan = plan_gc(store, grace_s=0)
+    assert set(plan.delete_packs) == x_packs | junk_packs and not x_packs & junk_packs
+    running = store.lock(SHARED).acquire()
+    w = store.writer()
+    w.add_array("x", x["x"], dtype=x["x"].dtype.str, elem_size=4, shape=x["x"].shape)
+    summary = w.finish()
+    assert summary.packs == {}  # every chunk claimed from the forgotten checkpoint
+    results, saved = [], []
+    gc = threading.Thread(target=lambda: results.append(plan.execute(wait_s=60)))
+    gc.start()
+    deadline = time.monotonic() + 30
+    while not any(lk["kind"] == EXCLUSIVE for lk in list_locks(store.backend)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    later = threading.Thread(target=lambda: saved.append(store.save("later", y)))
+    later.start()
+    time.sleep(0.3)
+    assert not store.exists("later") and gc.is_alive()  # both wait: gc for us, the later save for gc
+    store.commit("inflight", summary.items, entries=summary.entries, packs=summary.packs, lock=running)
+    running.release()
+    gc.join(60)
+    later.join(60)
+    assert results and saved
+    assert results[0].deleted_packs == len(junk_packs)
+    assert x_packs <= pack_names(store) and not junk_packs & pack_names(store)
+    _check_clean(store, {"inflight": x, "later": y})
 
 
 def _dead_pid() -> int:
@@ -323,7 +397,7 @@ def test_a_live_lock_on_another_host_blocks_gc(store):
     info = {"kind": "shared", "host": "some-other-host", "pid": 1, "time": time.time(), "id": "y"}
     store.backend.put("locks/shared-live0001", json.dumps(info).encode())
     with pytest.raises(StoreLockedError, match="some-other-host"):
-        plan_gc(store, grace_s=0).execute()
+        plan_gc(store, grace_s=0).execute(wait_s=0.2)
     assert store.backend.exists("locks/shared-live0001")
     assert [i.key for i in store.backend.list("locks/")] == ["locks/shared-live0001"]  # ours backed off
 
@@ -372,6 +446,46 @@ def test_gc_replans_under_the_lock(store, rng):
     store.save("a2", x)  # deduplicated against the forgotten checkpoint's chunks: no new pack
     stale_plan.execute()
     _check_clean(store, {"a2": x})
+
+
+def _dead_deltas_beside_live_chunks(store, rng):
+    """a = {w}; b = {w2 as deltas against a's keyframes, k} in one pack; c = {k}. Forgetting a and b leaves
+    b's pack holding dead deltas whose bases (a's pack) are dead too."""
+    w = _arr(rng, 8192)
+    w2 = _drift(rng, w, 50)
+    k = _arr(rng, 2048)
+    store.save("a", {"w": w})
+    a_packs = packs_of_checkpoint(store, "a")
+    store.save("b", {"w": w2, "k": k})
+    deltas = [store.index.lookup(r.id) for r in store.read_manifest("b").item_map()["w"].chunks]
+    assert all(e.codec == codec.DELTA for e in deltas)
+    (b_pack,) = packs_of_checkpoint(store, "b") - a_packs
+    store.save("c", {"k": k})
+    store.forget(["a", "b"])
+    return w2, k, deltas, a_packs, b_pack
+
+
+def test_gc_never_keeps_a_delta_whose_base_it_deletes(store, rng):
+    w2, k, deltas, a_packs, b_pack = _dead_deltas_beside_live_chunks(store, rng)
+    plan = plan_gc(store, grace_s=0, max_unused=1.0)  # b's pack is mostly live: it would be kept as it is
+    assert set(plan.delete_packs) == a_packs and list(plan.repack) == [b_pack]
+    plan.execute()
+    assert all(store.index.lookup(e.chunk_id) is None for e in deltas)
+    store.save("d", {"w": w2})
+    _check_clean(store, {"c": {"k": k}, "d": {"w": w2}})
+
+
+def test_save_never_reuses_a_delta_whose_base_is_gone(store, rng):
+    """However a delta lost its base (an older gc, a lost pack), a save of the same bytes does not
+    deduplicate against it (it could not be restored): it writes the chunk again and commits."""
+    w2, k, deltas, a_packs, b_pack = _dead_deltas_beside_live_chunks(store, rng)
+    for name in a_packs:
+        store.backend.delete(pack_key(name))
+    store.index.remove_packs(a_packs)
+    store.save("d", {"w": w2})
+    assert_items_equal({"w": w2}, store.load("d"))
+    plan_gc(store, grace_s=0).execute()  # the unrestorable copies in b's pack are garbage
+    _check_clean(store, {"c": {"k": k}, "d": {"w": w2}})
 
 
 def test_gc_refuses_when_a_manifest_is_unreadable(store, rng):

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -50,15 +51,30 @@ def test_shared_locks_coexist_exclusive_is_alone(mem_store):
     with StoreLock(be, SHARED, refresh=False), StoreLock(be, SHARED, refresh=False):
         assert len(_keys(be)) == 2
         with pytest.raises(StoreLockedError, match="gc needs the store alone"):
-            StoreLock(be, EXCLUSIVE, refresh=False).acquire()
+            StoreLock(be, EXCLUSIVE, refresh=False, wait_s=0).acquire()
         assert len(_keys(be)) == 2  # the refused lock removed its object
     with StoreLock(be, EXCLUSIVE, refresh=False):
         with pytest.raises(StoreLockedError, match="a gc is running"):
-            StoreLock(be, SHARED, refresh=False).acquire()
-        with pytest.raises(StoreLockedError):
-            StoreLock(be, EXCLUSIVE, refresh=False).acquire()
+            StoreLock(be, SHARED, refresh=False, wait_s=0).acquire()
+        with pytest.raises(StoreLockedError, match="another gc is running"):
+            StoreLock(be, EXCLUSIVE, refresh=False).acquire()  # never waits for another exclusive lock
         assert len(_keys(be)) == 1
     assert _keys(be) == []
+
+
+def test_negative_wait_is_refused(mem_store):
+    with pytest.raises(ValueError, match="wait_s"):
+        StoreLock(mem_store.backend, SHARED, wait_s=-1)
+
+
+def test_exclusive_lock_waiting_for_saves_stays_fresh(mem_store):
+    """gc may wait minutes for running saves: its pending lock is refreshed meanwhile, never judged stale."""
+    be = mem_store.backend
+    save = StoreLock(be, SHARED, stale_after_s=0.2).acquire()
+    threading.Timer(0.6, save.release).start()
+    with StoreLock(be, EXCLUSIVE, stale_after_s=0.2, wait_s=30) as gc:
+        gc.check()
+        assert _keys(be) == [gc.key]
 
 
 def test_refresh_keeps_a_long_held_lock_fresh(mem_store):
@@ -161,7 +177,7 @@ def test_lock_of_another_process_blocks_until_it_dies(local_store, rng):
         (held,) = list_locks(store.backend)
         assert held["pid"] == proc.pid and held["stale"] is False
         with pytest.raises(StoreLockedError, match=f"pid {proc.pid}"):
-            plan_gc(store, grace_s=0).execute()
+            plan_gc(store, grace_s=0).execute(wait_s=0.5)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)  # reaped: its pid no longer exists
     finally:

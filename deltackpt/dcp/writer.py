@@ -99,6 +99,9 @@ class DeltaStorageWriter(StorageWriter):
             self.checkpoint_id = _name_of(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._parent_name = None
+        if self._lock is not None:  # a previous save that never reached its commit
+            self._lock.release()
+            self._lock = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -133,6 +136,9 @@ class DeltaStorageWriter(StorageWriter):
                                                        "host": socket.gethostname()})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # The shared lock is taken before any rank's write_data dedups against the store: a gc delete phase
+        # between a rank's dedup and the commit could otherwise sweep a chunk the checkpoint references.
+        self._acquire_lock(self.store)
         if self.replica_check != "off":
             check_replicas([p.storage_data.get("replica_digests", {}) for p in plans], self.replica_check)
         parents = {p.storage_data.get("parent") for p in plans}
@@ -145,16 +151,22 @@ class DeltaStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         store = self.store
         if self.is_coordinator:
-            # Held until the commit; released if this writer is dropped after another rank failed.
-            self._lock = store.lock(SHARED).acquire()
-            weakref.finalize(self, self._lock.release)
+            self._acquire_lock(store)
         try:
             with paused_gc():
                 return self._write_data(store, plan, planner)
         except BaseException:
             if self._lock is not None:
                 self._lock.release()
+                self._lock = None
             raise
+
+    def _acquire_lock(self, store: Store) -> None:
+        """The coordinator's shared store lock, held until the commit; released if this writer is dropped
+        after another rank failed."""
+        if self._lock is None:
+            self._lock = store.lock(SHARED).acquire()
+            weakref.finalize(self, self._lock.release)
 
     def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         host_ranks = ranks = 1

@@ -169,6 +169,7 @@ class DeltaStorageWriter(StorageWriter):
             weakref.finalize(self, self._lock.release)
 
     def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        store.index.sync()  # the coordinator holds the lock: a gc elsewhere may have deleted packs before it
         host_ranks = ranks = 1
         if isinstance(plan.storage_data, dict) and "agreed_parent" in plan.storage_data:
             self._parent_name = plan.storage_data["agreed_parent"]

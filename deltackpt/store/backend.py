@@ -421,7 +421,7 @@ class LocalBackend(Backend):
         for dirpath, dirnames, filenames in os.walk(self.root):
             if dirpath == str(self.root):
                 dirnames[:] = [d for d in dirnames if d in STORE_FOLDERS]
-                filenames = [n for n in filenames if n.startswith((f"config{_TMP_MARK}", f"tier{_TMP_MARK}"))]
+                filenames = [n for n in filenames if n.startswith((f"config{_TMP_MARK}", f"tier{_TMP_MARK}", f"gc-epoch{_TMP_MARK}"))]
             for name in filenames:
                 if _TMP_MARK in name:
                     path = os.path.join(dirpath, name)
@@ -434,7 +434,7 @@ class LocalBackend(Backend):
     @_writes
     def delete_temp(self, rel_path: str) -> None:
         parts = rel_path.split(os.sep)
-        owned = parts[0] in STORE_FOLDERS or (len(parts) == 1 and parts[0].startswith((f"config{_TMP_MARK}", f"tier{_TMP_MARK}")))
+        owned = parts[0] in STORE_FOLDERS or (len(parts) == 1 and parts[0].startswith((f"config{_TMP_MARK}", f"tier{_TMP_MARK}", f"gc-epoch{_TMP_MARK}")))
         if _TMP_MARK not in parts[-1] or ".." in parts or not owned:
             raise ValueError(f"not a temp file of the store: {rel_path!r}")
         (self.root / rel_path).unlink(missing_ok=True)

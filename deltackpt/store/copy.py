@@ -62,6 +62,7 @@ def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite:
         order = [i.name for i in infos if i.name in wanted]
     dst.ensure_features(src.config.features)
     with dst.lock(SHARED) as lock:
+        dst.index.sync()
         for name in order:
             _copy_one(src, dst, name, overwrite, lock, report, progress)
     report.seconds = time.perf_counter() - start

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +45,8 @@ import numpy as np
 from . import codec
 from .faults import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
-from ..errors import CheckpointNotFoundError, ManifestFormatError
+from ..errors import CheckpointNotFoundError, DiskFullError, ManifestFormatError
+from .index import GC_EPOCH_KEY
 from .pack import (
     FOOTER_SIZE,
     HEADER_SIZE,
@@ -100,19 +102,28 @@ class GcPlan:
         with store.lock(EXCLUSIVE, wait_s=wait_s):
             plan = self.revalidate()
             moved, published = 0, set()
+            # A new epoch before any pack goes: a process whose index cache is its own (another host) sees
+            # it at its next save and refreshes, instead of deduplicating against a deleted pack.
+            epoch = uuid.uuid4().hex.encode() if plan.delete_packs or plan.repack else None
+            epoch_written = epoch is None or _put_epoch(store, epoch, may_fail=bool(plan.delete_packs))
+            # Dead packs first: on a full disk their space is what lets the epoch and the repacks be written.
+            for name in sorted(plan.delete_packs):
+                crash_point("gc:before-delete")
+                store.backend.delete(pack_key(name))
+            if not epoch_written:
+                _put_epoch(store, epoch, may_fail=False)
             for old, entries in sorted(plan.repack.items()):
                 n, names = _repack(store, old, entries)
                 moved += n
                 published |= names
                 crash_point("gc:after-repack")
-            for name in sorted(plan.delete_packs):
-                crash_point("gc:before-delete")
-                store.backend.delete(pack_key(name))
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
                 store.backend.delete(pack_key(name))
             store.index.remove_packs(set(plan.delete_packs) | old_repacked)
+            if epoch is not None:
+                store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:
                 store.backend.delete_temp(path)
         return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack),
@@ -344,6 +355,17 @@ def _plan(store, *, max_unused: float, grace_s: float) -> GcPlan:
             plan.pack_entries[name] = entries
     plan.temp_files = _removable_temp_files(store, grace_s)
     return plan
+
+
+def _put_epoch(store, epoch: bytes, *, may_fail: bool) -> bool:
+    """Publish gc's epoch; on a full disk with dead packs still to delete, report False (write it after)."""
+    try:
+        store.backend.put(GC_EPOCH_KEY, epoch)
+        return True
+    except DiskFullError:
+        if not may_fail:
+            raise
+        return False
 
 
 def _repack(store, old: str, entries: list[PackEntry]) -> tuple[int, set[str]]:

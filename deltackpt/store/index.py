@@ -49,6 +49,8 @@ INDEX_VERSION = b"2"
 
 # LMDB maps its lock file: touching a page of it on a full disk is SIGBUS, not an error Python can catch.
 _MIN_FREE_BYTES = 1 << 20
+# Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
+GC_EPOCH_KEY = "gc-epoch"
 _DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts", b"verified")
 _envs: dict[str, tuple] = {}
 _envs_lock = threading.Lock()
@@ -407,6 +409,30 @@ class ChunkIndex:
             return unknown
         finally:
             txn.abort()  # nothing to write (and on a full disk a commit could fail)
+
+    @_guarded()
+    def get_meta(self, key: bytes) -> bytes | None:
+        _, _, meta = self._dbs()
+        with self.env.begin(db=meta) as txn:
+            value = txn.get(key)
+        return None if value is None else bytes(value)
+
+    @_guarded(best_effort=True)
+    def set_meta(self, key: bytes, value: bytes) -> None:
+        _, _, meta = self._dbs()
+        with self.env.begin(write=True, db=meta) as txn:
+            txn.put(key, value)
+
+    def sync(self) -> None:
+        """Refresh this cache if a gc deleted packs since it last looked (call holding a shared store lock,
+        so no gc deletes while the caller relies on it). One small read when nothing changed."""
+        try:
+            epoch = bytes(self.backend.get(GC_EPOCH_KEY))
+        except FileNotFoundError:
+            epoch = b""
+        if epoch != (self.get_meta(b"gc_epoch") or b""):
+            self.refresh()
+            self.set_meta(b"gc_epoch", epoch)
 
     def _is_foreign(self) -> bool:
         _, _, meta = self._dbs()

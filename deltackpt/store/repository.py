@@ -98,9 +98,36 @@ def _default_cache_dir(backend: Backend, store_id: str) -> Path:
     if env:
         return Path(env) / store_id
     local = backend.local_path()
-    if local is not None:
+    if local is not None and not on_shared_filesystem(local):
         return local / "cache"
-    return Path(tempfile.gettempdir()) / "deltackpt-cache" / store_id
+    # Object storage, or a directory several hosts open (LMDB's locks do not work across hosts): node-local.
+    return _user_cache_dirs(store_id)[0]
+
+
+# File systems that several hosts mount: a store there keeps its index cache on the local node.
+_SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "beegfs", "ceph", "glusterfs", "9p",
+              "panfs", "wekafs", "afs", "ocfs2", "gfs2", "fuse.glusterfs", "fuse.sshfs", "fuse.juicefs",
+              "fuse.gcsfuse", "fuse.s3fs", "fuse.mountpoint-s3", "fuse.cephfs", "fuse.rclone"}
+
+
+def mount_type(path) -> str | None:
+    """The file system type of the mount holding ``path`` (from /proc/mounts), or None if unknown."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, kind = "", None
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind = point, fstype
+    return kind
+
+
+def on_shared_filesystem(path) -> bool:
+    return mount_type(path) in _SHARED_FS
 
 
 def _user_cache_dirs(store_id: str) -> list[Path]:
@@ -462,6 +489,7 @@ class Store:
             return self._save_locked(name, items, metadata, overwrite, lock, writer_kwargs)
 
     def _save_locked(self, name, items, metadata, overwrite, lock, writer_kwargs) -> Manifest:
+        self.index.sync()  # under the lock: a gc in another process (own cache) may have deleted packs
         parent = self.latest_manifest()
         w = self.writer(parent=parent, **writer_kwargs)
         try:

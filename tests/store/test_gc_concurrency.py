@@ -92,16 +92,20 @@ def _items(writer: int, step: int) -> dict:
     return scope["make_items"](writer, step)
 
 
-def _run_concurrently(tmp_path, root, duration_s: float) -> tuple[list[int], dict]:
-    """Run the two writers and the maintainer; their output goes to files (a full pipe would stall them)."""
+def _run_concurrently(tmp_path, root, duration_s: float, own_caches: bool = False) -> tuple[list[int], dict]:
+    """Run the two writers and the maintainer; their output goes to files (a full pipe would stall them).
+    ``own_caches``: each process keeps its index cache in its own directory (as on several hosts)."""
     roles = {"writer0": [WRITER, str(root), "0"], "writer1": [WRITER, str(root), "1"],
              "maintainer": [MAINTAINER, str(root)]}
     procs = {}
     try:
         for role, args in roles.items():
             with open(tmp_path / f"{role}.out", "w") as out, open(tmp_path / f"{role}.err", "w") as err:
+                env = subprocess_env()
+                if own_caches:
+                    env["DELTACKPT_CACHE_DIR"] = str(tmp_path / f"cache-{role}")
                 procs[role] = subprocess.Popen([sys.executable, "-c", *args, str(duration_s)], cwd=REPO_ROOT,
-                                               env=subprocess_env(), stdout=out, stderr=err)
+                                               env=env, stdout=out, stderr=err)
         for role, p in procs.items():
             p.wait(timeout=duration_s + 120)
             err = (tmp_path / f"{role}.err").read_text()
@@ -115,10 +119,10 @@ def _run_concurrently(tmp_path, root, duration_s: float) -> tuple[list[int], dic
     return [int(outs["writer0"]), int(outs["writer1"])], json.loads(outs["maintainer"])
 
 
-def check_saves_and_gc_interleave(tmp_path, duration_s: float) -> None:
+def check_saves_and_gc_interleave(tmp_path, duration_s: float, own_caches: bool = False) -> None:
     root = tmp_path / "store"
     Store.init(root, **CONFIG)
-    saves, gc = _run_concurrently(tmp_path, root, duration_s)
+    saves, gc = _run_concurrently(tmp_path, root, duration_s, own_caches)
     assert min(saves) >= 3, saves  # both writers really saved in a loop
     assert gc["runs"] >= 2 and gc["deleted"] > 0, gc  # and gc really swept while they did
 
@@ -136,6 +140,12 @@ def check_saves_and_gc_interleave(tmp_path, duration_s: float) -> None:
 @pytest.mark.timeout(240)
 def test_saves_and_gc_interleave_briefly(tmp_path):
     check_saves_and_gc_interleave(tmp_path, duration_s=12)
+
+
+@pytest.mark.timeout(240)
+def test_saves_and_gc_interleave_with_a_cache_per_process(tmp_path):
+    """As on several hosts sharing one store (NFS, Lustre): every process keeps its own index cache."""
+    check_saves_and_gc_interleave(tmp_path, duration_s=12, own_caches=True)
 
 
 @pytest.mark.slow

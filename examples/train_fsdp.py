@@ -2,7 +2,10 @@
 
     torchrun --standalone --nproc-per-node 2 examples/train_fsdp.py --store demo-store --steps 40 --save-every 10
 
-Resumes from the newest intact checkpoint in the store. ``--fail-at-step K`` makes rank 1 die after step K
+Resumes from the newest intact checkpoint in the store. ``--remote s3://bucket/run`` adds a cold tier: every
+checkpoint is uploaded in the background, ``--keep-local-last N`` keeps only the newest N on local disk, and a
+job started on a fresh machine (any number of ranks) resumes from the remote store. Credentials and endpoint
+come from the standard AWS environment (``AWS_ENDPOINT_URL`` for MinIO/Ceph). ``--fail-at-step K`` makes rank 1 die after step K
 in the first attempt (torchrun ``--max-restarts`` then restarts the job, which resumes and finishes).
 """
 
@@ -82,6 +85,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--keep-last", type=int, default=None)
+    ap.add_argument("--remote", default=None, help="also upload every checkpoint here (e.g. s3://bucket/run)")
+    ap.add_argument("--keep-local-last", type=int, default=None, help="with --remote: local checkpoints to keep")
     ap.add_argument("--async-mode", choices=["thread", "process"], default=None)
     ap.add_argument("--fail-at-step", type=int, default=None, help="rank 1 dies after this step (first attempt)")
     ap.add_argument("--loss-log", default=None, help="rank 0 appends one JSON line per step (loss as float hex)")
@@ -105,7 +110,8 @@ def main() -> None:
 
     state = TrainState(model=model, optimizer=optim, scheduler=sched, dataloader=loader)
     with CheckpointManager(args.store, state, every_n_steps=args.save_every, keep_last=args.keep_last,
-                           async_mode=args.async_mode) as mgr:
+                           async_mode=args.async_mode, remote=args.remote,
+                           keep_local_last=args.keep_local_last) as mgr:
         step = mgr.restore_latest()
         if rank == 0 and step:
             print(f"resumed at step {step} (epoch {state.epoch}, attempt {attempt})", flush=True)

@@ -86,6 +86,8 @@ class CheckpointManager:
         self.store: Store = open_store(store, storage_options)
         reserve_base_cache(base_cache_bytes)
         self.remote = remote
+        self._remote_storage_options = remote_storage_options
+        self._remote: Store | None = None  # opened when a rank restores from it
         # The coordinator uploads (every rank's packs are in the one local store it commits to).
         self._uploader: Uploader | None = None
         if remote is not None and _rank_and_world()[0] == 0:
@@ -226,17 +228,39 @@ class CheckpointManager:
             # Structure first (manifest, chunks indexed, packs and bases present): a damaged checkpoint is
             # skipped before it touches the state. Chunk bytes are re-hashed as they load.
             report = verify_store(self.store, level=0, checkpoints=[name])
-            if not report.ok:
-                log.warning("checkpoint %r is damaged (%s); falling back to the previous one", name,
-                            report.problems[0].detail)
-                failures.append(f"{name}: {report.problems[0].detail}")
-                continue
-            try:
-                return self.restore(name)
-            except _DAMAGE as damage:
-                log.warning("checkpoint %r is damaged (%s); falling back to the previous one", name, damage)
-                failures.append(f"{name}: {damage}")
+            damage = None if report.ok else report.problems[0].detail
+            if damage is None:
+                try:
+                    return self.restore(name)
+                except _DAMAGE as e:
+                    damage = e
+            step = self._restore_from_remote(name, damage)
+            if step is not None:
+                return step
+            log.warning("checkpoint %r is damaged (%s); falling back to the previous one", name, damage)
+            failures.append(f"{name}: {damage}")
         raise DeltackptError("no intact checkpoint to resume from; " + "; ".join(failures))
+
+    def _restore_from_remote(self, name: str, damage) -> int | None:
+        """With a remote holding ``name``, restore the checkpoint whose local copy is damaged from there."""
+        if self.remote is None:
+            return None
+        remote = self._remote_store()
+        if not remote.exists(name):
+            return None
+        log.warning("checkpoint %r is damaged locally (%s); restoring it from %s", name, damage, self.remote)
+        try:
+            return self.restore(name, store=remote)
+        except _DAMAGE as e:
+            log.warning("checkpoint %r is damaged in %s too (%s)", name, self.remote, e)
+            return None
+
+    def _remote_store(self) -> Store:
+        if self._uploader is not None:
+            return self._uploader.remote
+        if self._remote is None:
+            self._remote = Store.open(self.remote, storage_options=self._remote_storage_options)
+        return self._remote
 
     def _fetch_newer_remote(self) -> None:
         """On the coordinator: copy the remote's newest checkpoint here if it is newer than every local one."""
@@ -252,10 +276,11 @@ class CheckpointManager:
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.process_group)  # every rank then sees what the coordinator fetched
 
-    def restore(self, name: str) -> int:
-        """Load checkpoint ``name`` into the state; returns its step."""
-        reader = DeltaStorageReader(self.store, name)
-        manifest = self.store.read_manifest(reader.checkpoint_id)
+    def restore(self, name: str, *, store: Store | None = None) -> int:
+        """Load checkpoint ``name`` (of ``store``, default the local one) into the state; returns its step."""
+        store = store or self.store
+        reader = DeltaStorageReader(store, name)
+        manifest = store.read_manifest(reader.checkpoint_id)
         saved_world = int(manifest.metadata.get("world_size", _rank_and_world()[1]))
         now = {n: type(o).__name__ for n, o in self.state.optimizers.items()}
         saved_opts = manifest.metadata.get("optimizers")
@@ -269,7 +294,7 @@ class CheckpointManager:
             self._check_compatible(name, target, metadata)
             with quiet_single_process():
                 typed_call(lambda: dcp.load({STATE_KEY: self.state},
-                                            storage_reader=DeltaStorageReader(self.store, reader.checkpoint_id),
+                                            storage_reader=DeltaStorageReader(store, reader.checkpoint_id),
                                             process_group=self.process_group))
         finally:
             self.state.prepare_load(None)

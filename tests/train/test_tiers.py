@@ -103,3 +103,19 @@ def test_ls_shows_where_each_checkpoint_lives(tmp_path, s3_server, s3_url, capsy
     rows = json.loads(capsys.readouterr().out)
     assert [(r["name"], r["location"]) for r in rows] == [("step-00000001", "remote"), ("step-00000002", "remote"),
                                                          ("step-00000003", "both")]
+
+
+def test_a_damaged_local_copy_is_restored_from_the_remote(tmp_path, s3_server, s3_url):
+    opts = s3_server.storage_options
+    state, refs = _state(), {}
+    local = tmp_path / "l"
+    with CheckpointManager(str(local), state, every_n_steps=2, remote=s3_url, remote_storage_options=opts) as mgr:
+        _train(state, mgr, 0, 4, refs)
+    store = Store.open(local)
+    newest = store.read_manifest("step-00000004")
+    pack = store.index.lookup(newest.items[0].chunks[0].id).pack
+    (local / "packs" / pack[:2] / pack).unlink()  # the local disk lost a pack of the newest checkpoint
+    fresh = _state(seed=5)
+    with CheckpointManager(str(local), fresh, every_n_steps=2, remote=s3_url, remote_storage_options=opts) as mgr:
+        assert mgr.restore_latest() == 4
+    assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[4])

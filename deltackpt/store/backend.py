@@ -67,7 +67,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def put_new(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Store ``data`` under ``key`` only if no object is there (atomically); else FileExistsError."""
+        """Store ``data`` under ``key`` only if no object is there (atomically); else FileExistsError.
+
+        A remote backend may succeed when the object already holds exactly ``data`` (its own earlier send,
+        whose response was lost); callers that race put distinct bytes."""
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:

@@ -8,10 +8,17 @@ the packs it references sees them; a PUT is atomic (a reader sees the old object
 ``put_new`` is a conditional ``If-None-Match: *`` PUT where the filesystem supports it (S3), else a HEAD
 followed by a PUT (two racers may both succeed).
 
-Retries live here, not in the engine: throttling, 5xx, timeouts and dropped connections are retried with
-exponential backoff and full jitter, a bounded number of times, then :class:`BackendError` names the object
-and the operation. Missing objects (FileNotFoundError), refused access and failed preconditions are not
-retried. s3fs's and botocore's own retry loops are turned off so there is one policy, with one bound.
+Retries live here, not in the engine: throttling (503 SlowDown), 5xx, timeouts, refused, reset and dropped
+connections and cut-off responses -- any error but the ones below -- are retried with exponential backoff and
+full jitter (``backoff_s * 2**n``, at most ``max_backoff_s``), ``max_attempts`` tries in all (6 by default), then
+:class:`BackendError` names the object and the operation on one line. Not retried: missing objects
+(FileNotFoundError), refused access and a missing bucket (BackendError at once), failed preconditions and
+bad arguments. s3fs's and botocore's own retry loops are turned off so there is one policy, with one bound;
+a connect timeout (10 s) and a read timeout (60 s, between two reads of a response) bound every attempt, so a
+server that stops answering costs at most ``max_attempts`` timeouts (both are ``config_kwargs`` to change).
+Every operation is safe to repeat after a lost response (aiohttp itself resends an idempotent request once
+when a reused connection drops): objects are written whole and never changed, and a conditional put
+(``put_new``) that finds exactly its own bytes there has succeeded.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ T = TypeVar("T")
 
 MiB = 1 << 20
 MULTIPART_PART_BYTES = 8 * MiB  # objects of more than two parts upload as multipart, parts in parallel
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0  # the longest silence while reading a response (botocore's default, made explicit)
 _NOT_RETRIED = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
                 ValueError, TypeError, NotImplementedError, KeyError)
 
@@ -59,6 +68,9 @@ class FsspecBackend(Backend):
             options.setdefault("use_listings_cache", False)
             cfg = dict(options.pop("config_kwargs", {}) or {})
             cfg.setdefault("retries", {"total_max_attempts": 1})
+            # A server that accepts a connection and never answers must cost a bounded time, not a hang.
+            cfg.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
+            cfg.setdefault("read_timeout", READ_TIMEOUT_S)
             options["config_kwargs"] = cfg
         options.setdefault("skip_instance_cache", True)
         self.fs, root = fsspec.core.url_to_fs(self.url, **options)
@@ -99,8 +111,9 @@ class FsspecBackend(Backend):
                 raise
             except Exception as e:  # noqa: BLE001 - throttling, 5xx, timeouts, resets: transient
                 if attempt == self.max_attempts:
-                    raise BackendError(f"{op} {self.url}/{key} failed after {attempt} attempts: "
-                                       f"{type(e).__name__}: {e}", key=key, operation=op) from e
+                    detail = " ".join(f"{type(e).__name__}: {e}".split())  # HTTP client messages span lines
+                    raise BackendError(f"{op} {self.url}/{key} failed after {attempt} attempt"
+                                       f"{'s' if attempt > 1 else ''}: {detail}", key=key, operation=op) from e
                 with self._rand_lock:
                     jitter = self._rand.random()
                 time.sleep(jitter * min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
@@ -114,7 +127,17 @@ class FsspecBackend(Backend):
     def put_new(self, key, data):
         path, body = self._path(key), bytes(data)
         if self._put_kwargs:  # S3: a conditional PUT, atomic on the server
-            self._retry("PUT", key, lambda: self.fs.pipe_file(path, body, mode="create", **self._put_kwargs))
+            def create() -> None:
+                try:
+                    self.fs.pipe_file(path, body, mode="create", **self._put_kwargs)
+                except FileExistsError:
+                    # A resend after a lost response (ours, or aiohttp's own on a dropped connection) finds what
+                    # the first send created: ours if the bytes are (put_new's use, the config, has a random id).
+                    if self._retry("GET", key, lambda: bytes(self.fs.cat_file(path))) == body:
+                        return
+                    raise
+
+            self._retry("PUT", key, create)
             return
         if self.exists(key):
             raise FileExistsError(key)

@@ -182,6 +182,15 @@ def test_overwrite_is_atomic_for_concurrent_readers(backend):
     assert seen <= {b"a", b"b"}
 
 
+def test_put_new_stores_only_where_nothing_is(backend):
+    backend.put_new("n/k", b"first")
+    with pytest.raises(FileExistsError):
+        backend.put_new("n/k", b"second")
+    assert backend.get("n/k") == b"first"
+    backend.put_new("n/other", b"second")
+    assert keys_of(backend.list("n/")) == ["n/k", "n/other"]
+
+
 # -- LocalBackend specifics --------------------------------------------------------------------------------
 
 

@@ -1,0 +1,305 @@
+"""Object storage under faults: an HTTP proxy in front of the moto server answers a share of the requests with
+503 SlowDown / 500 InternalError, resets connections, cuts responses or stalls (tests/s3_faults.py). Saves,
+loads and copies still complete bit-exact, or fail with one BackendError naming the object and the operation,
+leaving no manifest and every earlier checkpoint intact; kill -9 mid-upload leaves the store clean."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from deltackpt.errors import BackendError
+from deltackpt.store import Store
+from deltackpt.store import repository as repository_mod
+from deltackpt.store.copy import copy
+from deltackpt.store.fsspec_backend import FsspecBackend
+from deltackpt.store.verify import verify_store
+from s3_faults import FaultProxy
+
+from store_helpers import REPO_ROOT, assert_items_equal, subprocess_env
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = dict(chunk_size_bytes=64 * 1024, pack_target_bytes=256 * 1024)  # 2 MiB: 32 chunks in ~8 packs
+FAST = dict(max_attempts=12, backoff_s=0.01, max_backoff_s=0.05)  # at 25% faults, 0.25**12: 6e-8 per operation
+
+
+@pytest.fixture
+def proxy(s3_server, rng):
+    p = FaultProxy(s3_server.port, seed=rng.seed)
+    yield p
+    p.stop()
+
+
+def _options(s3_server, endpoint: str, read_timeout_s: float = 10) -> dict:
+    return {**s3_server.storage_options, "endpoint_url": endpoint,
+            "config_kwargs": {"connect_timeout": 5, "read_timeout": read_timeout_s}}
+
+
+def _backend(s3_server, url: str, endpoint: str, **kwargs) -> FsspecBackend:
+    read_timeout_s = kwargs.pop("read_timeout_s", 10)
+    return FsspecBackend(url, _options(s3_server, endpoint, read_timeout_s), **{**FAST, **kwargs})
+
+
+def _direct(s3_server, url: str, tmp_path, name: str = "direct") -> Store:
+    """The store reached without the proxy (what really is on the server), with its own index cache."""
+    return Store.open(FsspecBackend(url, s3_server.storage_options), cache_dir=tmp_path / f"cache-{name}")
+
+
+def _state(rng, step: int, base: dict | None = None) -> dict:
+    if base is None:
+        return {"w": rng.standard_normal(1 << 19).astype(np.float32),  # 2 MiB
+                "b": rng.standard_normal(1000).astype(np.float32), "meta": b'{"step": 0}'}
+    w = base["w"].copy()
+    w[rng.integers(0, w.size, 20_000)] += np.float32(0.5)
+    return {**base, "w": w, "meta": f'{{"step": {step}}}'.encode()}
+
+
+def _ok_puts(proxy: FaultProxy, folder: str) -> list[str]:
+    """Object paths the server accepted a PUT of (single-part uploads), in order."""
+    return [r.target.split("?", 1)[0] for r in proxy.log
+            if r.method == "PUT" and r.status == 200 and f"/{folder}/" in r.target]
+
+
+def test_proxy_forwards_chunked_request_bodies_unchanged(s3_server, s3_url, proxy):
+    # botocore sends Content-Length over http:// (aws-chunked with trailers only over https, which moto's
+    # server does not decode); a client that chunks must get through byte for byte.
+    bucket = s3_url[len("s3://"):].split("/")[0]
+    chunks = [os.urandom(1000), os.urandom(70_000), b"x"]
+    body = b"".join(b"%x\r\n" % len(c) + c + b"\r\n" for c in chunks) + b"0\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+        s.sendall(f"PUT /{bucket}/run/chunked HTTP/1.1\r\nHost: s3\r\nTransfer-Encoding: chunked\r\n"
+                  "Connection: close\r\n\r\n".encode() + body)
+        assert s.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert [(r.method, r.body_bytes, r.status) for r in proxy.log] == [("PUT", len(body), 200)]
+    assert FsspecBackend(s3_url, s3_server.storage_options).get("chunked") == b"".join(chunks)
+
+
+def test_save_and_load_commit_bit_exact_through_a_quarter_of_requests_failing(s3_server, s3_url, proxy, rng,
+                                                                               tmp_path):
+    proxy.set_faults(0.25, ("503", "500", "reset", "drop", "cut"))
+    store = Store.init(_backend(s3_server, s3_url, proxy.endpoint), cache_dir=tmp_path / "cache", **SIZES)
+    first = _state(rng, 0)
+    second = _state(rng, 1, first)
+    store.save("first", first)
+    store.save("second", second)
+    # A fresh reader (empty index cache: rebuilt from pack tables) through the same faults.
+    reader = Store.open(_backend(s3_server, s3_url, proxy.endpoint), cache_dir=tmp_path / "cache-reader")
+    assert [i.name for i in reader.list_checkpoints()] == ["first", "second"]
+    assert_items_equal(first, reader.load("first"))
+    assert_items_equal(second, reader.load("second"))
+    assert len(store.list_checkpoints()) == 2
+    assert proxy.total_injected > 20, proxy.injected
+    assert all(proxy.injected[k] > 0 for k in ("503", "500", "reset", "drop", "cut")), proxy.injected
+    proxy.clear()
+    assert verify_store(_direct(s3_server, s3_url, tmp_path), level=2).ok
+
+
+def test_reader_with_failing_and_stalled_gets_loads_bit_exact(s3_server, s3_url, proxy, rng, tmp_path):
+    store = Store.init(_backend(s3_server, s3_url, proxy.endpoint), cache_dir=tmp_path / "cache", **SIZES)
+    state = _state(rng, 0)
+    store.save("one", state)
+    # Stalls longer than the read timeout are timeouts, retried like the rest (none can hang the reader).
+    proxy.set_faults(0.3, ("503", "500", "reset", "cut", "delay"), methods={"GET", "HEAD"}, delay_s=2.0)
+    reader = Store.open(_backend(s3_server, s3_url, proxy.endpoint, read_timeout_s=0.5),
+                        cache_dir=tmp_path / "cache-reader")
+    assert_items_equal(state, reader.load("one"))
+    assert proxy.total_injected > 5, proxy.injected
+    assert all(r.method in ("GET", "HEAD") for r in proxy.log if r.fault)
+
+
+def test_a_server_that_never_answers_is_a_bounded_backend_error(s3_server, s3_url, proxy, tmp_path):
+    backend = _backend(s3_server, s3_url, proxy.endpoint, read_timeout_s=0.3, max_attempts=3)
+    backend.put("x/obj", b"payload")
+    proxy.set_faults(1.0, ("delay",), methods={"GET"}, delay_s=30, limit=2)  # two timeouts, then an answer
+    assert backend.get("x/obj") == b"payload"
+    assert proxy.injected["delay"] == 2
+    proxy.set_faults(1.0, ("delay",), methods={"GET"}, delay_s=30)
+    start = time.monotonic()
+    with pytest.raises(BackendError) as e:
+        backend.get("x/obj")
+    assert time.monotonic() - start < 10
+    assert e.value.operation == "GET" and e.value.key == "x/obj" and "after 3 attempts" in str(e.value)
+    assert proxy.injected["delay"] == 2 + 3
+
+
+def test_init_whose_conditional_put_response_is_lost_still_creates_the_store(s3_server, s3_url, proxy, tmp_path):
+    # The server stores the config, the client never hears so and retries: If-None-Match then fails (412).
+    proxy.set_faults(1.0, ("cut",), methods={"PUT"}, path="/config", limit=1)
+    store = Store.init(_backend(s3_server, s3_url, proxy.endpoint), cache_dir=tmp_path / "cache", **SIZES)
+    assert proxy.injected["cut"] == 1
+    assert [r.status for r in proxy.log if r.method == "PUT" and "/config" in r.target] == [200, 412]
+    assert _direct(s3_server, s3_url, tmp_path).config.store_id == store.config.store_id
+    # Someone else's config is still a FileExistsError, after a lost response too.
+    other = _backend(s3_server, s3_url, proxy.endpoint)
+    proxy.set_faults(1.0, ("reset",), methods={"PUT"}, limit=1)
+    with pytest.raises(FileExistsError):
+        other.put_new("config", b"another store's config")
+
+
+@pytest.mark.parametrize("when", ["manifest-put", "after-packs"])
+def test_failing_commit_leaves_no_manifest_and_earlier_checkpoints_intact(s3_server, s3_url, proxy, rng, tmp_path,
+                                                                          monkeypatch, when):
+    store = Store.init(_backend(s3_server, s3_url, proxy.endpoint, max_attempts=4), cache_dir=tmp_path / "cache",
+                       **SIZES)
+    first = _state(rng, 0)
+    store.save("first", first)
+    second = _state(rng, 1, first)
+    if when == "manifest-put":  # throttled on the commit point, every time
+        proxy.set_faults(1.0, ("503",), methods={"PUT"}, path="/manifests/")
+    else:  # every request fails once the packs are up: the commit's checks, the put, the clean-up, the unlock
+        real = repository_mod.crash_point
+
+        def fail_everything_after_packs(label):
+            if label == "save:after-packs":
+                proxy.set_faults(1.0, ("503", "500", "reset"))
+            real(label)
+
+        monkeypatch.setattr(repository_mod, "crash_point", fail_everything_after_packs)
+    with pytest.raises(BackendError) as e:
+        store.save("second", second)
+    err = e.value
+    assert err.operation in ("PUT", "HEAD", "GET", "LIST", "DELETE") and err.key, err
+    assert err.key in str(err) and err.operation in str(err) and "\n" not in str(err)
+    if when == "manifest-put":
+        assert (err.operation, err.key) == ("PUT", "manifests/second")
+    proxy.clear()
+    monkeypatch.undo()
+    direct = _direct(s3_server, s3_url, tmp_path)
+    assert not direct.backend.exists("manifests/second")
+    assert [i.name for i in direct.list_checkpoints()] == ["first"]
+    assert_items_equal(first, direct.load("first"))
+    assert verify_store(direct, level=2).ok
+    # A rerun without faults commits (over the orphan packs of the failed one).
+    store.save("second", second)
+    assert_items_equal(second, _direct(s3_server, s3_url, tmp_path, "after").load("second"))
+
+
+def _local_history(tmp_path, rng, n: int = 3, *, related: bool = True) -> tuple[Store, dict]:
+    src = Store.init(tmp_path / "src", **SIZES)
+    saved, state = {}, None
+    for step in range(n):
+        state = _state(rng, step, state if related else None)
+        src.save(f"step-{step}", state)
+        saved[f"step-{step}"] = state
+    return src, saved
+
+
+def _cli_verify(s3_server, url: str, tmp_path) -> dict:
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("AWS_")}
+    env.update(s3_server.env, HOME=str(tmp_path), DELTACKPT_CACHE_DIR=str(tmp_path / "cli-cache"))
+    r = subprocess.run([sys.executable, "-m", "deltackpt", "verify", url, "--level", "2", "--json"],
+                       capture_output=True, text=True, timeout=90, env=env, cwd=REPO_ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_copy_to_s3_through_a_flaky_proxy_verifies_clean(s3_server, s3_url, proxy, rng, tmp_path):
+    src, saved = _local_history(tmp_path, rng)
+    proxy.set_faults(0.25, ("503", "500", "reset", "drop", "cut"))
+    dst = Store.init(_backend(s3_server, s3_url, proxy.endpoint), cache_dir=tmp_path / "cache", **SIZES)
+    report = copy(src, dst, verify=True)
+    assert report.copied == list(saved) and report.problems == []
+    assert proxy.total_injected > 10, proxy.injected
+    proxy.clear()
+    out = _cli_verify(s3_server, s3_url, tmp_path)
+    assert out["ok"] and out["problems"] == [] and out["damaged_checkpoints"] == []
+    direct = _direct(s3_server, s3_url, tmp_path)
+    for name, items in saved.items():
+        assert_items_equal(items, direct.load(name))
+
+
+def test_interrupted_copy_resumes_without_sending_anything_twice(s3_server, s3_url, proxy, rng, tmp_path):
+    src, saved = _local_history(tmp_path, rng, related=False)  # every checkpoint brings several packs
+    # The reference: the same copy, uninterrupted, into another bucket.
+    full = copy(src, Store.init(_backend(s3_server, f"s3://{s3_server.new_bucket()}/run", s3_server.endpoint),
+                                cache_dir=tmp_path / "cache-ref", **SIZES))
+    dst = Store.init(_backend(s3_server, s3_url, proxy.endpoint, max_attempts=3), cache_dir=tmp_path / "cache",
+                     **SIZES)
+    state = {"packs": 0}
+
+    def dies_midway(name, done, total):  # every request fails from the second pack of step-1 on
+        if name == "step-1":
+            state["packs"] += 1
+            if state["packs"] == 2:
+                proxy.set_faults(1.0, ("503", "reset"))
+
+    with pytest.raises(BackendError):
+        copy(src, dst, progress=dies_midway)
+    first_sent = sum(r.body_bytes for r in proxy.log if r.method == "PUT" and r.status == 200
+                     and ("/packs/" in r.target or "/manifests/" in r.target))
+    proxy.clear()
+    assert [i.name for i in _direct(s3_server, s3_url, tmp_path).list_checkpoints()] == ["step-0"]
+    assert state["packs"] == 2 and len(_ok_puts(proxy, "packs")) > 2
+    rerun = copy(src, Store.open(_backend(s3_server, s3_url, proxy.endpoint), cache_dir=tmp_path / "cache-2"))
+    assert rerun.skipped == ["step-0"] and rerun.copied == ["step-1", "step-2"]
+    puts = _ok_puts(proxy, "packs") + _ok_puts(proxy, "manifests")
+    assert len(puts) == len(set(puts)), "an object was sent twice"
+    assert first_sent + rerun.bytes_sent == full.bytes_sent
+    assert _cli_verify(s3_server, s3_url, tmp_path)["ok"]
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from deltackpt.store import Store
+
+    store = Store.open(sys.argv[1])  # the S3 endpoint and credentials come from the environment
+    x = np.random.default_rng(7).standard_normal(12 << 20, dtype=np.float32)
+    print("start", flush=True)
+    store.save("big", {"w": x})
+    print("committed", flush=True)
+    """
+)
+
+
+def test_kill_9_mid_upload_leaves_committed_checkpoints_intact_and_a_rerun_commits(s3_server, s3_url, rng,
+                                                                                    tmp_path):
+    # Packs of 20 MiB: multipart uploads (8 MiB parts), so the kill lands inside one.
+    store = Store.init(s3_url, storage_options=s3_server.storage_options, cache_dir=tmp_path / "cache",
+                       chunk_size_bytes=1 << 20, pack_target_bytes=20 << 20)
+    base = _state(rng, 0)
+    store.save("base", base)
+    base_packs = {i.key for i in store.backend.list("packs/")}
+    env = {k: v for k, v in subprocess_env().items() if not k.startswith("AWS_")}
+    env.update(s3_server.env, HOME=str(tmp_path), DELTACKPT_CACHE_DIR=str(tmp_path / "child-cache"))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, s3_url], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while {i.key for i in store.backend.list("packs/")} == base_packs:  # the first pack of the new save
+            if proc.poll() is not None:
+                pytest.fail(f"child exited early: {proc.communicate()[1].decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("child wrote no pack within 60 s")
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    assert b"committed" not in out, "the kill came too late to test anything"
+    direct = _direct(s3_server, s3_url, tmp_path)
+    report = verify_store(direct, level=2)
+    assert report.ok and report.problems == [] and report.damaged_checkpoints == [], report
+    assert report.orphan_packs, "the killed save's first pack is there, unreferenced (gc removes it)"
+    assert [i.name for i in direct.list_checkpoints()] == ["base"]
+    assert_items_equal(base, direct.load("base"))
+    x = np.random.default_rng(7).standard_normal(12 << 20, dtype=np.float32)
+    direct.save("big", {"w": x})
+    again = _direct(s3_server, s3_url, tmp_path, "again")
+    assert [i.name for i in again.list_checkpoints()] == ["base", "big"]
+    np.testing.assert_array_equal(again.load("big")["w"], x)
+    assert_items_equal(base, again.load("base"))

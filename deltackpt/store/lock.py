@@ -228,8 +228,15 @@ class StoreLock:
     def __enter__(self) -> "StoreLock":
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.release()
+            return
+        try:
+            self.release()
+        except Exception as e:  # noqa: BLE001 - the error already on its way out is the one to report
+            exc.add_note(f"(the store lock {self.key} could not be released either: {e}; it goes stale in "
+                         f"{self.stale_after_s:.0f} s)")
 
     def __getstate__(self):
         raise TypeError("a held StoreLock cannot be pickled")

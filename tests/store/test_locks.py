@@ -189,3 +189,27 @@ def test_lock_of_another_process_blocks_until_it_dies(local_store, rng):
     result = plan_gc(store, grace_s=0).execute()
     assert result.deleted_packs == 1
     assert _keys(store.backend) == []  # the abandoned lock was cleaned up
+
+
+def test_a_failing_release_never_hides_the_error_inside_the_lock(tmp_path):
+    from deltackpt.store import MemoryBackend
+    from deltackpt.store.lock import StoreLock
+
+    class Unreachable(MemoryBackend):
+        down = False
+
+        def delete(self, key):
+            if self.down:
+                raise OSError("connection reset")
+            super().delete(key)
+
+    backend = Unreachable()
+    with pytest.raises(ValueError, match="the real failure") as ei:
+        with StoreLock(backend, "shared", refresh=False):
+            backend.down = True
+            raise ValueError("the real failure")
+    assert any("could not be released" in n for n in ei.value.__notes__)
+    backend.down = True
+    with pytest.raises(OSError, match="connection reset"):  # with nothing else to report, the release error
+        with StoreLock(backend, "shared", refresh=False):
+            backend.down = True

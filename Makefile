@@ -6,7 +6,7 @@ STAMP := $(VENV)/.deltackpt-installed
 DEMO_STORE ?= demo-store
 BENCH_OUT ?= bench-out
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-all demo bench clean
 
 install: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h)
 	$(PYTHON) -c "import deltackpt.kernels as k; print('deltackpt kernels:', k.BACKEND)"
 	touch $(STAMP)
 
+# The fast default: everything but the multi-process (distributed) suites and the slow stress tests.
 test: install
+	$(PYTHON) -m pytest -q -m "not slow and not distributed"
+
+# Everything, as CI runs it.
+test-all: install
 	$(PYTHON) -m pytest -q
 
 # The main job: a small transformer trained with FSDP2 on 2 CPU ranks, checkpointed every 10 steps.

@@ -6,6 +6,7 @@ Clients point ``endpoint_url`` at the proxy; it forwards each request to the mot
 
 - ``"503"``: 503 SlowDown with an S3 XML error body (throttling); the request never reaches the server.
 - ``"500"``: 500 InternalError, same.
+- ``"403"``: 403 AccessDenied (what a bucket policy or bad credentials give); never retried.
 - ``"reset"``: the whole request is read, then the connection is reset (RST) with no response.
 - ``"drop"``: the connection is reset after the request headers, its body unread (the client fails mid-send).
 - ``"cut"``: the request IS forwarded (the server applies it), then only the first half of the response
@@ -32,9 +33,10 @@ from dataclasses import dataclass
 
 from s3_server import free_port
 
-KINDS = ("503", "500", "reset", "drop", "cut", "delay")
+KINDS = ("503", "500", "403", "reset", "drop", "cut", "delay")
 _ERRORS = {"503": ("Service Unavailable", "SlowDown", "Please reduce your request rate."),
-           "500": ("Internal Server Error", "InternalError", "We encountered an internal error. Please try again.")}
+           "500": ("Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
+           "403": ("Forbidden", "AccessDenied", "Access Denied")}
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
 
 

@@ -303,3 +303,17 @@ def test_kill_9_mid_upload_leaves_committed_checkpoints_intact_and_a_rerun_commi
     assert [i.name for i in again.list_checkpoints()] == ["base", "big"]
     np.testing.assert_array_equal(again.load("big")["w"], x)
     assert_items_equal(base, again.load("base"))
+
+
+def test_access_denied_is_one_line_not_retried_and_writes_nothing(s3_server, s3_url, proxy, tmp_path):
+    proxy.set_faults(1.0, ("403",))
+    backend = _backend(s3_server, s3_url, proxy.endpoint)
+    with pytest.raises(BackendError, match="access denied") as ei:
+        Store.init(backend)
+    assert "\n" not in str(ei.value)
+    assert proxy.injected["403"] == 1, "an access error is final, not retried"
+    assert list(FsspecBackend(s3_url, s3_server.storage_options).list("")) == []
+    env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint, "HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "deltackpt", "ls", s3_url], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, **env})
+    assert r.returncode == 3 and "access denied" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -29,10 +29,10 @@ chosen once, at import, from the environment:
 from __future__ import annotations
 
 import operator
-import os
 
 import numpy as np
 
+from deltackpt import settings
 from deltackpt.errors import NativeKernelUnavailable
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 ELEM_SIZES = (1, 2, 4, 8)
-_BACKEND_CHOICES = ("auto", "native", "numpy")
+_BACKEND_CHOICES = settings.KERNEL_CHOICES
 _U64 = (1 << 64) - 1
 
 # --------------------------------------------------------------------------
@@ -387,13 +387,8 @@ native_impl = _Impl("native", _NativeRaw(_native)) if _native is not None else N
 
 
 def _select_backend() -> str:
-    choice = os.environ.get("DELTACKPT_KERNELS", "auto").strip().lower() or "auto"
-    if choice not in _BACKEND_CHOICES:
-        raise ValueError(
-            f"DELTACKPT_KERNELS={os.environ.get('DELTACKPT_KERNELS')!r} is not valid; "
-            f"allowed values: {', '.join(_BACKEND_CHOICES)}"
-        )
-    require = os.environ.get("DELTACKPT_REQUIRE_NATIVE", "").strip() == "1"
+    choice = settings.kernels()
+    require = settings.require_native()
     if choice == "native" or require:
         if native_impl is None:
             raise NativeKernelUnavailable(

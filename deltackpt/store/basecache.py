@@ -14,11 +14,12 @@ first save, with :func:`reserve_base_cache`.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 
 import numpy as np
+
+from .. import settings
 
 MiB = 1 << 20
 _DEFAULT_CAP = 0
@@ -26,16 +27,8 @@ AUTO_CAP_BYTES = 256 * MiB
 
 
 def _cap_from_env() -> int:
-    raw = os.environ.get("DELTACKPT_BASE_CACHE_BYTES")
-    if raw is None:
-        return _DEFAULT_CAP
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"DELTACKPT_BASE_CACHE_BYTES must be an integer byte count, got {raw!r}") from None
-    if value < 0:
-        raise ValueError("DELTACKPT_BASE_CACHE_BYTES must be >= 0")
-    return value
+    cap = settings.base_cache_bytes()
+    return _DEFAULT_CAP if cap is None else cap
 
 
 class BaseCache:
@@ -124,7 +117,7 @@ _shared_lock = threading.Lock()
 
 def reserve_base_cache(cap_bytes: int) -> None:
     """Raise the shared cache's cap to at least ``cap_bytes`` (unless the environment set it explicitly)."""
-    if os.environ.get("DELTACKPT_BASE_CACHE_BYTES") is None:
+    if settings.base_cache_bytes() is None:
         cache = shared_base_cache()
         cache.cap_bytes = max(cache.cap_bytes, int(cap_bytes))
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import signal
 
-_POINT = os.environ.get("DELTACKPT_CRASH_POINT")
+from .. import settings
+
+_POINT = settings.crash_point()
 
 
 def crash_point(label: str) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 import msgspec
 import numpy as np
 
+from .. import settings
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -94,7 +95,7 @@ def _as_backend(location, storage_options: dict | None = None) -> Backend:
 
 
 def _default_cache_dir(backend: Backend, store_id: str) -> Path:
-    env = os.environ.get("DELTACKPT_CACHE_DIR")
+    env = settings.cache_dir()
     if env:
         return Path(env) / store_id
     local = backend.local_path()
@@ -146,7 +147,7 @@ class Store:
         self.config = config
         self.cache_dir = Path(cache_dir) if cache_dir else _default_cache_dir(backend, config.store_id)
         # A chosen cache directory is used or else the index is kept in memory; the default one falls back.
-        self._fallback_cache_dirs = [] if cache_dir or os.environ.get("DELTACKPT_CACHE_DIR") else \
+        self._fallback_cache_dirs = [] if cache_dir or settings.cache_dir() else \
             _user_cache_dirs(config.store_id)
         self._index: ChunkIndex | None = None
         self._index_lock = threading.Lock()

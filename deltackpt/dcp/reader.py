@@ -23,7 +23,7 @@ from torch.futures import Future
 from ..errors import ManifestFormatError
 from ..store import LATEST, Store
 from ..store.manifest import Manifest
-from ..store.pausegc import paused_gc
+from .pausegc import paused_gc
 from ..store.reader import CheckpointReader, default_read_threads
 from .metadata_schema import decode_metadata
 from .writer import LAYER_KEY, _name_of

@@ -33,7 +33,7 @@ from ..store import Item, Store
 from ..store.basecache import AUTO_CAP_BYTES, reserve_base_cache
 from ..store.lock import SHARED, StoreLock
 from ..store.manifest import validate_name
-from ..store.pausegc import paused_gc
+from .pausegc import paused_gc
 from ..store.writer import default_write_threads
 from .metadata_schema import encode_metadata
 from .tensors import item_key, shard_placement, tensor_bytes

@@ -15,14 +15,16 @@ import numpy as np
 import pytest
 import xxhash
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltackpt.errors import DeltackptError, ManifestFormatError
-from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, Store, codec
+from deltackpt.errors import ManifestFormatError
+from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, codec
 from deltackpt.store.config import FORMAT_VERSION, decode_config, encode_config, new_config
 from deltackpt.store.index import decode_record, encode_record
 from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest, encode_manifest, manifest_key
+from fuzz_helpers import FUZZ, MiB, attempt, mutate, mutations
+
 from deltackpt.store.pack import (
     FOOTER_SIZE,
     HEADER_SIZE,
@@ -39,52 +41,6 @@ from deltackpt.store.pack import (
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-# The metadata parsers promise ManifestFormatError (a DeltackptError and a ValueError); the codecs promise
-# ValueError. Nothing else may escape.
-OUR_ERRORS = (DeltackptError,)
-MiB = 1 << 20
-
-
-def attempt(fn, *args, errors=OUR_ERRORS):
-    """fn(*args), or None if it raised one of ``errors``; anything else propagates and fails the test."""
-    try:
-        return fn(*args)
-    except errors:
-        return None
-
-
-# -- mutations ---------------------------------------------------------------------------------------------------
-
-_op = st.tuples(st.sampled_from(["flip", "set", "delete", "insert", "truncate", "dup"]),
-                st.integers(0, 1 << 30), st.integers(0, 255), st.binary(max_size=16))
-mutations = st.lists(_op, min_size=1, max_size=6)
-
-
-def mutate(data: bytes, ops, lo: int = 0) -> bytes:
-    """Apply ``ops`` to ``data[lo:]`` (``lo`` protects a prefix)."""
-    b = bytearray(data)
-    for kind, pos, val, blob in ops:
-        n = len(b) - lo
-        if n <= 0:
-            b += blob
-            continue
-        i = lo + pos % n
-        if kind == "flip":
-            b[i] ^= 1 << (val % 8)
-        elif kind == "set":
-            b[i] = val
-        elif kind == "delete":
-            del b[i:i + 1 + val % 16]
-        elif kind == "insert":
-            b[i:i] = blob
-        elif kind == "truncate":
-            del b[i:]
-        else:
-            b[i:i] = b[i:i + 1 + val % 32]
-    return bytes(b)
-
 
 # -- manifests ---------------------------------------------------------------------------------------------------
 
@@ -600,87 +556,3 @@ def test_codec_forged_content_size_is_a_value_error(size):
     finally:
         tracemalloc.stop()
     assert peak < 64 * MiB
-
-
-# -- DCP metadata blobs --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def dcp_blob():
-    torch = pytest.importorskip("torch")
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    from deltackpt.dcp.metadata_schema import metadata_from_bytes, metadata_to_bytes
-
-    props = TensorProperties(dtype=torch.float32)
-    md = Metadata(
-        state_dict_metadata={
-            "w": TensorStorageMetadata(props, torch.Size([4, 3]), [
-                ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
-                ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3]))]),
-            "opt": BytesStorageMetadata(),
-        },
-        planner_data={"w": ("w",), "opt": ("opt", 0)},
-        storage_data={MetadataIndex("w", torch.Size([0, 0]), 0): {"k": [1, b"x"]},
-                      MetadataIndex("opt"): None},
-        storage_meta=StorageMeta(checkpoint_id="ck", save_id="s", load_id=None, modules=["m"]),
-        version="1",
-    )
-    blob = metadata_to_bytes(md)
-    assert metadata_from_bytes(blob) == md
-    return metadata_from_bytes, blob
-
-
-@FUZZ
-@given(data=st.binary(max_size=2000))
-def test_dcp_metadata_random_bytes(dcp_blob, data):
-    parse, _ = dcp_blob
-    attempt(parse, data)
-
-
-@FUZZ
-@given(ops=mutations)
-def test_dcp_metadata_mutations(dcp_blob, ops):
-    parse, blob = dcp_blob
-    attempt(parse, mutate(blob, ops))
-
-
-@FUZZ
-@given(tree=st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=6)
-                         | st.binary(max_size=6),
-                         lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
-                         max_leaves=20),
-       field=st.sampled_from(["state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version",
-                              "schema"]))
-def test_dcp_metadata_field_replaced(dcp_blob, tree, field):
-    parse, blob = dcp_blob
-    d = msgspec.msgpack.decode(blob)
-    d[field] = tree
-    attempt(parse, msgspec.msgpack.encode(d))
-
-
-def test_dcp_metadata_pickle_is_never_executed(dcp_blob, tmp_path):
-    parse, _ = dcp_blob
-    marker = str(tmp_path / "pwned")
-    for data in (pickle.dumps(_Boom(marker)), pickle.dumps(_Boom(marker), protocol=0)):
-        with pytest.raises(ManifestFormatError):
-            parse(data)
-    assert not os.path.exists(marker)
-
-
-def test_dcp_metadata_deep_nesting_is_a_format_error(dcp_blob):
-    parse, blob = dcp_blob
-    d = msgspec.msgpack.decode(blob)
-    d["storage_data"][1]["value"] = "DEEP"
-    raw = msgspec.msgpack.encode(d)
-    raw = raw.replace(b"\xa4DEEP", b"\x91" * 100_000 + b"\xc0")
-    with pytest.raises(ManifestFormatError):
-        parse(raw)

@@ -6,8 +6,6 @@ reaches it through the standard AWS environment only."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,28 +14,20 @@ import torch
 
 from deltackpt.store import Store
 from dist import assert_tree_equal
+from train_helpers import run_job, torchrun_example
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
-
-
-def _run(cwd: Path, env: dict, cmd: list[str], timeout: float = 240) -> str:
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out[-6000:]}")
-    assert proc.returncode == 0, out[-6000:]
-    return out
+def _run(cwd: Path, env: dict, cmd: list[str]) -> str:
+    r = run_job(cmd, cwd, env)
+    assert r.returncode == 0, r.stdout[-6000:]
+    return r.stdout
 
 
 def _torchrun(cwd, env, nproc: int, *args: str) -> str:
-    return _run(cwd, env, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(EXAMPLE), *args])
+    r = torchrun_example(cwd, *args, nproc=nproc, env=env)
+    assert r.returncode == 0, r.stdout[-6000:]
+    return r.stdout
 
 
 def test_train_on_2_ranks_copy_to_s3_resume_on_3_ranks_elsewhere(tmp_path, s3_server, s3_url):

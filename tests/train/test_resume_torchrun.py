@@ -16,39 +16,23 @@ exactly as a user would, without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist import assert_tree_equal
+from train_helpers import torchrun_example
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
 STEPS = 20
 STEPS_PER_EPOCH = 8  # 64 samples / batch 8
 
 
 def _torchrun(cwd: Path, *args: str, max_restarts: int = 0, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", 
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", str(max_restarts), str(EXAMPLE), *args]
-    # Own session, so a hung job (ranks and agent) can be killed as a whole.
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun {' '.join(args)} did not finish in {timeout} s; output tail:\n{out[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    return torchrun_example(cwd, *args, max_restarts=max_restarts, timeout=timeout)
 
 
 def _log(path: Path) -> list[dict]:

@@ -111,3 +111,37 @@ def hash_tree(root: str | os.PathLike, exclude: tuple[str, ...] = ("cache",)) ->
             continue
         out[str(rel)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
+
+
+def run_job(cmd: list[str], cwd, env: dict | None = None, timeout: float = 240):
+    """Run ``cmd`` in its own session (a hung job, ranks and agent, is killed as a whole); fail the test on a
+    timeout. Returns the CompletedProcess with stdout and stderr together in ``stdout``."""
+    import signal
+    import subprocess
+
+    import pytest
+
+    env = dict(env if env is not None else os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish in {timeout} s; output tail:\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def torchrun_example(cwd, *args: str, nproc: int = 2, max_restarts: int = 0, env: dict | None = None,
+                     timeout: float = 240):
+    """``torchrun --standalone`` of examples/train_fsdp.py with ``args``."""
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(max_restarts), str(EXAMPLE), *args]
+    return run_job(cmd, cwd, env, timeout)

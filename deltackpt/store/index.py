@@ -80,12 +80,22 @@ def _open_env(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]]:
             raise OSError(errno.ENOSPC, "too little free space to open an LMDB cache", str(path))
         env = lmdb.open(str(path), map_size=_MAP_SIZE, max_dbs=8, subdir=True, lock=True, readahead=False)
         try:
+            _check_not_truncated(env, path)
             dbs = {name: env.open_db(name) for name in _DB_NAMES}
         except lmdb.Error:
             env.close()
             raise
         _envs[key] = (os.getpid(), env, dbs)
         return env, dbs
+
+
+def _check_not_truncated(env: lmdb.Environment, path: Path) -> None:
+    """A data file shorter than the pages its meta page says it has (a copy cut short, a full disk) would
+    crash the process with SIGBUS on the first read past its end: refuse it as a damaged cache instead."""
+    used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = os.path.getsize(path / "data.mdb")
+    if size < used:
+        raise lmdb.CorruptedError(f"{path / 'data.mdb'} has {size} bytes, its pages need {used}")
 
 
 def _close_env(path: Path) -> None:

@@ -233,6 +233,21 @@ def test_index_rebuild_never_opens_the_damaged_cache(tmp_path, rng):
     assert r.returncode == 0 and "['one', 'two'] True" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("keep", [1 / 3, 1 / 2, 0.9])
+def test_a_truncated_cache_is_rebuilt_not_a_crash(tmp_path, rng, keep):
+    """A data.mdb cut short (a copy or a disk that filled up) is refused before LMDB reads past its end
+    (SIGBUS): every command treats it as any damaged cache."""
+    src = tmp_path / "S"
+    _two_checkpoints(src, rng)
+    data = src / "cache" / "index.lmdb" / "data.mdb"
+    data.write_bytes(data.read_bytes()[: int(data.stat().st_size * keep) // 4096 * 4096 + 100])
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    r = subprocess.run([sys.executable, "-c", _CHECK, str(src)], capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode == 0 and "['one', 'two'] True" in r.stdout, (r.returncode, r.stderr[-2000:])
+    assert "rebuilding it from the pack tables" in r.stderr
+
+
 _DAMAGE_UNDER_AN_OPEN_STORE = """
 import os, sys
 from deltackpt.store import Store

@@ -17,6 +17,8 @@ retried. s3fs's and botocore's own retry loops are turned off so there is one po
 from __future__ import annotations
 
 import errno
+import json
+import os
 import random
 import threading
 import time
@@ -65,6 +67,7 @@ class FsspecBackend(Backend):
         if protocol in ("s3", "s3a"):
             self.fs.retries = 1  # s3fs's own loop (an instance attribute; not a constructor option)
         self.root = root.rstrip("/")
+        self.fs = _shared_filesystem(self.fs, options)
         self._put_kwargs = {"chunksize": MULTIPART_PART_BYTES} if protocol in ("s3", "s3a") else {}
         self._rand = random.Random()
         self._rand_lock = threading.Lock()
@@ -194,6 +197,19 @@ class FsspecBackend(Backend):
 
     def size(self, key):
         return int(self._info(key)["size"])
+
+
+_FILESYSTEMS: dict[tuple, object] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def _shared_filesystem(fs, options: dict):
+    """One filesystem object per protocol and options in this process: a new S3 client costs 0.04-0.3 s
+    (botocore session, service model, connections) on its first request, which every Store.open would pay
+    (a DCP save or load opens one). Keyed by the process id too: a forked child needs its own client."""
+    key = (os.getpid(), type(fs).__name__, json.dumps(options, sort_keys=True, default=repr))
+    with _FILESYSTEMS_LOCK:
+        return _FILESYSTEMS.setdefault(key, fs)
 
 
 def _mtime(info: dict) -> float:

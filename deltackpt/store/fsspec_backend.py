@@ -24,6 +24,8 @@ when a reused connection drops): objects are written whole and never changed, an
 from __future__ import annotations
 
 import errno
+import json
+import os
 import random
 import threading
 import time
@@ -77,6 +79,7 @@ class FsspecBackend(Backend):
         if protocol in ("s3", "s3a"):
             self.fs.retries = 1  # s3fs's own loop (an instance attribute; not a constructor option)
         self.root = root.rstrip("/")
+        self.fs = _shared_filesystem(self.fs, options)
         self._put_kwargs = {"chunksize": MULTIPART_PART_BYTES} if protocol in ("s3", "s3a") else {}
         self._rand = random.Random()
         self._rand_lock = threading.Lock()
@@ -217,6 +220,19 @@ class FsspecBackend(Backend):
 
     def size(self, key):
         return int(self._info(key)["size"])
+
+
+_FILESYSTEMS: dict[tuple, object] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def _shared_filesystem(fs, options: dict):
+    """One filesystem object per protocol and options in this process: a new S3 client costs 0.04-0.3 s
+    (botocore session, service model, connections) on its first request, which every Store.open would pay
+    (a DCP save or load opens one). Keyed by the process id too: a forked child needs its own client."""
+    key = (os.getpid(), type(fs).__name__, json.dumps(options, sort_keys=True, default=repr))
+    with _FILESYSTEMS_LOCK:
+        return _FILESYSTEMS.setdefault(key, fs)
 
 
 def _mtime(info: dict) -> float:

@@ -31,6 +31,9 @@ from .reader import ChunkSource, usable_cores
 
 MiB = 1 << 20
 BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
+# Sealed packs of a store with no local path (object storage) upload in this many threads while coding goes
+# on; a coding thread that seals one more waits, so at most this many sealed packs are held in memory.
+UPLOADS_IN_FLIGHT = 4
 
 
 _SAMPLE_BYTES = 64 * 1024  # at most; a chunk is judged by a sample of 1/16 of it, at least 16 KiB
@@ -155,6 +158,12 @@ class ChunkWriter:
         self._batch_bytes = 0
         self._batch_slots: list[list] = []
         self._finished = False
+        # Uploads to a remote store must not stall the coding thread that sealed the pack (a 32 MiB PUT).
+        self._uploads: ThreadPoolExecutor | None = None
+        self._upload_slots = threading.Semaphore(UPLOADS_IN_FLIGHT)
+        self._upload_error: BaseException | None = None  # the first upload's error, raised by finish()
+        if store.backend.local_path() is None:
+            self._uploads = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="deltackpt-upload")
 
     # -- public ------------------------------------------------------------------------------------------
     def add_array(self, key: str, data, *, dtype: str, elem_size: int, shape=(), group: str = "",
@@ -198,11 +207,13 @@ class ChunkWriter:
                 self._put_pack(builder)
             else:
                 builder.discard()
+            self._wait_uploads()
             done = True
             return WriteSummary(items=items, entries=self._entries, packs=self._packs)
         finally:
             self._pending.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
+            self._stop_uploads()
             self._discard_builders()
             if not done:
                 self._remove_created_packs()
@@ -213,6 +224,7 @@ class ChunkWriter:
         already indexed are left to ``gc``."""
         self._finished = True
         self._pool.shutdown(wait=True, cancel_futures=True)  # running jobs may still publish a pack
+        self._stop_uploads()
         self._pending.clear()
         self._discard_builders()
         self._remove_created_packs()
@@ -430,11 +442,47 @@ class ChunkWriter:
         return builder
 
     def _put_pack(self, builder: PackBuilder) -> None:
-        name, size, entries = builder.publish(self.store.backend, before_put=self._note_created)
+        if self._uploads is None:
+            self._publish(builder)
+            return
+        self._upload_slots.acquire()  # released when the upload ends (or is cancelled)
+        try:
+            fut = self._uploads.submit(self._publish, builder)
+        except BaseException:
+            self._upload_slots.release()
+            raise
+        fut.add_done_callback(self._upload_done)
+
+    def _publish(self, builder: PackBuilder) -> None:
+        # Only a local store's failed save removes its packs (_remove_created_packs): elsewhere, spare the HEAD.
+        note = self._note_created if self._uploads is None else None
+        name, size, entries = builder.publish(self.store.backend, before_put=note)
         with self._lock:
             self._open_builders.discard(builder)
             self._entries.extend(entries)
             self._packs[name] = size
+
+    def _upload_done(self, fut: Future) -> None:
+        self._upload_slots.release()
+        error = None if fut.cancelled() else fut.exception()
+        if error is not None:
+            with self._lock:
+                self._upload_error = self._upload_error or error
+            if self._failed is None:
+                self._failed = error  # stop coding what could not be committed anyway
+
+    def _wait_uploads(self) -> None:
+        """Wait for every pack upload; raise the first error one of them met."""
+        if self._uploads is None:
+            return
+        self._uploads.shutdown(wait=True)
+        if self._upload_error is not None:
+            raise self._upload_error
+
+    def _stop_uploads(self) -> None:
+        """Drop queued uploads and wait for running ones (no pack is put after the writer stopped)."""
+        if self._uploads is not None:
+            self._uploads.shutdown(wait=True, cancel_futures=True)
 
     def _note_created(self, name: str) -> None:
         # A pack of the same bytes that is already there may be another writer's: never ours to remove.

@@ -413,12 +413,12 @@ class CheckpointReader:
                 out.append(job)
         whole.sort(key=lambda w: (w[0].pack, w[0].offset))
         bundle: list = []
+        end = total = 0  # of the bundle being built: where its bytes end, what it reads in all
         for entry, job, cost in whole:
             if bundle and (entry.pack != bundle[-1][0].pack or entry.offset > end + COALESCE_GAP_BYTES
                            or total + cost > COALESCE_MAX_BYTES):
                 out.append(_bundle_job(bundle))
                 bundle = []
-            if not bundle:
                 end = total = 0
             bundle.append((entry, job))
             end, total = max(end, entry.offset + entry.span), total + cost

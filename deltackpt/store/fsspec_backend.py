@@ -80,7 +80,8 @@ class FsspecBackend(Backend):
             self.fs.retries = 1  # s3fs's own loop (an instance attribute; not a constructor option)
         self.root = root.rstrip("/")
         self.fs = _shared_filesystem(self.fs, options)
-        self._put_kwargs = {"chunksize": MULTIPART_PART_BYTES} if protocol in ("s3", "s3a") else {}
+        self._s3 = protocol in ("s3", "s3a")
+        self._put_kwargs = {"chunksize": MULTIPART_PART_BYTES} if self._s3 else {}
         self._rand = random.Random()
         self._rand_lock = threading.Lock()
 
@@ -148,7 +149,20 @@ class FsspecBackend(Backend):
 
     def get(self, key):
         path = self._path(key)
-        return bytes(self._retry("GET", key, lambda: self.fs.cat_file(path)))
+        if not self._s3:
+            return bytes(self._retry("GET", key, lambda: self.fs.cat_file(path)))
+
+        def whole() -> bytes:
+            # A ranged read from 0 is one GET; s3fs's plain cat_file sends a HEAD first, and on a missing key
+            # a LIST after it (three round trips for what a GET answers).
+            try:
+                return bytes(self.fs.cat_file(path, start=0))
+            except OSError as e:
+                if e.errno == errno.EINVAL and not isinstance(e, _NOT_RETRIED):
+                    return b""  # 416 at offset 0: the object is empty
+                raise
+
+        return self._retry("GET", key, whole)
 
     def get_range(self, key, offset, length):
         if offset < 0 or length < 0:
@@ -174,8 +188,12 @@ class FsspecBackend(Backend):
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         base = "/".join(p for p in (self.root, folder) if p)
 
+        rest = prefix[len(folder) + 1:] if folder else prefix
+
         def find() -> dict:
             try:
+                if self._s3 and rest:  # the server filters by key prefix (manifests/step-1: one key, not all)
+                    return self.fs.find(base, detail=True, prefix=rest)
                 return self.fs.find(base, detail=True)
             except FileNotFoundError:
                 return {}
@@ -206,6 +224,11 @@ class FsspecBackend(Backend):
 
     def _info(self, key: str) -> dict:
         path = self._path(key)
+        if self._s3:
+            # One HEAD: s3fs's info() follows a 404 with a LIST to look for a "directory" of that name.
+            bucket, obj, _ = self.fs.split_path(path)
+            head = self._retry("HEAD", key, lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=obj))
+            return {"type": "file", "size": head["ContentLength"], "LastModified": head.get("LastModified")}
         info = self._retry("HEAD", key, lambda: self.fs.info(path))
         if info.get("type", "file") != "file":
             raise FileNotFoundError(key)

@@ -109,11 +109,11 @@ def test_reader_with_failing_and_stalled_gets_loads_bit_exact(s3_server, s3_url,
     state = _state(rng, 0)
     store.save("one", state)
     # Stalls longer than the read timeout are timeouts, retried like the rest (none can hang the reader).
-    proxy.set_faults(0.3, ("503", "500", "reset", "cut", "delay"), methods={"GET", "HEAD"}, delay_s=2.0)
+    proxy.set_faults(0.4, ("503", "500", "reset", "cut", "delay"), methods={"GET", "HEAD"}, delay_s=2.0)
     reader = Store.open(_backend(s3_server, s3_url, proxy.endpoint, read_timeout_s=0.5),
                         cache_dir=tmp_path / "cache-reader")
     assert_items_equal(state, reader.load("one"))
-    assert proxy.total_injected > 5, proxy.injected
+    assert proxy.total_injected >= 3, proxy.injected  # the load makes few requests (coalesced reads)
     assert all(r.method in ("GET", "HEAD") for r in proxy.log if r.fault)
 
 

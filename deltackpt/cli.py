@@ -262,7 +262,8 @@ def cmd_du(args) -> int:
 
 def cmd_index_rebuild(args) -> int:
     store = _open(args)
-    indexed, dropped = store.rebuild_index()
+    with _progress(args) as progress:
+        indexed, dropped = store.rebuild_index(progress=progress)
     chunks = store.index.num_chunks()
     data = {"packs_indexed": indexed, "packs_dropped": dropped, "num_chunks": chunks}
     _emit(args, data, lambda: f"index rebuilt: {indexed} packs, {chunks} chunks")
@@ -272,7 +273,8 @@ def cmd_index_rebuild(args) -> int:
 def cmd_repair(args) -> int:
     from .store.repair import repair_store
 
-    report = repair_store(args.store)
+    with _progress(args) as progress:
+        report = repair_store(args.store, progress=progress)
 
     def text():
         lines = []
@@ -307,7 +309,8 @@ def cmd_verify(args) -> int:
     store = _open(args)
     sample = parse_fraction(args.sample, "--sample") if args.sample is not None else None
     max_s = parse_duration(args.max_duration) if args.max_duration else None
-    report = verify_store(store, level=args.level, sample=sample, max_duration_s=max_s)
+    with _progress(args) as progress:
+        report = verify_store(store, level=args.level, sample=sample, max_duration_s=max_s, progress=progress)
 
     def text():
         head = (f"verify level {report.level}: {report.num_checkpoints} checkpoints, {report.packs_checked}/"
@@ -342,7 +345,8 @@ def cmd_gc(args) -> int:
 
     store = _open(args)
     max_unused = parse_fraction(args.max_unused, "--max-unused")
-    plan = plan_gc(store, max_unused=max_unused, grace_s=args.grace, wait_s=args.wait)
+    with _progress(args) as progress:
+        plan = plan_gc(store, max_unused=max_unused, grace_s=args.grace, wait_s=args.wait, progress=progress)
     if args.dry_run:
         d = plan.as_dict()
         _emit(args, {"dry_run": True, **d}, lambda: (
@@ -350,7 +354,8 @@ def cmd_gc(args) -> int:
             f"{len(d['temp_files'])} temp file(s); reclaim {fmt_bytes(d['reclaim_bytes'])} "
             f"({d['live_chunks']} live chunks, {d['kept_young_packs']} pack(s) younger than the grace period)"))
         return EXIT_OK
-    result = plan.execute(wait_s=args.wait)
+    with _progress(args) as progress:
+        result = plan.execute(wait_s=args.wait, progress=progress)
     _emit(args, result.as_dict(), lambda: (
         f"deleted {result.deleted_packs} pack(s), repacked {result.repacked_packs} ({result.moved_chunks} chunks "
         f"moved), removed {result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"))
@@ -396,7 +401,7 @@ def cmd_copy(args) -> int:
 
     if bool(args.checkpoints) == bool(args.all):
         raise UsageError("name the checkpoints to copy, or pass --all")
-    with _progress(args, "copy") as progress:
+    with _progress(args) as progress:
         report = copy(args.src, args.dst, None if args.all else args.checkpoints, verify=args.verify,
                       overwrite=args.overwrite, src_storage_options=_options_for(args, args.src),
                       dst_storage_options=_options_for(args, args.dst), progress=progress)
@@ -418,30 +423,38 @@ def cmd_copy(args) -> int:
 
 
 class _progress:
-    """A tqdm bar on stderr when it is a terminal (and not --json); else a no-op. Yields the engine's callback."""
+    """The engine's progress (deltackpt.store.progress.Progress) as a tqdm bar per phase on stderr when it is a
+    terminal and not --json; else nothing. A context manager: a bar an error left open is closed."""
 
-    def __init__(self, args, label: str) -> None:
+    def __init__(self, args) -> None:
         self.enabled = sys.stderr.isatty() and not args.json
-        self.label = label
         self.bar = None
 
     def __enter__(self):
-        if not self.enabled:
-            return None
+        from .store.progress import NULL_PROGRESS
+
+        return self if self.enabled else NULL_PROGRESS
+
+    def start(self, label: str, total: int, unit: str) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=0, unit="B", unit_scale=True, desc=self.label, file=sys.stderr, leave=False)
-        return self.update
+        self.done()
+        if total <= 0:
+            return  # nothing to do: no bar
+        self.bar = tqdm(total=total, desc=label, unit=unit, unit_scale=unit == "B", unit_divisor=1024,
+                        file=sys.stderr, leave=False, dynamic_ncols=True)
 
-    def update(self, what: str, done: int, total: int) -> None:
-        self.bar.set_description(f"{self.label} {what}")
-        self.bar.total = total
-        self.bar.n = done
-        self.bar.refresh()
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
 
-    def __exit__(self, *exc) -> None:
+    def done(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
+
+    def __exit__(self, *exc) -> None:
+        self.done()
 
 
 def cmd_bench(args) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 import msgspec
 
@@ -24,6 +24,7 @@ from ..errors import CheckpointExistsError, CorruptChunkError, MissingChunkError
 from .lock import SHARED
 from .manifest import Manifest, Stats, encode_manifest
 from .pack import HEADER_SIZE, PackBuilder, PackEntry, pack_bytes_ok, pack_key, read_pack_entries
+from .progress import Progress, phase
 
 MAX_COALESCE_GAP = 64 * 1024  # entries closer than this are read with one ranged GET
 
@@ -46,12 +47,11 @@ class CopyReport:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-Progress = Callable[[str, int, int], None]  # (checkpoint, bytes done, bytes total)
-
-
 def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite: bool = False,
                      progress: Progress | None = None) -> CopyReport:
-    """Copy checkpoints ``names`` (default: all, oldest first) from Store ``src`` to Store ``dst``."""
+    """Copy checkpoints ``names`` (default: all, oldest first) from Store ``src`` to Store ``dst``.
+
+    ``progress`` hears of each checkpoint sent (a phase ``copy NAME``), in stored bytes, pack by pack."""
     start = time.perf_counter()
     report = CopyReport()
     infos = src.list_checkpoints()
@@ -96,35 +96,32 @@ def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, pr
     send = {cid: e for cid, e in needed.items() if cid not in have}
     report.chunks_skipped += len(needed) - len(send)
     report.bytes_skipped += sum(needed[c].span for c in have)
-    total = sum(e.span for e in send.values())
-    done = 0
     by_pack: dict[str, list[PackEntry]] = {}
     for e in send.values():
         by_pack.setdefault(e.pack, []).append(e)
     packs: dict[str, int] = {}
     entries: list[PackEntry] = []
     builder = _Repacker(dst)
-    for pack, wanted in sorted(by_pack.items()):
-        table = read_pack_entries(src.backend, pack)
-        if len(table) == len(wanted):  # the whole pack is needed: send it as is, under its name
-            data = src.backend.get(pack_key(pack))
-            if not pack_bytes_ok(pack, data):
-                raise CorruptChunkError(f"pack {pack} of the source does not match its hash; run "
-                                        "`deltackpt verify` on the source", pack=pack, checkpoint=name)
-            dst.backend.put(pack_key(pack), data)
-            packs[pack] = len(data)
-            entries.extend(table)  # same name, same bytes: same offsets
-            report.packs_sent += 1
-            report.bytes_sent += len(data)
-        else:
-            for e, payload in _read_payloads(src.backend, pack, wanted):
-                sealed = builder.add(e, payload)
-                if sealed is not None:
-                    _account(sealed, packs, entries, report)
-        report.chunks_sent += len(wanted)
-        done += sum(e.span for e in wanted)
-        if progress is not None:
-            progress(name, done, total)
+    with phase(progress, f"copy {name}", sum(e.span for e in send.values()), "B") as bar:
+        for pack, wanted in sorted(by_pack.items()):
+            table = read_pack_entries(src.backend, pack)
+            if len(table) == len(wanted):  # the whole pack is needed: send it as is, under its name
+                data = src.backend.get(pack_key(pack))
+                if not pack_bytes_ok(pack, data):
+                    raise CorruptChunkError(f"pack {pack} of the source does not match its hash; run "
+                                            "`deltackpt verify` on the source", pack=pack, checkpoint=name)
+                dst.backend.put(pack_key(pack), data)
+                packs[pack] = len(data)
+                entries.extend(table)  # same name, same bytes: same offsets
+                report.packs_sent += 1
+                report.bytes_sent += len(data)
+            else:
+                for e, payload in _read_payloads(src.backend, pack, wanted):
+                    sealed = builder.add(e, payload)
+                    if sealed is not None:
+                        _account(sealed, packs, entries, report)
+            report.chunks_sent += len(wanted)
+            bar.advance(sum(e.span for e in wanted))
     sealed = builder.finish()
     if sealed is not None:
         _account(sealed, packs, entries, report)
@@ -229,7 +226,7 @@ def copy(src, dst, checkpoints: Iterable[str] | None = None, *, verify: bool = F
     report = copy_checkpoints(src_store, dst_store, checkpoints, overwrite=overwrite, progress=progress)
     if verify:
         checked = report.copied + report.skipped
-        found = verify_store(dst_store, level=2, checkpoints=checked) if checked else None
+        found = verify_store(dst_store, level=2, checkpoints=checked, progress=progress) if checked else None
         report.problems = [p.detail for p in found.problems] if found is not None else []
         report.verified = True
     return report

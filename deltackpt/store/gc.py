@@ -59,6 +59,7 @@ from .pack import (
     pack_name_from_key,
     read_pack_entries,
 )
+from .progress import Progress, phase
 
 DEFAULT_GRACE_S = 3600.0
 
@@ -93,10 +94,10 @@ class GcPlan:
                 "repack_packs": sorted(self.repack), "temp_files": self.temp_files,
                 "kept_young_packs": self.kept_young, "reclaim_bytes": self.reclaim_bytes}
 
-    def execute(self, *, wait_s: float = DEFAULT_WAIT_S) -> "GcResult":
+    def execute(self, *, wait_s: float = DEFAULT_WAIT_S, progress: Progress | None = None) -> "GcResult":
         """Take the exclusive lock (waiting up to ``wait_s`` for running saves to finish), re-check this plan
         against the store as it is now (saves may have committed since it was made), and carry out what
-        still holds."""
+        still holds. ``progress`` hears of each pack deleted or repacked."""
         store = self.store
         t0 = time.monotonic()
         with store.lock(EXCLUSIVE, wait_s=wait_s):
@@ -106,17 +107,20 @@ class GcPlan:
             # it at its next save and refreshes, instead of deduplicating against a deleted pack.
             epoch = uuid.uuid4().hex.encode() if plan.delete_packs or plan.repack else None
             epoch_written = epoch is None or _put_epoch(store, epoch, may_fail=bool(plan.delete_packs))
-            # Dead packs first: on a full disk their space is what lets the epoch and the repacks be written.
-            for name in sorted(plan.delete_packs):
-                crash_point("gc:before-delete")
-                store.backend.delete(pack_key(name))
-            if not epoch_written:
-                _put_epoch(store, epoch, may_fail=False)
-            for old, entries in sorted(plan.repack.items()):
-                n, names = _repack(store, old, entries)
-                moved += n
-                published |= names
-                crash_point("gc:after-repack")
+            with phase(progress, "gc", len(plan.delete_packs) + len(plan.repack), "pack") as bar:
+                # Dead packs first: on a full disk their space is what lets the epoch and the repacks be written.
+                for name in sorted(plan.delete_packs):
+                    crash_point("gc:before-delete")
+                    store.backend.delete(pack_key(name))
+                    bar.advance(1)
+                if not epoch_written:
+                    _put_epoch(store, epoch, may_fail=False)
+                for old, entries in sorted(plan.repack.items()):
+                    n, names = _repack(store, old, entries)
+                    moved += n
+                    published |= names
+                    crash_point("gc:after-repack")
+                    bar.advance(1)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
@@ -259,13 +263,15 @@ def _list_packs(store) -> dict[str, object]:
     return out
 
 
-def _read_tables(store, listed: dict) -> dict[str, list[PackEntry]]:
+def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[str, list[PackEntry]]:
     tables = {}
-    for name, info in listed.items():
-        try:
-            tables[name] = read_pack_entries(store.backend, name, info.size_bytes)
-        except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
-            continue
+    with phase(progress, "gc plan", len(listed), "pack") as bar:
+        for name, info in listed.items():
+            bar.advance(1)
+            try:
+                tables[name] = read_pack_entries(store.backend, name, info.size_bytes)
+            except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
+                continue
     return tables
 
 
@@ -306,16 +312,17 @@ def _indexed_copy_is_valid(store, where: PackEntry, present: set[str]) -> bool:
 
 
 def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S,
-            wait_s: float = DEFAULT_WAIT_S) -> GcPlan:
+            wait_s: float = DEFAULT_WAIT_S, progress: Progress | None = None) -> GcPlan:
     """Plan a gc, under a shared lock (saves go on meanwhile; a running gc's delete phase is waited for,
-    up to ``wait_s``). ``max_unused``: repack a pack once more than this fraction of its bytes is dead."""
+    up to ``wait_s``). ``max_unused``: repack a pack once more than this fraction of its bytes is dead.
+    ``progress`` hears of each pack table read."""
     if not (0.0 <= max_unused <= 1.0):
         raise ValueError("max_unused must be a fraction in [0, 1]")
     with store.lock(SHARED, wait_s=wait_s):
-        return _plan(store, max_unused=max_unused, grace_s=grace_s)
+        return _plan(store, max_unused=max_unused, grace_s=grace_s, progress=progress)
 
 
-def _plan(store, *, max_unused: float, grace_s: float) -> GcPlan:
+def _plan(store, *, max_unused: float, grace_s: float, progress: Progress | None = None) -> GcPlan:
     store.refresh_index()
     now = time.time()
     manifests = _list_manifests(store)  # before the manifests are read: one written after counts as new
@@ -330,7 +337,7 @@ def _plan(store, *, max_unused: float, grace_s: float) -> GcPlan:
     # A young pack may be an in-flight save's: the bases of its deltas stay, whether or not it commits.
     live = plan.live = _union(live, _delta_bases(store, young))
     old = {n: i for n, i in listed.items() if n not in young}
-    for name, entries in _read_tables(store, old).items():
+    for name, entries in _read_tables(store, old, progress).items():
         size = old[name].size_bytes
         keep, fixes = [], []
         for e in entries:

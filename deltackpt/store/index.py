@@ -39,6 +39,7 @@ from ..errors import ManifestFormatError
 from .codec import DELTA
 from .memenv import MemoryEnv
 from .pack import PackEntry, _check_fields, pack_key, pack_name_from_key, read_pack_entries, walk_entries
+from .progress import Progress, phase
 
 log = logging.getLogger("deltackpt.store")
 
@@ -474,11 +475,13 @@ class ChunkIndex:
         return len(new), 0
 
     @_guarded()
-    def rebuild(self, present: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
+    def rebuild(self, present: dict[str, tuple[int, float]] | None = None,
+                progress: Progress | None = None) -> tuple[int, int]:
         """Drop the cache and index every pack again. Returns (packs indexed, packs dropped).
 
         Packs are indexed newest first and a chunk keeps the first location found, so where a chunk has
         several copies (an interrupted repack) the newest is used and older packs become gc's orphans.
+        ``progress`` hears of each pack table read.
         """
         if self._env is None:
             # Never opened here: delete the files unread (LMDB has no page checksums, and a damaged page
@@ -487,9 +490,10 @@ class ChunkIndex:
                 hit = _envs.get(str(path.resolve()))
                 if hit is None or hit[0] != os.getpid():  # one this process has open is readable
                     shutil.rmtree(path, ignore_errors=True)
-        return self._rebuild(present)
+        return self._rebuild(present, progress)
 
-    def _rebuild(self, present: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
+    def _rebuild(self, present: dict[str, tuple[int, float]] | None = None,
+                 progress: Progress | None = None) -> tuple[int, int]:
         # Under the repair lock, then a new generation: a thread that missed a record meanwhile looks again.
         with self._repair_lock:
             if present is None:
@@ -501,8 +505,10 @@ class ChunkIndex:
                 txn.drop(packs_db, delete=False)
                 txn.drop(meta, delete=False)
                 txn.drop(self._db[b"ckpts"], delete=False)
-            for name in sorted(present, key=lambda n: (-present[n][1], n)):
-                self._index_pack(name, present[name][0])
+            with phase(progress, "index rebuild", len(present), "pack") as bar:
+                for name in sorted(present, key=lambda n: (-present[n][1], n)):
+                    self._index_pack(name, present[name][0])
+                    bar.advance(1)
             # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
             self._add([], {})
             self._trusted = True

@@ -28,6 +28,7 @@ from .gc import _repack
 from .lock import EXCLUSIVE, StoreLock
 from .manifest import Manifest, decode_manifest
 from .pack import MAX_CHUNK_BYTES, pack_name_from_key, read_pack_entries, walk_entries
+from .progress import Progress, phase
 from .reader import ChunkSource
 from .repository import Store, _as_backend, holds_store_data, not_a_store_error
 
@@ -57,16 +58,17 @@ class RepairReport:
         return {**self.__dict__, "ok": self.ok}
 
 
-def repair_store(location) -> RepairReport:
-    """Repair the store at ``location`` (a path or a Backend); see the module docstring."""
+def repair_store(location, progress: Progress | None = None) -> RepairReport:
+    """Repair the store at ``location`` (a path or a Backend); see the module docstring. ``progress`` hears
+    of each pack table checked, then of the index rebuild."""
     backend = _as_backend(location)
     if _read_config(backend) is None and not holds_store_data(backend):
         raise not_a_store_error(backend)  # nothing says this is a store: write nothing here, not even a lock
     with StoreLock(backend, EXCLUSIVE):
         report = _repair_config(backend)
         store = Store.open(backend)
-        _rebuild_damaged_packs(store, report)
-        report.packs_indexed = store.rebuild_index()[0]
+        _rebuild_damaged_packs(store, report, progress)
+        report.packs_indexed = store.rebuild_index(progress=progress)[0]
     return report
 
 
@@ -141,34 +143,36 @@ def infer_chunk_size(manifests: list[Manifest]) -> int | None:
     return size
 
 
-def _rebuild_damaged_packs(store: Store, report: RepairReport) -> None:
+def _rebuild_damaged_packs(store: Store, report: RepairReport, progress: Progress | None) -> None:
     backend = store.backend
     source = ChunkSource(store, cache_bytes=0)
-    for info in list(backend.list("packs/")):
-        name = pack_name_from_key(info.key)
-        if name is None:
-            continue
-        try:
-            read_pack_entries(backend, name, info.size_bytes)
-            continue
-        except ManifestFormatError:
-            pass
-        data = backend.get(info.key)
-        good = []
-        for entry in walk_entries(data, name):
+    listed = list(backend.list("packs/"))
+    with phase(progress, "repair packs", len(listed), "pack") as bar:
+        for info in listed:
+            bar.advance(1)
+            name = pack_name_from_key(info.key)
+            if name is None:
+                continue
             try:
-                source.decode_entry(entry)
-                good.append(entry)
-            except (CorruptChunkError, MissingChunkError, ManifestFormatError):
-                report.dropped_entries += 1
-        if not good:
-            report.unrecoverable_packs.append(name)
-            continue
-        # Set aside first, never deleted: it may hold bytes past the damage that a person can still recover.
-        backend.put(info.key + DAMAGED_SUFFIX, data)
-        _moved, names = _repack(store, name, good)
-        if name not in names:  # (every entry intact: the rebuilt pack is the original, under its own name)
-            backend.delete(info.key)
-        report.rebuilt_packs[name] = sorted(names)
-        report.recovered_chunks += len(good)
-
+                read_pack_entries(backend, name, info.size_bytes)
+                continue
+            except ManifestFormatError:
+                pass
+            data = backend.get(info.key)
+            good = []
+            for entry in walk_entries(data, name):
+                try:
+                    source.decode_entry(entry)
+                    good.append(entry)
+                except (CorruptChunkError, MissingChunkError, ManifestFormatError):
+                    report.dropped_entries += 1
+            if not good:
+                report.unrecoverable_packs.append(name)
+                continue
+            # Set aside first, never deleted: it may hold bytes past the damage that a person can still recover.
+            backend.put(info.key + DAMAGED_SUFFIX, data)
+            _moved, names = _repack(store, name, good)
+            if name not in names:  # (every entry intact: the rebuilt pack is the original, under its own name)
+                backend.delete(info.key)
+            report.rebuilt_packs[name] = sorted(names)
+            report.recovered_chunks += len(good)

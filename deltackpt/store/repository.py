@@ -41,6 +41,7 @@ from .manifest import LATEST, Item, Manifest, Stats, decode_manifest, encode_man
 from .faults import crash_point
 from .lock import DEFAULT_WAIT_S, SHARED, StoreLock
 from .pack import PackEntry, pack_key, read_pack_entries
+from .progress import Progress
 from .reader import CheckpointReader
 from .writer import ChunkWriter, WriteSummary
 
@@ -256,11 +257,11 @@ class Store:
     def refresh_index(self) -> tuple[int, int]:
         return self.index.refresh()
 
-    def rebuild_index(self) -> tuple[int, int]:
+    def rebuild_index(self, progress: Progress | None = None) -> tuple[int, int]:
         """Drop the index cache and re-read every pack table. Returns (packs indexed, packs dropped)."""
         if self._index is None:
             self._index = self._new_index()
-        return self._index.rebuild()
+        return self._index.rebuild(progress=progress)
 
     def _new_index(self) -> ChunkIndex:
         return ChunkIndex(self.backend, self.cache_dir, self.config.store_id, self._fallback_cache_dirs)

@@ -17,6 +17,7 @@ save first waits for the previous one, and a background failure is raised at the
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -142,16 +143,21 @@ class CheckpointManager:
                 "optimizers": {n: type(o).__name__ for n, o in self.state.optimizers.items()}, **(metadata or {})}
         writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta)
         payload = {STATE_KEY: self.state}
+        started = time.perf_counter()
         if self.async_mode is None:
             with quiet_single_process():
                 typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
                                             process_group=self.process_group))
+            self._log_saved(name, started)
             self._after_save(name)
         else:
             with quiet_single_process():
                 fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
                                                         process_group=self.process_group,
                                                         async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
+            # Logged as the background save completes (before the typed future settles, so before wait()
+            # returns), not when the next call collects it.
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or self._log_saved(name, started))
             self._pending = (typed_future(fut), name)
         self._saved_step = step
         return name
@@ -190,6 +196,16 @@ class CheckpointManager:
                 self._closed = True
                 if self._uploader is not None:
                     self._uploader.close()
+
+    def _log_saved(self, name: str, started: float) -> None:
+        """One line per save, on the coordinator: its name, seconds, and bytes new / logical (from the
+        committed manifest's stats)."""
+        if _rank_and_world()[0] != 0:
+            return
+        seconds = time.perf_counter() - started
+        stats = self.store.read_manifest(name).stats
+        log.info("saved checkpoint %r in %.2f s: %s bytes new / %s logical", name, seconds,
+                 f"{stats.stored_bytes:,}", f"{stats.logical_bytes:,}")
 
     def _after_save(self, name: str) -> None:
         rank, _ = _rank_and_world()

@@ -22,6 +22,7 @@ from deltackpt.store import Store
 from deltackpt.store import repository as repository_mod
 from deltackpt.store.copy import copy
 from deltackpt.store.fsspec_backend import FsspecBackend
+from deltackpt.store.progress import NullProgress
 from deltackpt.store.verify import verify_store
 from s3_faults import FaultProxy
 
@@ -225,16 +226,20 @@ def test_interrupted_copy_resumes_without_sending_anything_twice(s3_server, s3_u
                                 cache_dir=tmp_path / "cache-ref", **SIZES))
     dst = Store.init(_backend(s3_server, s3_url, proxy.endpoint, max_attempts=3), cache_dir=tmp_path / "cache",
                      **SIZES)
-    state = {"packs": 0}
+    state = {"packs": 0, "phase": None}
 
-    def dies_midway(name, done, total):  # every request fails from the second pack of step-1 on
-        if name == "step-1":
-            state["packs"] += 1
-            if state["packs"] == 2:
-                proxy.set_faults(1.0, ("503", "reset"))
+    class DiesMidway(NullProgress):  # every request fails from the second pack of step-1 on
+        def start(self, label, total, unit):
+            state["phase"] = label
+
+        def advance(self, n=1):
+            if state["phase"] == "copy step-1":
+                state["packs"] += 1
+                if state["packs"] == 2:
+                    proxy.set_faults(1.0, ("503", "reset"))
 
     with pytest.raises(BackendError):
-        copy(src, dst, progress=dies_midway)
+        copy(src, dst, progress=DiesMidway())
     first_sent = sum(r.body_bytes for r in proxy.log if r.method == "PUT" and r.status == 200
                      and ("/packs/" in r.target or "/manifests/" in r.target))
     proxy.clear()

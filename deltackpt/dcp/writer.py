@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointExistsError, SilentDataCorruptionError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, SilentDataCorruptionError
 from ..store import Item, Store
 from ..store.basecache import AUTO_CAP_BYTES, reserve_base_cache
 from ..store.lock import SHARED, StoreLock
@@ -175,8 +175,11 @@ class DeltaStorageWriter(StorageWriter):
             self._parent_name = plan.storage_data["agreed_parent"]
             host_ranks, ranks = plan.storage_data["host_ranks"], plan.storage_data["ranks"]
         parent = None
-        if self._parent_name is not None and store.exists(self._parent_name):
-            parent = store.read_manifest(self._parent_name)
+        if self._parent_name is not None:
+            try:
+                parent = store.read_manifest(self._parent_name)
+            except CheckpointNotFoundError:
+                parent = None  # forgotten since the plan: the save is a full one
         if ranks > 1:
             # A multi-rank save is a training job's: keep this save's keyframes for the next one from the
             # first save on, else the second save after every (re)start reads all its bases back. (A single

@@ -254,14 +254,22 @@ def parse_table(table: bytes, tail: bytes, name: str) -> list[PackEntry]:
     return entries
 
 
+TAIL_GUESS_BYTES = 64 * 1024  # one ranged read fetches the footer and a table of up to ~1,000 entries
+
+
 def read_pack_entries(backend, name: str, size: int | None = None) -> list[PackEntry]:
-    """The table of pack ``name`` via two ranged reads."""
+    """The table of pack ``name``: one ranged read of the pack's tail, a second when the table is larger."""
     key = pack_key(name)
     if size is None:
         size = backend.size(key)
-    tail = backend.get_range(key, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
+    start = max(0, size - TAIL_GUESS_BYTES)
+    data = backend.get_range(key, start, size - start)
+    tail = data[-FOOTER_SIZE:]
     table_offset, num = parse_footer(tail, size, name)
-    table = backend.get_range(key, table_offset, num * ROW_SIZE) if num else b""
+    if table_offset >= start:
+        table = data[table_offset - start: table_offset - start + num * ROW_SIZE]
+    else:
+        table = backend.get_range(key, table_offset, num * ROW_SIZE) if num else b""
     return parse_table(table, tail, name)
 
 

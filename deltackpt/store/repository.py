@@ -223,8 +223,10 @@ class Store:
         is published create-if-absent, so exactly one init wins and the others open its store). A store whose
         config was lost is refused (naming ``deltackpt repair``), never replaced by a new one."""
         backend = _as_backend(location, storage_options)
-        if backend.exists(CONFIG_KEY):
+        try:  # the common case (a store that exists) in one read
             return cls.open(backend, cache_dir=cache_dir)
+        except StoreNotFoundError:
+            pass
         return cls.init(backend, cache_dir=cache_dir, exist_ok=True, **config)
 
     def ensure_features(self, names=WRITER_FEATURES) -> None:
@@ -400,8 +402,6 @@ class Store:
         else MissingChunkError and nothing is committed.
         """
         validate_name(name)
-        if not overwrite and self.exists(name):
-            raise CheckpointExistsError(name)
         keys = [it.key for it in items]
         if len(set(keys)) != len(keys):
             raise ValueError("item keys must be unique within a checkpoint")
@@ -414,12 +414,12 @@ class Store:
         self._index_rewritten_chunks(entries)
         crash_point("commit:after-index")
         wanted = {ref.id for it in items for ref in it.chunks}
-        missing = self._missing_chunks(wanted)
+        missing = self._missing_chunks(wanted, present=set(packs))
         if missing:
             # Another process may be rebuilding the index cache (it drops it first): re-index, look again.
             self.index.refresh()
             self.index.add(entries, packs)
-            missing = self._missing_chunks(wanted)
+            missing = self._missing_chunks(wanted, present=set(packs))
         if missing:
             cid = next(iter(missing))
             owner = next((it.key for it in items if any(r.id == cid for r in it.chunks)), None)
@@ -447,15 +447,22 @@ class Store:
         if lock is not None:
             lock.check()  # a writer whose lock went stale must not commit: gc may have run
         crash_point("commit:before-manifest")
-        self.backend.put(manifest_key(name), data)
+        if overwrite:
+            self.backend.put(manifest_key(name), data)
+        else:
+            try:  # create-if-absent: two saves of one name cannot both commit (and no HEAD first)
+                self.backend.put_new(manifest_key(name), data)
+            except FileExistsError:
+                raise CheckpointExistsError(name) from None
         crash_point("commit:after-manifest")
         obj = self._manifest_object(name)
         mtime_s = obj.mtime_s if obj else 0.0
         self.index.put_summaries({name: msgspec.msgpack.encode(_summarize(manifest, len(data), mtime_s))})
         return manifest
 
-    def _missing_chunks(self, wanted: set[bytes]) -> set[bytes]:
-        """Which of ``wanted`` or their delta bases are not indexed in an existing pack."""
+    def _missing_chunks(self, wanted: set[bytes], present: set[str] = frozenset()) -> set[bytes]:
+        """Which of ``wanted`` or their delta bases are not indexed in an existing pack (``present``: packs
+        known to exist, e.g. the ones this save just wrote and indexed)."""
         found = self.index.lookup_many(wanted)
         # Delta bases must survive too; and every pack we point into must still exist (gc elsewhere).
         bases = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
@@ -464,7 +471,7 @@ class Store:
         if not missing:
             # Only the packs this checkpoint points into (a stat each): listing every pack of a long run's
             # store took 53 ms at 10,000 packs, on the coordinator's commit of every save.
-            gone = {p for p in {e.pack for e in found.values()} if not self.backend.exists(pack_key(p))}
+            gone = {p for p in {e.pack for e in found.values()} - present if not self.backend.exists(pack_key(p))}
             missing = {cid for cid, e in found.items() if e.pack in gone}
         return missing
 

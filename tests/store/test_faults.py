@@ -107,14 +107,17 @@ def test_enospc_on_pack_put(faulty_store, rng, fail_on, sticky):
 
 def test_enospc_on_manifest_put_commits_nothing(mem_store, rng, monkeypatch):
     mem_store.save("first", {"x": b"1" * 10_000})
-    real_put = mem_store.backend.put
+    real_put, real_put_new = mem_store.backend.put, mem_store.backend.put_new
 
-    def put(key, data):
-        if key.startswith("manifests/"):
-            raise OSError(errno.ENOSPC, "full")
-        real_put(key, data)
+    def failing(real):
+        def put(key, data):
+            if key.startswith("manifests/"):
+                raise OSError(errno.ENOSPC, "full")
+            real(key, data)
+        return put
 
-    monkeypatch.setattr(mem_store.backend, "put", put)
+    monkeypatch.setattr(mem_store.backend, "put", failing(real_put))
+    monkeypatch.setattr(mem_store.backend, "put_new", failing(real_put_new))
     with pytest.raises(OSError):
         mem_store.save("second", {"x": random_array(rng, "float32", (20_000,))})
     monkeypatch.undo()

@@ -12,7 +12,7 @@ import os
 import resource
 import statistics
 
-from deltackpt.bench.measure import PeakRSS, _reset_hwm, dir_usage, drop_page_cache, rss_bytes, warm_tree  # noqa: F401 (re-exported)
+from deltackpt.bench.measure import PeakRSS, dir_usage, drop_page_cache, rss_bytes, warm_tree  # noqa: F401 (re-exported)
 
 MiB = 1 << 20
 
@@ -20,10 +20,6 @@ MiB = 1 << 20
 def ru_maxrss_bytes() -> int:
     """Lifetime peak RSS of this process (getrusage; KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-# The phase-peak RSS meter is the one `deltackpt bench` uses.
-reset_peak_rss = _reset_hwm
 
 
 def trim_heap() -> bool:

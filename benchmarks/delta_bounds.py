@@ -57,7 +57,7 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deltackpt import kernels  # noqa: E402
-from deltackpt.bench.runner import _with_ratios, run_inprocess  # noqa: E402
+from deltackpt.bench.runner import run_inprocess, with_ratios  # noqa: E402
 from deltackpt.bench.workloads import make_workload  # noqa: E402
 from deltackpt.dcp.tensors import tensor_bytes  # noqa: E402
 from deltackpt.store.config import StoreConfig  # noqa: E402
@@ -216,7 +216,7 @@ def analyze(name: str, size: str, l19_every: int = 8, store: bool = True, chunk:
             with tempfile.TemporaryDirectory(prefix="delta-bounds-") as tmp:
                 opts = {"store_config": {"chunk_size_bytes": chunk} if chunk != CHUNK else {}}
                 res = run_inprocess(tap, ["dcp", "deltackpt"], Path(tmp), opts, log)
-            entry = _with_ratios({"systems": res, "info": {}})
+            entry = with_ratios({"systems": res, "info": {}})
         else:
             for _ in tap.checkpoints():
                 pass

@@ -87,7 +87,7 @@ def test_cli_rejects_unknown_workload(tmp_path, capsys):
 def test_load_is_repeated_and_reported_as_the_median():
     import torch
 
-    from deltackpt.bench.runner import SystemRun
+    from deltackpt.bench.systemrun import SystemRun
 
     class Fake:
         child_peak_bytes = 0

@@ -13,7 +13,22 @@ ratio vs DCP
     relative to DCP (system / DCP, lower is better), measured in the same run.
 
 ``run_bench(out_dir, workloads, size=...)`` runs everything and writes ``results.json``, ``results.md`` and
-``cumulative_bytes.png`` (:mod:`.runner`, :mod:`.report`); ``deltackpt bench`` is its command line.
+``cumulative_bytes.png`` (:mod:`.runner`, :mod:`.report`); ``deltackpt bench`` is its command line (parsed in
+``deltackpt.cli``; there is no ``python -m deltackpt.bench``).
+
+Modules, each importing only those above it (none imports ``deltackpt.cli``)::
+
+    measure, trees, models    peak RSS / sizes / page cache; state-dict trees; the workloads' models
+    systems                   the systems compared, and each one's options for a run
+    systemrun                 SystemRun (one system's measured saves and loads) and its result record
+    workloads, reshard        the single-process workloads; the multi-rank reshard workload
+    report                    results.json, results.md, the cumulative-bytes plot, machine info
+    runner                    run_bench, the workload driver and its worker processes
+
+Where the benchmark code lives: the ``deltackpt bench`` command users run, and everything it needs, is this
+package. What only the project's own benchmarks need (the DCP and kernel micro-benchmarks, delta bounds,
+crash and corruption stress runs, fuzzers, and their helpers in ``_common.py``) lives in ``benchmarks/`` at the
+repository root; it imports from here, never the other way round.
 """
 
 from .runner import run_bench

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .systems import make_system
-from .runner import SystemRun, summarize, system_options, zero_tree
+from .systemrun import SystemRun, summarize
+from .systems import make_system, system_options
+from .trees import zero_tree
 
 
 def _child(fn, rank, world, init_file, args, results) -> None:

@@ -28,11 +28,9 @@ before a load: every file of the system's storage is read once (``warm``, defaul
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -42,177 +40,17 @@ from typing import Callable
 
 import torch
 
-from .measure import PeakRSS, drop_page_cache, warm_tree
-from .systems import SYSTEMS, _barrier, _rank, make_system, system_class
+from .reshard import run_reshard
+from .systemrun import SystemRun
+from .systems import SYSTEMS, make_system, system_class, system_options
+from .trees import clone_tree, fresh_like, tree_equal
 from .workloads import make_workload, workload_config
 
 # DCP warns on every save/load without a process group that it assumes a single process: expected here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-# Each load is timed this many times and the median kept: one 0.1-0.3 s load on a shared 2-core machine
-# varies by +-30 % from run to run.
-LOAD_REPEATS = 3
-
-
-class SystemRun:
-    """Drive one system through saves and loads, recording a measurement per call."""
-
-    def __init__(self, system, page_cache: str = "warm", load_repeats: int = LOAD_REPEATS) -> None:
-        self.system = system
-        self.page_cache = page_cache
-        self.load_repeats = max(1, int(load_repeats))
-        self.saves: list[dict] = []
-        self.loads: dict[str, dict] = {}
-        self.rss_method = ""
-
-    def save(self, state: dict, name: str, step: int | None = None) -> dict:
-        gc.collect()
-        if _rank() == 0:
-            os.sync()  # no dirty pages of earlier saves (of this or another system) are flushed during this one
-        _barrier()  # and the ranks start together: one rank's time does not include another's collection
-        with PeakRSS() as m:
-            t0 = time.perf_counter()
-            self.system.save(state, name)
-            seconds = time.perf_counter() - t0
-        m.add_child(self.system.child_peak_bytes)
-        self.rss_method = m.method
-        rec = {"name": name, "step": step, "save_s": seconds, "peak_rss_bytes": m.peak,
-               "rss_overhead_bytes": m.overhead}
-        if _rank() == 0:
-            rec["stored_bytes"] = self.system.stored_bytes()
-        self.saves.append(rec)
-        return rec
-
-    def load(self, state: dict, name: str, kind: str) -> dict:
-        """Load ``name`` into ``state`` ``load_repeats`` times (zeroed in between, so the last load alone
-        fills it); the record keeps the median time and the highest RSS peak."""
-        times, peaks, overheads = [], [], []
-        for i in range(self.load_repeats):
-            if i:
-                zero_tree(state)
-            cache = self._prepare_cache(name)
-            gc.collect()
-            with PeakRSS() as m:
-                t0 = time.perf_counter()
-                self.system.load(state, name)
-                times.append(time.perf_counter() - t0)
-            m.add_child(self.system.child_peak_bytes)
-            self.system.after_load(name)
-            peaks.append(m.peak)
-            overheads.append(m.overhead)
-        rec = {"name": name, "load_s": statistics.median(times), "load_s_all": [round(t, 4) for t in times],
-               "peak_rss_bytes": max(peaks), "rss_overhead_bytes": max(overheads), "page_cache": cache}
-        self.loads[kind] = rec
-        return rec
-
-    def _prepare_cache(self, name: str) -> str:
-        how = "warm (files read once before the load)"
-        if _rank() == 0:
-            if self.page_cache == "drop" and drop_page_cache():  # (which writes dirty pages back first)
-                how = "dropped"
-            else:
-                # Dirty pages of the saves before (gigabytes in a full run) are written back first: a load
-                # timed while the kernel flushes them shares the cores with that writeback.
-                os.sync()
-                for p in self.system.data_paths(name):
-                    warm_tree(p)
-        _barrier()
-        return how
-
-    def result(self) -> dict:
-        return summarize(self.saves, self.loads, self.rss_method, self.system.extra())
-
-
-def summarize(saves: list[dict], loads: dict[str, dict], rss_method: str, extra: dict) -> dict:
-    times = [r["save_s"] for r in saves]
-    phases = saves + list(loads.values())
-    last, first = loads.get("last", {}), loads.get("first", {})
-    out = {
-        "stored_bytes": int(saves[-1]["stored_bytes"]) if saves else 0,
-        "cumulative_bytes": [int(r["stored_bytes"]) for r in saves],
-        "save_s": sum(times) / len(times) if times else 0.0,
-        "save_total_s": sum(times),
-        "save_s_per_checkpoint": [round(t, 4) for t in times],
-        "load_s": float(last.get("load_s", 0.0)),
-        "load_last_s": float(last.get("load_s", 0.0)),
-        "load_first_s": float(first.get("load_s", 0.0)),
-        "load_last_s_all": list(last.get("load_s_all", [])),
-        "load_first_s_all": list(first.get("load_s_all", [])),
-        "peak_rss_bytes": int(max((r["peak_rss_bytes"] for r in phases), default=0)),
-        "peak_rss_overhead_bytes": int(max((r["rss_overhead_bytes"] for r in phases), default=0)),
-        "peak_rss_save_overhead_bytes": int(max((r["rss_overhead_bytes"] for r in saves), default=0)),
-        "peak_rss_load_overhead_bytes": int(max((r["rss_overhead_bytes"] for r in loads.values()), default=0)),
-        "peak_rss_method": rss_method,
-        "page_cache": sorted({r.get("page_cache", "") for r in loads.values()} - {""}),
-    }
-    out.update(extra)
-    return out
-
-
-# -- state-dict trees ----------------------------------------------------------------------------------------
-def zero_tree(obj) -> None:
-    if isinstance(obj, torch.Tensor):
-        obj.detach().zero_()
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            zero_tree(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            zero_tree(v)
-
-
-def clone_tree(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_tree(v) for v in obj)
-    return obj
-
-
-def fresh_like(obj):
-    """Same structure, every tensor newly allocated and zero-filled (pages touched): a load target."""
-    if isinstance(obj, torch.Tensor):
-        return torch.zeros_like(obj)
-    if isinstance(obj, dict):
-        return {k: fresh_like(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(fresh_like(v) for v in obj)
-    return obj
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.view(ints[t.element_size()]) if t.element_size() in ints and t.numel() else t
-
-
-def tree_equal(a, b) -> bool:
-    """Bit-exact comparison of two state-dict trees."""
-    if isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(_bits(a), _bits(b)))
-    if isinstance(b, dict):
-        return isinstance(a, dict) and a.keys() == b.keys() and all(tree_equal(a[k], b[k]) for k in b)
-    if isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(tree_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
 
 # -- one workload ----------------------------------------------------------------------------------------------
-def system_options(name: str, dtype: str, opts: dict) -> dict:
-    if name == "deltackpt":
-        return {"store_config": dict(opts.get("store_config") or {})}
-    if name.startswith("deltackpt-"):
-        return {"store_config": dict(opts["variants"][name.removeprefix("deltackpt-")])}
-    if name == "zipnn":
-        return {"dtype": dtype}
-    if name == "restic":
-        return {"compression": opts.get("restic_compression", "auto")}
-    return {}
-
-
 def _load_and_check(run: SystemRun, refs: list[tuple[str, str, dict]]) -> bool:
     exact = True
     for kind, name, ref in refs:
@@ -333,7 +171,8 @@ def available_systems(systems) -> tuple[list[str], dict[str, str]]:
     return ok, skipped
 
 
-def _with_ratios(entry: dict) -> dict:
+def with_ratios(entry: dict) -> dict:
+    """Add to a workload's ``entry`` each system's ratio and relative times/RSS against ``dcp``; returns it."""
     systems = entry["systems"]
     base = systems.get("dcp")
     entry["ratio_vs_dcp"] = {}
@@ -368,8 +207,6 @@ def _with_ratios(entry: dict) -> dict:
 def run_workload(name: str, size: str, systems: list[str], work: Path, opts: dict, log) -> dict:
     t0 = time.perf_counter()
     if name == "reshard":
-        from .reshard import run_reshard
-
         res, info = run_reshard(workload_config(name, size), systems, work, opts, log)
     else:
         wl = make_workload(name, size)
@@ -377,7 +214,7 @@ def run_workload(name: str, size: str, systems: list[str], work: Path, opts: dic
         res = runner(wl, systems, work, opts, log)
         info = wl.info
     entry = {"systems": res, "info": info, "elapsed_s": round(time.perf_counter() - t0, 1)}
-    return _with_ratios(entry)
+    return with_ratios(entry)
 
 
 def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "quick",

@@ -310,3 +310,16 @@ def make_system(name: str, root, options: dict | None = None) -> System:
     system = system_class(name)(root, options)
     system.name = name
     return system
+
+
+def system_options(name: str, dtype: str, opts: dict) -> dict:
+    """The constructor options of system ``name`` for a workload of ``dtype``, from the run's ``opts``."""
+    if name == "deltackpt":
+        return {"store_config": dict(opts.get("store_config") or {})}
+    if name.startswith("deltackpt-"):
+        return {"store_config": dict(opts["variants"][name.removeprefix("deltackpt-")])}
+    if name == "zipnn":
+        return {"dtype": dtype}
+    if name == "restic":
+        return {"compression": opts.get("restic_compression", "auto")}
+    return {}

@@ -1,0 +1,53 @@
+"""The DCP layer: PyTorch Distributed Checkpoint (``torch.distributed.checkpoint``) on a deltackpt store.
+
+Terms
+-----
+checkpoint id
+    What DCP calls ``checkpoint_id`` is a checkpoint name of the store (:func:`checkpoint_name` validates
+    it: no '/', no '..'); for a reader, ``"latest"`` means the newest committed checkpoint.
+writer
+    :class:`DeltaStorageWriter`, DCP's ``StorageWriter``: every rank writes the chunks of its own write items
+    into its own packs; the coordinator (rank 0) commits the checkpoint by writing its manifest in
+    ``finish``, with DCP's ``Metadata`` stored under a strict schema (:mod:`.metadata_schema`) in the
+    manifest's ``layer_data[LAYER_KEY]``.
+reader
+    :class:`DeltaStorageReader`, DCP's ``StorageReader``: resolves the checkpoint id, reads its manifest and
+    serves each ``ReadItem`` (any box of a saved tensor, so loads reshard) from the store chunks it overlaps.
+planner
+    :class:`DeltaSavePlanner`, DCP's ``DefaultSavePlanner`` plus a digest of every replicated tensor the rank
+    holds (what the replica check compares). The load side uses DCP's default planner.
+save plan
+    DCP's per-rank ``SavePlan``: the write items a rank will save. Its ``storage_data`` carries this layer's
+    per-rank facts to the coordinator (parent checkpoint, replica digests, host), whose global plan sends
+    back the agreed parent to diff against and how many ranks share each machine.
+replica check
+    Before anything is written, the coordinator compares the digests of each replicated tensor across
+    ranks; differing replicas (a bit flip in memory or compute) raise ``SilentDataCorruptionError``
+    (``replica_check="raise"``, the default), log a warning (``"warn"``) or are not compared (``"off"``).
+
+``save`` / ``load`` / ``async_save`` (:mod:`.api`) build the writer or reader and raise DCP's wrapped
+``CheckpointException`` as the typed deltackpt error (:func:`unwrap`). The layer reaches the engine only
+through ``deltackpt.store``'s public names.
+"""
+
+from .api import async_save, load, quiet_single_process, save, typed_call, typed_future, unwrap
+from .names import LAYER_KEY, checkpoint_name
+from .planner import DeltaSavePlanner
+from .reader import DeltaStorageReader
+from .writer import DeltaStorageWriter, open_store
+
+__all__ = [
+    "LAYER_KEY",
+    "DeltaSavePlanner",
+    "DeltaStorageReader",
+    "DeltaStorageWriter",
+    "async_save",
+    "checkpoint_name",
+    "load",
+    "open_store",
+    "quiet_single_process",
+    "save",
+    "typed_call",
+    "typed_future",
+    "unwrap",
+]

@@ -21,12 +21,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import ManifestFormatError
-from ..store import LATEST, Store
-from ..store.manifest import Manifest
-from .pausegc import paused_gc
-from ..store.reader import CheckpointReader, default_read_threads
+from ..store import LATEST, CheckpointReader, Manifest, Store, default_read_threads
 from .metadata_schema import decode_metadata
-from .writer import LAYER_KEY, _name_of
+from .names import LAYER_KEY, checkpoint_name
+from .pausegc import paused_gc
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
@@ -74,7 +72,7 @@ class DeltaStorageReader(StorageReader):
     # -- StorageReader contract ------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            name = _name_of(checkpoint_id) if checkpoint_id != LATEST else LATEST
+            name = checkpoint_name(checkpoint_id) if checkpoint_id != LATEST else LATEST
             self.checkpoint_id = self.store.resolve(name, fallback=self.fallback)
             # Read and checked here, not in read_metadata: DCP logs that method's errors and replaces them.
             self._manifest = _dcp_manifest(self.store, self.checkpoint_id)
@@ -85,7 +83,7 @@ class DeltaStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            return checkpoint_id == LATEST or bool(_name_of(checkpoint_id))
+            return checkpoint_id == LATEST or bool(checkpoint_name(checkpoint_id))
         except ValueError:
             return False
 

@@ -29,16 +29,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SilentDataCorruptionError
-from ..store import Item, Store
-from ..store.basecache import AUTO_CAP_BYTES, reserve_base_cache
-from ..store.lock import SHARED, StoreLock
-from ..store.manifest import validate_name
+from ..store import AUTO_CAP_BYTES, SHARED, Item, Store, StoreLock, default_write_threads, reserve_base_cache
+from .names import LAYER_KEY, checkpoint_name
 from .pausegc import paused_gc
-from ..store.writer import default_write_threads
 from .metadata_schema import encode_metadata
 from .tensors import item_key, shard_placement, tensor_bytes
 
-LAYER_KEY = "dcp"
 log = logging.getLogger("deltackpt.dcp")
 
 
@@ -70,7 +66,7 @@ class DeltaStorageWriter(StorageWriter):
         self._store_spec = store
         self._storage_options = storage_options
         self._store: Store | None = store if isinstance(store, Store) else None
-        self.checkpoint_id = _name_of(checkpoint_id) if checkpoint_id is not None else None
+        self.checkpoint_id = checkpoint_name(checkpoint_id) if checkpoint_id is not None else None
         self.overwrite = overwrite
         self.metadata = dict(metadata or {})
         self.num_threads = num_threads
@@ -96,7 +92,7 @@ class DeltaStorageWriter(StorageWriter):
     # -- StorageWriter contract ------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.checkpoint_id = _name_of(checkpoint_id)
+            self.checkpoint_id = checkpoint_name(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._parent_name = None
         if self._lock is not None:  # a previous save that never reached its commit
@@ -106,7 +102,7 @@ class DeltaStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         try:
-            _name_of(checkpoint_id)
+            checkpoint_name(checkpoint_id)
             return True
         except ValueError:
             return False
@@ -271,13 +267,3 @@ def check_replicas(per_rank: list[dict[str, str]], mode: str) -> None:
     if mode == "raise":
         raise SilentDataCorruptionError(msg)
     log.warning("%s", msg.replace("nothing was saved", "saving anyway (replica_check='warn')"))
-
-
-def _name_of(checkpoint_id) -> str:
-    """DCP checkpoint ids are checkpoint names here (validated: no '/', no '..')."""
-    if isinstance(checkpoint_id, os.PathLike):
-        checkpoint_id = os.fspath(checkpoint_id)
-    if not isinstance(checkpoint_id, str):
-        raise ValueError(f"checkpoint_id must be a string name, got {type(checkpoint_id).__name__}")
-    return validate_name(checkpoint_id)
-

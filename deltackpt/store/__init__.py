@@ -38,24 +38,35 @@ All stored metadata is parsed with strict schemas and bounds checks (msgspec Str
 checksums); nothing is ever unpickled. A store whose ``format_version`` is newer than this code's is refused
 with :class:`~deltackpt.errors.UnsupportedFormatError`, and so is a store that lists a feature this code lacks.
 
-This package never imports torch; the DCP layer (``deltackpt.dcp``) sits on top of it.
+This package never imports torch; the DCP layer (``deltackpt.dcp``) sits on top of it and imports only the
+names in ``__all__`` below (the other submodules are the engine's own parts).
 """
 
 from .backend import Backend, LocalBackend, MemoryBackend, ObjectInfo
+from .basecache import AUTO_CAP_BYTES, reserve_base_cache
 from .config import FORMAT_VERSION, StoreConfig
+from .copy import CopyReport, copy_checkpoints
+from .lock import SHARED, StoreLock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
-from .reader import CheckpointReader
+from .reader import CheckpointReader, default_read_threads
 from .repository import CheckpointInfo, Store, StoreUsage
-from .writer import ChunkWriter, WriteSummary
+from .retention import ForgetPlan, plan_forget
+from .tier import Uploader
+from .verify import VerifyReport, verify_store
+from .writer import ChunkWriter, WriteSummary, default_write_threads
 
 __all__ = [
+    "AUTO_CAP_BYTES",
     "FORMAT_VERSION",
     "LATEST",
+    "SHARED",
     "Backend",
     "CheckpointInfo",
     "CheckpointReader",
     "ChunkRef",
     "ChunkWriter",
+    "CopyReport",
+    "ForgetPlan",
     "Item",
     "LocalBackend",
     "Manifest",
@@ -64,7 +75,16 @@ __all__ = [
     "Stats",
     "Store",
     "StoreConfig",
+    "StoreLock",
     "StoreUsage",
+    "Uploader",
+    "VerifyReport",
     "WriteSummary",
+    "copy_checkpoints",
+    "default_read_threads",
+    "default_write_threads",
+    "plan_forget",
+    "reserve_base_cache",
     "validate_name",
+    "verify_store",
 ]

@@ -28,10 +28,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
-from ..dcp.api import quiet_single_process, typed_call, typed_future
-from ..dcp.planner import DeltaSavePlanner
-from ..dcp.reader import DeltaStorageReader
-from ..dcp.writer import DeltaStorageWriter, open_store
+from ..dcp import (
+    DeltaSavePlanner,
+    DeltaStorageReader,
+    DeltaStorageWriter,
+    open_store,
+    quiet_single_process,
+    typed_call,
+    typed_future,
+)
 from ..errors import (
     CheckpointMismatchError,
     CorruptChunkError,
@@ -39,13 +44,8 @@ from ..errors import (
     ManifestFormatError,
     MissingChunkError,
 )
-from ..store import Store
-from ..store.basecache import reserve_base_cache
-from ..store.copy import copy_checkpoints
-from ..store.retention import plan_forget
-from ..store.tier import Uploader
-from ..store.verify import verify_store
-from .state import TrainState, _rank_and_world
+from ..store import Store, Uploader, copy_checkpoints, plan_forget, reserve_base_cache, verify_store
+from .state import TrainState, rank_and_world
 
 log = logging.getLogger("deltackpt.train")
 
@@ -91,7 +91,7 @@ class CheckpointManager:
         self._remote: Store | None = None  # opened when a rank restores from it
         # The coordinator uploads (every rank's packs are in the one local store it commits to).
         self._uploader: Uploader | None = None
-        if remote is not None and _rank_and_world()[0] == 0:
+        if remote is not None and rank_and_world()[0] == 0:
             self._uploader = Uploader(self.store, remote, storage_options=remote_storage_options,
                                       keep_local_last=keep_local_last, keep_remote_last=keep_last)
         self.state = state
@@ -137,7 +137,7 @@ class CheckpointManager:
         if self._uploader is not None:
             self._uploader.raise_if_failed()
         self.state.step = step
-        _, world = _rank_and_world()
+        _, world = rank_and_world()
         name = self.name_for(step)
         meta = {"step": step, "world_size": world,
                 "optimizers": {n: type(o).__name__ for n, o in self.state.optimizers.items()}, **(metadata or {})}
@@ -208,7 +208,7 @@ class CheckpointManager:
                  f"{stats.stored_bytes:,}", f"{stats.logical_bytes:,}")
 
     def _after_save(self, name: str) -> None:
-        rank, _ = _rank_and_world()
+        rank, _ = rank_and_world()
         if rank != 0:
             return
         if self._uploader is not None:
@@ -297,7 +297,7 @@ class CheckpointManager:
         store = store or self.store
         reader = DeltaStorageReader(store, name)
         manifest = store.read_manifest(reader.checkpoint_id)
-        saved_world = int(manifest.metadata.get("world_size", _rank_and_world()[1]))
+        saved_world = int(manifest.metadata.get("world_size", rank_and_world()[1]))
         now = {n: type(o).__name__ for n, o in self.state.optimizers.items()}
         saved_opts = manifest.metadata.get("optimizers")
         if saved_opts is not None and saved_opts != now:

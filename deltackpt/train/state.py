@@ -46,7 +46,8 @@ def _as_named(obj, default: str) -> dict[str, Any]:
     return {default: obj}
 
 
-def _rank_and_world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """(this rank, world size) of the default process group; (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -102,7 +103,7 @@ class TrainState(Stateful):
 
     # -- Stateful ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        rank, world = _rank_and_world()
+        rank, world = rank_and_world()
         sd: dict[str, Any] = {}
         for name, model in self.models.items():
             opts = self._owner[name]
@@ -130,7 +131,7 @@ class TrainState(Stateful):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        rank, world = _rank_and_world()
+        rank, world = rank_and_world()
         for name, model in self.models.items():
             opts = self._owner[name]
             set_state_dict(model, opts, model_state_dict=state_dict[name],

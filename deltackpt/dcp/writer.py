@@ -36,7 +36,7 @@ from ..store.manifest import validate_name
 from .pausegc import paused_gc
 from ..store.writer import default_write_threads
 from .metadata_schema import encode_metadata
-from .tensors import item_key, shard_placement, tensor_bytes
+from .placement import item_key, shard_placement, tensor_bytes
 
 LAYER_KEY = "dcp"
 log = logging.getLogger("deltackpt.dcp")

@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deltackpt import kernels  # noqa: E402
 from deltackpt.bench.runner import run_inprocess, with_ratios  # noqa: E402
 from deltackpt.bench.workloads import make_workload  # noqa: E402
-from deltackpt.dcp.tensors import tensor_bytes  # noqa: E402
+from deltackpt.dcp.placement import tensor_bytes  # noqa: E402
 from deltackpt.store.config import StoreConfig  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

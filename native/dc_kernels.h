@@ -36,15 +36,15 @@ void dc_xor_shuffle(const uint8_t *a, const uint8_t *b, uint8_t *dst,
 void dc_unshuffle_xor(const uint8_t *planes, const uint8_t *base, uint8_t *dst,
                       size_t len, size_t elem_size);
 
+/* Builds the SIMD tables of the two functions below; call once before them
+ * (without it they run their scalar code). */
+void dc_sparse_init(void);
+
 /*
  * Zero-sparse form of a byte plane: bitmap (ceil(n / 8) bytes, bit i LSB
  * first set where src[i] != 0) and the nonzero bytes in order. vals must
  * hold n bytes; returns the number of nonzero bytes written.
  */
-/* Builds the SIMD tables of the two functions below; call once before them
- * (without it they run their scalar code). */
-void dc_sparse_init(void);
-
 size_t dc_sparse_split(const uint8_t *src, size_t n, uint8_t *bitmap, uint8_t *vals);
 
 /*

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
-from .tensors import item_key, tensor_bytes
+from .placement import item_key, tensor_bytes
 
 
 def _replicated(value) -> bool:

@@ -33,7 +33,7 @@ from ..store import AUTO_CAP_BYTES, SHARED, Item, Store, StoreLock, default_writ
 from .names import LAYER_KEY, checkpoint_name
 from .pausegc import paused_gc
 from .metadata_schema import encode_metadata
-from .tensors import item_key, shard_placement, tensor_bytes
+from .placement import item_key, shard_placement, tensor_bytes
 
 log = logging.getLogger("deltackpt.dcp")
 

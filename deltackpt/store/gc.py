@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import codec
-from .faults import crash_point
+from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
 from ..errors import CheckpointNotFoundError, DiskFullError, ManifestFormatError
 from .index import GC_EPOCH_KEY

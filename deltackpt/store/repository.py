@@ -38,7 +38,7 @@ from .location import open_backend
 from .config import CONFIG_KEY, WRITER_FEATURES, StoreConfig, decode_config, encode_config, new_config
 from .index import ChunkIndex
 from .manifest import LATEST, Item, Manifest, Stats, decode_manifest, encode_manifest, manifest_key, validate_name
-from .faults import crash_point
+from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, SHARED, StoreLock
 from .pack import PackEntry, pack_key, read_pack_entries
 from .progress import Progress

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointPinnedError, ManifestFormatError
-from .faults import crash_point
+from .crashpoints import crash_point
 from .manifest import validate_name
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")

@@ -10,15 +10,9 @@ import numpy as np
 from deltackpt.store import LocalBackend, MemoryBackend, Store
 from deltackpt.store import index as index_mod
 from deltackpt.store.pack import pack_name_from_key
+from deltackpt.testing import SMALL_CONFIG
 
-# Small sizes so that modest test data spans many chunks and many packs.
-SMALL = dict(
-    chunk_size_bytes=4096,
-    pack_target_bytes=65536,
-    cdc_min_bytes=256,
-    cdc_avg_bytes=1024,
-    cdc_max_bytes=4096,
-)
+SMALL = SMALL_CONFIG  # small sizes so that modest test data spans many chunks and many packs
 
 DTYPES = ("float32", "float16", "int64", "uint8", "bool")
 REPO_ROOT = Path(__file__).resolve().parents[2]

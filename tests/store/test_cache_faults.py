@@ -181,6 +181,7 @@ def _run_on_damaged_copy(src: Path, dst: Path, damage) -> subprocess.CompletedPr
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
 
 
+@pytest.mark.slow  # a sweep: one subprocess per flipped offset, ~20 s (the fast suite keeps the garbage cache)
 def test_flipped_bytes_in_the_cache_are_repaired(tmp_path, rng):
     src = tmp_path / "S"
     _two_checkpoints(src, rng)

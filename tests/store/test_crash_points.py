@@ -1,6 +1,8 @@
-"""kill -9 at every labelled step of save / commit / forget / gc (DELTACKPT_CRASH_POINT), and at random
-moments of a save/forget/gc loop: the store always opens, verifies clean at level 2, every committed
-checkpoint loads bit-exact, and the leftovers are orphans that the next gc removes."""
+"""kill -9 at every labelled step of save / commit / forget / gc (DELTACKPT_CRASH_POINT), at random moments
+of a save/forget/gc loop, and in the middle of a large save: the store always opens, verifies clean at level
+2, every committed checkpoint loads bit-exact, every pack file is whole, and the leftovers are orphans that
+the next gc removes. The workload and the checks are deltackpt.testing's, shared with
+benchmarks/stress_crash.py."""
 
 from __future__ import annotations
 
@@ -15,80 +17,29 @@ import time
 import pytest
 
 from deltackpt.store import Store
-from deltackpt.store.gc import plan_gc
 from deltackpt.store.lock import list_locks
-from deltackpt.store.retention import plan_forget
-from deltackpt.store.verify import verify_store
+from deltackpt.store.pack import pack_bytes_ok, read_pack_entries
+from deltackpt.store.retention import plan_forget, set_tags
+from deltackpt.testing import check_store, crash_items, expected_items, floats, gc_and_check, read_loop_output
 
 from store_helpers import REPO_ROOT, SMALL, assert_items_equal, pack_names, packs_of_checkpoint, subprocess_env
 
 pytestmark = pytest.mark.timeout(180)
 
-# Checkpoint contents, shared verbatim by this process and the children (exec'd in both), so the children
-# need no data from us. (Chunk ids are kept clear of a trailing NUL byte, which once tripped gc; that is
-# tested on its own in test_gc.py.)
-DATA_SRC = textwrap.dedent(
-    """
-    import numpy as np
-    import xxhash
-    from deltackpt.store.chunking import cdc_spans
-
-    CHUNK = 4096
-
-    def _nul_free(b, spans):
-        return all(xxhash.xxh3_128_digest(b[s:e])[-1] != 0 for s, e in spans)
-
-    def _grid(b):
-        return [(i, min(i + CHUNK, len(b))) for i in range(0, len(b), CHUNK)]
-
-    def floats(seed, n):
-        k = 0
-        while True:
-            x = np.random.default_rng([seed, k]).standard_normal(n).astype(np.float32)
-            if _nul_free(x.tobytes(), _grid(x.tobytes())):
-                return x
-            k += 1
-
-    W0 = floats(0, 8192)
-
-    def _meta(i):
-        k = 0
-        while True:
-            b = f"step={i} ".encode() * 40 + np.random.default_rng([i, k, 7]).bytes(1500)
-            if _nul_free(b, cdc_spans(memoryview(b), 256, 1024, 4096)):
-                return b
-            k += 1
-
-    def data(i):
-        # w drifts from checkpoint to checkpoint (stored as deltas), u is new each time, meta is a byte item
-        k = 0
-        while True:
-            w = W0.copy()
-            w[::50] = np.random.default_rng([i, k, 1]).standard_normal(w[::50].size).astype(np.float32)
-            if _nul_free(w.tobytes(), _grid(w.tobytes())):
-                break
-            k += 1
-        return {"w": w, "u": floats(10_000 + i, 4096), "meta": _meta(i)}
-    """
-)
-_ns: dict = {}
-exec(DATA_SRC, _ns)
-data, floats = _ns["data"], _ns["floats"]
-
-GC = "plan_gc(store, grace_s=0, max_unused=0.5).execute()"
-CHILD_PRELUDE = DATA_SRC + textwrap.dedent(
+CHILD_PRELUDE = textwrap.dedent(
     """
     import sys
     from deltackpt.store import Store
     from deltackpt.store.gc import plan_gc
     from deltackpt.store.retention import plan_forget
+    from deltackpt.testing import crash_items
     store = Store.open(sys.argv[1])
     """
 )
 ACTIONS = {
-    "save": "store.save('new', data(9))",
+    "save": "store.save('new', crash_items(9))",
     "forget": "plan_forget(store, keep_last=2).execute()",
-    "gc": GC,
+    "gc": "plan_gc(store, grace_s=0).execute()",
 }
 LABELS = {
     "save:after-packs": "save",
@@ -109,11 +60,11 @@ def template(tmp_path_factory):
     store = Store.init(root, **SMALL)
     keep, junk = floats(501, 4096), floats(502, 8192)
     expected = {
-        "c0": data(0),
-        "c1": data(1),
+        "c0": crash_items(0),
+        "c1": crash_items(1),
         "mix": {"keep": keep, "junk": junk},
         "dead": {"d": floats(503, 6000)},
-        "c2": {**data(2), "keep": keep},
+        "c2": {**crash_items(2), "keep": keep},
     }
     for name, items in expected.items():
         store.save(name, items)
@@ -140,28 +91,33 @@ def _run_child(root, action: str, label: str | None) -> subprocess.CompletedProc
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 
 
-def check_store(root, expected: dict, *, present=(), absent=()):
-    """Open, verify level 2, load every checkpoint bit-exact. Returns (store, report)."""
+def assert_store_ok(root, expected, *, present=(), absent=()):
+    """Open, verify level 2, load every checkpoint bit-exact, every pack file whole. Returns (store, report).
+
+    ``expected``: a dict name -> items, or a function name -> items (None for a name that must not exist).
+    """
     store = Store.open(root)
-    names = set(store.checkpoint_names())
-    assert set(present) <= names, (present, names)
-    assert not set(absent) & names, (absent, names)
-    assert names <= set(expected), names
-    r = verify_store(store, level=2)
-    assert r.ok and r.complete, [p.as_dict() for p in r.problems]
-    assert r.num_checkpoints == len(names)
-    for name in names:
-        assert_items_equal(expected[name], store.load(name))
+    r, problems = check_store(store, expected.get if isinstance(expected, dict) else expected,
+                              present=present, absent=absent)
+    assert not problems, problems
+    assert_packs_whole(store)
     return store, r
+
+
+def assert_packs_whole(store):
+    """Every pack file in the store hashes to its name (puts are atomic: a torn pack is at most a temp file)."""
+    for info in store.backend.list("packs/"):
+        name = info.key.rsplit("/", 1)[1]
+        assert pack_bytes_ok(name, store.backend.get(info.key)), info.key
+        assert read_pack_entries(store.backend, name, info.size_bytes)
+    assert all(".tmp-" in t for t, _mtime in store.backend.list_temp())
 
 
 def _gc_and_recheck(root, expected, names_before):
     store = Store.open(root)
-    plan_gc(store, grace_s=0, max_unused=0.5).execute()
-    assert list_locks(store.backend) == []  # the killed process's lock was stale and is gone
-    store, r = check_store(root, expected, present=names_before)
-    assert r.orphan_packs == []
-    assert plan_gc(store, grace_s=0, max_unused=0.5).delete_packs == {}
+    problems = gc_and_check(store, expected.get if isinstance(expected, dict) else expected,
+                            present=names_before)
+    assert not problems, problems
     return store
 
 
@@ -182,10 +138,10 @@ def test_kill_at_crash_point(template, tmp_path, label):
     proc = _run_child(root, action, label)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr[-3000:])
 
-    expected["new"] = data(9)
+    expected["new"] = crash_items(9)
     committed = label == "commit:after-manifest"
-    store, r = check_store(root, expected, present=names_before | ({"new"} if committed else set()),
-                           absent=() if committed else ("new",))
+    store, r = assert_store_ok(root, expected, present=names_before | ({"new"} if committed else set()),
+                               absent=() if committed else ("new",))
     new_packs = pack_names(store) - packs_before
     if action == "save":
         assert new_packs, "the save wrote packs before it was killed"
@@ -216,8 +172,8 @@ def test_kill_at_crash_point(template, tmp_path, label):
         _gc_and_recheck(root, expected, left)
     # and the store takes new checkpoints afterwards
     store = Store.open(root)
-    store.save("after", data(10))
-    assert_items_equal(data(10), store.load("after"))
+    store.save("after", crash_items(10))
+    assert_items_equal(crash_items(10), store.load("after"))
 
 
 def test_without_crash_point_the_child_completes(template, tmp_path):
@@ -225,36 +181,19 @@ def test_without_crash_point_the_child_completes(template, tmp_path):
     root, expected = _copy(template, tmp_path)
     proc = _run_child(root, "save", None)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    expected["new"] = data(9)
-    check_store(root, expected, present=set(expected))
+    expected["new"] = crash_items(9)
+    assert_store_ok(root, expected, present=set(expected))
 
 
 # -- kill -9 at random moments ------------------------------------------------------------------------------------
 
-LOOP = CHILD_PRELUDE + textwrap.dedent(
-    f"""
-    i = int(sys.argv[2])
-    print("ready", flush=True)
-    while True:
-        name = f"r{{i}}"
-        print("saving", name, flush=True)
-        store.save(name, data(i))
-        print("committed", name, flush=True)
-        if i % 3 == 2:
-            rs = [c.name for c in store.list_checkpoints() if c.name.startswith("r")]
-            victims = rs[:-2]
-            print("forgetting", *victims, flush=True)
-            store.forget(victims)
-            print("forgot", flush=True)
-            {GC}
-            print("gc-done", flush=True)
-        i += 1
-    """
-)
+LOOP = ("import sys; from deltackpt.testing import crash_loop; "
+        "crash_loop(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))")
 
 
-def kill_loop_at(root, start: int, delay: float) -> tuple[int, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-c", LOOP, str(root), str(start)], cwd=REPO_ROOT,
+def kill_loop_at(root, start: int, seed: int, delay: float) -> list[str]:
+    """Run ``crash_loop`` from ``r<start>``, SIGKILL it ``delay`` s after it is ready; its stdout lines."""
+    proc = subprocess.Popen([sys.executable, "-c", LOOP, str(root), str(start), str(seed)], cwd=REPO_ROOT,
                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
@@ -267,39 +206,99 @@ def kill_loop_at(root, start: int, delay: float) -> tuple[int, list[str]]:
             proc.kill()
             proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, err[-3000:]
-    return proc.returncode, out.splitlines()
+    return out.splitlines()
 
 
 def test_kill_at_random_moments(template, tmp_path):
-    root, expected = _copy(template, tmp_path)
+    root, base = _copy(template, tmp_path)
+    for name in base:  # the loop's forgets (keep_last=3) never touch the template's checkpoints
+        set_tags(Store.open(root), name, ["base"])
+    expected = expected_items(base)
     seed = random.randrange(2**32)
     rnd = random.Random(seed)
     print("seed", seed)
     committed: set[str] = set()
     maybe_forgotten: set[str] = set()
-    base = set(expected)
-    kills = 10
-    for k in range(kills):
-        start = 100 * (k + 1)
-        for i in range(start, start + 100):
-            expected[f"r{i}"] = None  # placeholder: filled lazily below
-        delay = rnd.uniform(0.0, 1.0)
-        _, lines = kill_loop_at(root, start, delay)
-        for line in lines:
-            parts = line.split()
-            if parts and parts[0] == "committed":
-                committed.add(parts[1])
-            elif parts and parts[0] == "forgetting":
-                maybe_forgotten.update(parts[1:])
-        store = Store.open(root)
-        names = set(store.checkpoint_names())
-        for n in names - base:
-            expected[n] = data(int(n[1:]))
-        must = base | (committed - maybe_forgotten)
-        store, r = check_store(root, expected, present=must)
+    for k in range(10):
+        lines = kill_loop_at(root, 100 * (k + 1), rnd.randrange(2**32), rnd.uniform(0.0, 1.0))
+        new, forgetting = read_loop_output(lines)
+        committed |= new
+        maybe_forgotten |= forgetting
+        names = set(Store.open(root).checkpoint_names())
+        assert_store_ok(root, expected, present=set(base) | (committed - maybe_forgotten))
         if k % 2:
             _gc_and_recheck(root, expected, names)
     assert committed, "the loop never committed anything in ten runs"
     # finally: all leftovers are reclaimable and the store stays clean
-    store = _gc_and_recheck(root, expected, set(Store.open(root).checkpoint_names()))
-    assert verify_store(store, level=2).ok
+    _gc_and_recheck(root, expected, set(Store.open(root).checkpoint_names()))
+
+
+# -- kill -9 in the middle of a large save ---------------------------------------------------------------------
+
+BIG_ELEMS = 16 * 1024 * 1024  # 64 MiB of float32 per checkpoint
+BIG_LOOP = textwrap.dedent(
+    f"""
+    import sys
+    from deltackpt.store import Store
+    from deltackpt.testing import floats
+    store = Store.open(sys.argv[1])
+    i = 0
+    while True:
+        print("start", i, flush=True)
+        store.save(f"big-{{i}}", {{"w": floats(1000 + i, {BIG_ELEMS})}})
+        print("committed", i, flush=True)
+        i += 1
+    """
+)
+
+
+def _big(name: str) -> dict | None:
+    prefix, _, i = name.partition("-")
+    return {"w": floats(1000 + int(i), BIG_ELEMS)} if prefix == "big" and i.isdigit() else None
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.15, 0.6])
+def test_kill_during_a_large_save(tmp_path, delay):
+    """Killed at a moment after its first pack (several packs in flight): no torn pack, and the next save
+    finds the killed save's orphan chunks and reuses them."""
+    root = tmp_path / "store"
+    store = Store.init(root, chunk_size_bytes=64 * 1024, pack_target_bytes=256 * 1024)
+    base = {"w": floats(7, 100_000), "meta": b"base checkpoint"}
+    store.save("base", base)
+    base_packs = pack_names(store)
+
+    proc = subprocess.Popen([sys.executable, "-c", BIG_LOOP, str(root)], cwd=REPO_ROOT, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while pack_names(store) == base_packs:  # wait for the first pack of the new save
+            if proc.poll() is not None:
+                out, err = proc.communicate()
+                pytest.fail(f"child exited early ({proc.returncode}): {err.decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail("child wrote no pack within 60 s")
+            time.sleep(0.002)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    print("killed after", delay, "s; child said:", out.decode().split())
+    committed = {f"big-{line.split()[1]}" for line in out.decode().splitlines() if line.startswith("committed")}
+
+    def expected(name):
+        return base if name == "base" else _big(name)
+
+    reopened, _ = assert_store_ok(root, expected, present={"base"} | committed)  # a save that returned is durable
+    names = [i.name for i in reopened.list_checkpoints()]
+    assert names[0] == "base"
+    # the store is fully usable afterwards, and the killed save's orphan chunks are reused
+    nxt = len(names) - 1
+    m = reopened.save("after", _big(f"big-{nxt}"))
+    if nxt == 0:  # killed inside big-0, after its first pack: those orphan chunks are found and reused
+        assert m.stats.new_chunks < m.stats.num_chunks
+    assert [i.name for i in reopened.list_checkpoints()][-1] == "after"
+    assert_items_equal(_big(f"big-{nxt}"), reopened.load("after"))

@@ -200,7 +200,7 @@ class CheckpointManager:
     def _log_saved(self, name: str, started: float) -> None:
         """One line per save, on the coordinator: its name, seconds, and bytes new / logical (from the
         committed manifest's stats)."""
-        if _rank_and_world()[0] != 0:
+        if rank_and_world()[0] != 0:
             return
         seconds = time.perf_counter() - started
         stats = self.store.read_manifest(name).stats

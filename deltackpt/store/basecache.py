@@ -1,4 +1,4 @@
-"""A process-wide, byte-bounded LRU of keyframe bytes, so the next save's deltas need no store reads.
+"""A process-wide LRU of keyframe bytes, bounded per store, so the next save's deltas need no store reads.
 
 When a writer stores a keyframe it keeps a copy of the raw bytes here; the next save of the same tensor
 region finds its delta base in memory. A base that is not cached (first save after a restart, or evicted)
@@ -41,9 +41,10 @@ class BaseCache:
     """
 
     def __init__(self, cap_bytes: int) -> None:
-        self.cap_bytes = cap_bytes
+        self.cap_bytes = cap_bytes  # per store
         self._data: OrderedDict[tuple[str, bytes], list] = OrderedDict()  # key -> [bytes, generation]
         self._size = 0
+        self._sizes: dict[str, int] = {}  # store id -> bytes held for it
         self._generation = 0
         self._lock = threading.Lock()
 
@@ -77,38 +78,45 @@ class BaseCache:
                 self._data[key][1] = self._generation
                 self._data.move_to_end(key)
                 return
-            if not self._make_room(n):
+            if not self._make_room(store_id, n):
                 return
         # numpy copies without holding the GIL (bytes() would stall the other coding threads).
         value = np.frombuffer(raw, dtype=np.uint8).copy()
         value.flags.writeable = False
         with self._lock:
-            if key not in self._data and self._make_room(n):
+            if key not in self._data and self._make_room(store_id, n):
                 self._data[key] = [value, self._generation]
                 self._size += n
+                self._sizes[store_id] = self._sizes.get(store_id, 0) + n
 
-    def _make_room(self, n: int) -> bool:
-        """Evict entries older than the current generation (least recent first) until ``n`` bytes fit.
+    def _make_room(self, store_id: str, n: int) -> bool:
+        """Evict ``store_id``'s entries older than the current generation (least recent first) until its
+        ``n`` more bytes fit under the cap.
 
         Entries are kept in order of last use, so generations only grow along it: eviction stops at the
         first entry of the current generation."""
-        if self._size + n <= self.cap_bytes:
+        held = self._sizes.get(store_id, 0)
+        if held + n <= self.cap_bytes:
             return True
         victims, freed = [], 0
         for key, (value, gen) in self._data.items():
-            if self._size - freed + n <= self.cap_bytes or gen >= self._generation:
+            if key[0] != store_id:
+                continue
+            if held - freed + n <= self.cap_bytes or gen >= self._generation:
                 break
             victims.append(key)
             freed += len(value)
         for key in victims:
             del self._data[key]
         self._size -= freed
-        return self._size + n <= self.cap_bytes
+        self._sizes[store_id] = held - freed
+        return held - freed + n <= self.cap_bytes
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
             self._size = 0
+            self._sizes.clear()
 
 
 _shared: BaseCache | None = None

@@ -56,3 +56,20 @@ def test_eviction_frees_enough_for_a_large_entry_and_respects_the_cap():
     cache.put("s", b"huge", _b(41, 1))  # larger than the cap: never cached
     assert cache.get("s", b"huge") is None
     assert np.frombuffer(cache.get("s", b"big"), dtype=np.uint8).tolist() == [7] * 25
+
+
+def test_the_cap_bounds_each_store_so_stores_never_evict_each_other():
+    cache = BaseCache(30)
+    cache.new_generation()
+    for k in (b"a", b"b", b"c"):
+        cache.put("local", k, _b(10, 1))
+    cache.new_generation()  # a save into another store of the same process
+    for k in (b"a", b"b", b"c", b"d"):
+        cache.put("remote", k, _b(10, 2))
+    assert [bytes(cache.get("local", k))[:1] for k in (b"a", b"b", b"c")] == [b"\x01"] * 3
+    assert cache.get("remote", b"d") is None  # the remote store's own share is full (this save's entries)
+    assert cache.size_bytes == 60
+    cache.new_generation()
+    cache.put("remote", b"e", _b(10, 3))  # evicts only the remote store's oldest entry
+    assert cache.get("remote", b"a") is None and cache.get("local", b"a") is not None
+    assert cache.size_bytes == 60

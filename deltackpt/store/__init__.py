@@ -42,7 +42,7 @@ This package never imports torch; the DCP layer (``deltackpt.dcp``) sits on top 
 names in ``__all__`` below (the other submodules are the engine's own parts).
 """
 
-from .backend import Backend, LocalBackend, MemoryBackend, ObjectInfo
+from .backend import Backend, LocalBackend, LocalFiles, MemoryBackend, ObjectInfo
 from .basecache import AUTO_CAP_BYTES, reserve_base_cache
 from .config import FORMAT_VERSION, StoreConfig
 from .copy import CopyReport, copy_checkpoints
@@ -69,6 +69,7 @@ __all__ = [
     "ForgetPlan",
     "Item",
     "LocalBackend",
+    "LocalFiles",
     "Manifest",
     "MemoryBackend",
     "ObjectInfo",

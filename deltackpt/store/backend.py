@@ -1,8 +1,11 @@
 """Object backends: where the store's immutable objects live.
 
 The engine sees a flat namespace of keys (``config``, ``packs/ab/ab12...``, ``manifests/step-100``) mapped
-to whole, immutable byte objects. The interface has no append and no in-place edit, so an object-store
-backend (S3 through fsspec) can be added without touching the engine.
+to whole, immutable byte objects. :class:`Backend` is that small core: put / put_new / get / get_range
+(and get_range_into) / list / delete / exists / size, with no append and no in-place edit; object storage
+(``fsspec_backend.FsspecBackend``) and ``MemoryBackend`` implement only it. What only files on this machine
+allow (a spool file published by a rename, caches beside the objects, page-cache probes, crash temp files)
+is the optional :class:`LocalFiles` capability, which the engine checks with ``isinstance``.
 
 ``LocalBackend`` makes each ``put`` atomic and durable: write a temp file in the same directory, fsync it,
 rename it over the key, fsync the directory. A crash therefore leaves either the old object, the new one,
@@ -108,36 +111,53 @@ class Backend(abc.ABC):
     def exists(self, key: str) -> bool:
         """Whether ``key`` holds an object."""
 
-    def spool_path(self) -> Path | None:
-        """A fresh temp path on the store's filesystem to stream a new object into, or None."""
-        return None
-
-    def put_spooled(self, key: str, f) -> None:
-        """Publish the bytes written to the open spool file ``f`` (from ``spool_path``) under ``key``."""
-        f.flush()
-        f.seek(0)
-        data = f.read()
-        name = f.name
-        f.close()
-        try:
-            self.put(key, data)
-        finally:
-            os.unlink(name)
-
     def size(self, key: str) -> int:
+        """The object's size in bytes; ``FileNotFoundError`` when absent."""
         for info in self.list(key):
             if info.key == key:
                 return info.size_bytes
         raise FileNotFoundError(key)
 
-    def local_path(self) -> Path | None:
-        """A directory on this machine the store may use for caches, or None."""
-        return None
 
+class LocalFiles(abc.ABC):
+    """What only a backend whose objects are files on this machine can do (the engine checks for it with
+    ``isinstance``): stream a pack into a spool file and publish it by a rename, keep caches beside the
+    objects, probe the page cache, and find the temp files a crash left."""
+
+    @abc.abstractmethod
+    def local_path(self) -> Path:
+        """The directory holding the objects."""
+
+    @abc.abstractmethod
+    def spool_path(self) -> Path:
+        """A fresh temp path on the store's file system to stream a new object into."""
+
+    @abc.abstractmethod
+    def put_spooled(self, key: str, f) -> None:
+        """Publish the bytes written to the open spool file ``f`` (from ``spool_path``) under ``key``."""
+
+    @abc.abstractmethod
     def is_cached(self, key: str, offset: int) -> bool | None:
         """Whether the byte at ``offset`` of ``key`` can be read without waiting on a device (page cache),
-        or None when the backend cannot tell (default)."""
-        return None
+        or None when the file system cannot tell."""
+
+    @abc.abstractmethod
+    def list_temp(self) -> list[tuple[str, float]]:
+        """Stray temp files left by a crash mid-put: (relative path, mtime)."""
+
+    @abc.abstractmethod
+    def delete_temp(self, rel_path: str) -> None:
+        """Remove one of ``list_temp``'s files."""
+
+
+def local_root(backend) -> Path | None:
+    """The directory of a local backend's objects, or None for object storage and memory."""
+    return backend.local_path() if isinstance(backend, LocalFiles) else None
+
+
+def spool_for(backend) -> Path | None:
+    """A spool file path to stream a new pack into, on a local backend; None elsewhere (built in memory)."""
+    return backend.spool_path() if isinstance(backend, LocalFiles) else None
 
 
 class MemoryBackend(Backend):
@@ -234,7 +254,7 @@ def _writes(method):
     return run
 
 
-class LocalBackend(Backend):
+class LocalBackend(Backend, LocalFiles):
     """Objects as files under a root directory; puts are temp file + fsync + rename + fsync(dir)."""
 
     def __init__(self, root: str | os.PathLike, *, fsync: bool = True) -> None:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .backend import LocalFiles, spool_for
 from . import codec
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
@@ -283,11 +284,10 @@ def _delta_bases(store, listed: dict) -> set[bytes]:
 def _removable_temp_files(store, grace_s: float) -> list[str]:
     """Stray temp files gc may remove: older than ``grace_s``, and under ``locks/`` older than a lock can
     stay fresh (a younger one may be a lock being taken by a save right now)."""
-    list_temp = getattr(store.backend, "list_temp", None)
-    if list_temp is None:
+    if not isinstance(store.backend, LocalFiles):
         return []
     now = time.time()
-    return [p for p, mtime in list_temp()
+    return [p for p, mtime in store.backend.list_temp()
             if now - mtime >= (max(grace_s, STALE_AFTER_S) if p.replace(os.sep, "/").startswith("locks/")
                                else grace_s)]
 
@@ -384,7 +384,7 @@ def _repack(store, old: str, entries: list[PackEntry]) -> tuple[int, set[str]]:
     Returns (entries moved, names of the packs published)."""
     data = store.backend.get(pack_key(old))
     target = store.config.pack_target_bytes
-    builder = PackBuilder(store.backend.spool_path())
+    builder = PackBuilder(spool_for(store.backend))
     moved, names = [], set()
 
     def flush(b: PackBuilder):
@@ -398,7 +398,7 @@ def _repack(store, old: str, entries: list[PackEntry]) -> tuple[int, set[str]]:
         builder.add(e.chunk_id, e.codec, e.elem_size, e.raw_len, payload, e.base_id, e.age)
         if builder.size_bytes >= target:
             flush(builder)
-            builder = PackBuilder(store.backend.spool_path())
+            builder = PackBuilder(spool_for(store.backend))
     if len(builder):
         flush(builder)
     else:

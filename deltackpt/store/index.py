@@ -35,6 +35,7 @@ from pathlib import Path
 
 import lmdb
 
+from .backend import local_root
 from ..errors import ManifestFormatError
 from .codec import DELTA
 from .memenv import MemoryEnv
@@ -528,4 +529,4 @@ class ChunkIndex:
             except FileNotFoundError:
                 entries = []
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
-        self._add(entries, {name: size}, if_present=self.backend.local_path() is not None)
+        self._add(entries, {name: size}, if_present=local_root(self.backend) is not None)

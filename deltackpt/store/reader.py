@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from .backend import LocalFiles, local_root
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
 from . import codec
 from .basecache import note_use
@@ -297,7 +298,7 @@ class CheckpointReader:
         self.manifest = manifest
         self.items: dict[str, Item] = manifest.item_map()
         self.source = ChunkSource(store)
-        self.remote = store.backend.local_path() is None  # object storage: coalesced requests, many in flight
+        self.remote = local_root(store.backend) is None  # object storage: coalesced requests, many in flight
         self.num_threads = num_threads or default_read_threads(remote=self.remote)
         self._pool: ThreadPoolExecutor | None = None
         self._starts: dict[str, list[int]] = {}
@@ -476,7 +477,8 @@ class CheckpointReader:
         step = max(1, len(jobs) // samples)
         for job in jobs[::step][:samples]:
             entry = self.store.index.lookup(job[2].id)
-            if entry is not None and self.store.backend.is_cached(pack_key(entry.pack), entry.offset) is False:
+            if entry is not None and isinstance(self.store.backend, LocalFiles) \
+                    and self.store.backend.is_cached(pack_key(entry.pack), entry.offset) is False:
                 return True
         return False
 

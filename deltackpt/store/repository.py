@@ -33,7 +33,7 @@ from ..errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
-from .backend import Backend
+from .backend import Backend, local_root
 from .location import open_backend
 from .config import CONFIG_KEY, WRITER_FEATURES, StoreConfig, decode_config, encode_config, new_config
 from .index import ChunkIndex
@@ -99,7 +99,7 @@ def _default_cache_dir(backend: Backend, store_id: str) -> Path:
     env = settings.cache_dir()
     if env:
         return Path(env) / store_id
-    local = backend.local_path()
+    local = local_root(backend)
     if local is not None and not on_shared_filesystem(local):
         return local / "cache"
     # Object storage, or a directory several hosts open (LMDB's locks do not work across hosts): node-local.
@@ -617,7 +617,7 @@ def _damaged_info(name: str, obj, damage: str) -> CheckpointInfo:
 
 
 def _describe(backend: Backend) -> str:
-    local = backend.local_path()
+    local = local_root(backend)
     return str(local) if local is not None else getattr(backend, "url", None) or repr(backend)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .backend import local_root, spool_for
 from ..errors import DeltackptError
 from . import codec
 from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
@@ -162,7 +163,7 @@ class ChunkWriter:
         self._uploads: ThreadPoolExecutor | None = None
         self._upload_slots = threading.Semaphore(UPLOADS_IN_FLIGHT)
         self._upload_error: BaseException | None = None  # the first upload's error, raised by finish()
-        if store.backend.local_path() is None:
+        if local_root(store.backend) is None:
             self._uploads = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="deltackpt-upload")
 
     # -- public ------------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ class ChunkWriter:
         with self._lock:
             names, self._created = self._created, set()
         store = self.store
-        local = store.backend.local_path()
+        local = local_root(store.backend)
         # Another writer may have indexed (and deduplicated against) a pack of ours once it was listed; only
         # an index inside the store is seen by every such writer, so elsewhere the packs are left to gc.
         if not names or local is None or Path(store.cache_dir).resolve() != (local / "cache").resolve():
@@ -437,7 +438,7 @@ class ChunkWriter:
             self._put_pack(sealed)
 
     def _new_builder(self) -> PackBuilder:
-        builder = PackBuilder(self.store.backend.spool_path())
+        builder = PackBuilder(spool_for(self.store.backend))
         self._open_builders.add(builder)  # (callers hold self._lock, or no job is running yet)
         return builder
 

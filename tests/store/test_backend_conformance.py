@@ -239,3 +239,14 @@ def test_local_key_cannot_escape_root(tmp_path):
     with pytest.raises(ValueError):
         be.get("../escaped")
     assert not (tmp_path / "escaped").exists()
+
+
+def test_the_core_is_all_a_backend_must_implement():
+    """Object storage and memory implement the core only; local-only speedups are a separate capability."""
+    from deltackpt.store.backend import LocalFiles
+
+    core = {"put", "put_new", "get", "get_range", "list", "delete", "exists"}
+    assert Backend.__abstractmethods__ == frozenset(core)
+    assert not isinstance(MemoryBackend(), LocalFiles)
+    assert not issubclass(FsspecBackend, LocalFiles)
+    assert issubclass(LocalBackend, LocalFiles)

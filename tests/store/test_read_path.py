@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from deltackpt.errors import CorruptChunkError
+from deltackpt.store.backend import LocalFiles
 from deltackpt.store import LocalBackend, MemoryBackend, Store, codec
 from deltackpt.store.basecache import shared_base_cache
 from deltackpt.store.pack import HEADER_SIZE, pack_key
@@ -182,7 +183,7 @@ def test_cold_probe_picks_more_read_threads(tmp_path, monkeypatch):
     assert reader.looks_cold(jobs) and not reader.looks_cold([])
     monkeypatch.setattr(LocalBackend, "is_cached", lambda self, k, off: True)
     assert not reader.looks_cold(jobs)
-    assert MemoryBackend().is_cached("packs/x", 0) is None
+    assert not isinstance(MemoryBackend(), LocalFiles)  # no page cache to probe: never judged cold
     cores = usable_cores()
     assert default_read_threads(cold=True) == min(8, 2 * cores) and default_read_threads() == min(8, cores)
 

@@ -28,7 +28,8 @@ from .manifest import ChunkRef, Item, Manifest
 from .pack import PackBuilder, PackEntry, pack_key
 from .parentmap import Extent, ParentMap
 from .basecache import note_use, shared_base_cache
-from .reader import ChunkSource, usable_cores
+from .source import ChunkSource
+from .threads import InlineExecutor, default_write_threads
 
 MiB = 1 << 20
 BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
@@ -73,30 +74,6 @@ def _sample_prefers_delta(view, base, elem_size: int, level: int, limit_ratio: f
     return None
 
 
-def default_write_threads(processes: int = 1) -> int:
-    """Coding threads for one writer when ``processes`` writers (ranks) share this machine's cores: its share
-    of them, at least one, at most 8. More only contend: 2 and 3 FSDP ranks on 2 cores saved changed
-    checkpoints 1.19-1.24x and 1.18-1.21x DCP's time with 1 thread per rank, 1.24-1.36x and 1.26-1.29x with 2
-    (two runs each of the reshard bench's ranks)."""
-    cores = usable_cores()
-    return max(1, min(8, cores // max(1, processes)))
-
-
-class _InlineExecutor:
-    """The executor interface, running each job in the caller's thread (a writer with one coding thread)."""
-
-    def submit(self, fn) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(fn())
-        except Exception as e:  # surfaced by finish(), as a pool's would be
-            fut.set_exception(e)
-        return fut
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        pass
-
-
 @dataclass
 class WriteSummary:
     """What one writer added to the store."""
@@ -138,7 +115,7 @@ class ChunkWriter:
         # One coding thread is no thread: a pool of one costs hand-offs and GIL switches with the caller
         # (one rank's 22 MiB shard saved with 1 coding thread: 0.095-0.104 s in a pool, 0.085-0.090 inline).
         self._pool = (ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
-                      if self.num_threads > 1 else _InlineExecutor())
+                      if self.num_threads > 1 else InlineExecutor())
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
         self._open_builders: set[PackBuilder] = set()  # with a spool file to remove if the save fails

@@ -3,9 +3,11 @@
 A :class:`ChunkWriter` takes the items of one save (arrays and byte strings) and writes every chunk the
 store does not have yet into packs of its own. Hashing and encoding run in a thread pool over chunks
 (xxhash, zstd and the native kernels release the GIL); a cap on in-flight bytes keeps memory bounded for
-any checkpoint size. Nothing becomes visible until :meth:`Store.commit` writes the manifest. A writer that
-fails (or is aborted) removes its spool files and the packs it created that no index has seen yet; a writer
-that is abandoned (a killed process) leaves only unreferenced packs, which ``gc`` removes.
+any checkpoint size. The writer decides what to save (dedup claims, slices of the parent, a delta or a
+keyframe); coded chunks go to its :class:`~.packsink.PackSink`, which builds, seals and publishes the packs.
+Nothing becomes visible until :meth:`Store.commit` writes the manifest. A writer that fails (or is aborted)
+removes its spool files and the packs it created that no index has seen yet; a writer that is abandoned (a
+killed process) leaves only unreferenced packs, which ``gc`` removes.
 
 Several processes (DCP ranks) each run their own writer; their packs never collide because a pack is named
 by the hash of its bytes.
@@ -16,16 +18,15 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from .backend import local_root, spool_for
 from ..errors import DeltackptError
 from . import codec
 from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
 from .manifest import ChunkRef, Item, Manifest
-from .pack import PackBuilder, PackEntry, pack_key
+from .pack import PackEntry
+from .packsink import PackSink
 from .parentmap import Extent, ParentMap
 from .basecache import note_use, shared_base_cache
 from .source import ChunkSource
@@ -33,9 +34,6 @@ from .threads import InlineExecutor, default_write_threads
 
 MiB = 1 << 20
 BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
-# Sealed packs of a store with no local path (object storage) upload in this many threads while coding goes
-# on; a coding thread that seals one more waits, so at most this many sealed packs are held in memory.
-UPLOADS_IN_FLIGHT = 4
 
 
 _SAMPLE_BYTES = 64 * 1024  # at most; a chunk is judged by a sample of 1/16 of it, at least 16 KiB
@@ -118,12 +116,8 @@ class ChunkWriter:
                       if self.num_threads > 1 else InlineExecutor())
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
-        self._open_builders: set[PackBuilder] = set()  # with a spool file to remove if the save fails
-        self._created: set[str] = set()  # packs this writer published that did not exist before
-        self._failed: BaseException | None = None  # the first coding job's error: stop queueing more
-        self._builder = self._new_builder()
-        self._entries: list[PackEntry] = []
-        self._packs: dict[str, int] = {}
+        self._failed: BaseException | None = None  # the first coding job's (or upload's) error: stop queueing
+        self._sink = PackSink(store, on_error=self._note_failure)
         self._inflight = 0
         self._cond = threading.Condition()
         # (item skeleton, a slot per span: [batch future -> list of refs per span, index]). The tasks'
@@ -136,12 +130,6 @@ class ChunkWriter:
         self._batch_bytes = 0
         self._batch_slots: list[list] = []
         self._finished = False
-        # Uploads to a remote store must not stall the coding thread that sealed the pack (a 32 MiB PUT).
-        self._uploads: ThreadPoolExecutor | None = None
-        self._upload_slots = threading.Semaphore(UPLOADS_IN_FLIGHT)
-        self._upload_error: BaseException | None = None  # the first upload's error, raised by finish()
-        if local_root(store.backend) is None:
-            self._uploads = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="deltackpt-upload")
 
     # -- public ------------------------------------------------------------------------------------------
     def add_array(self, key: str, data, *, dtype: str, elem_size: int, shape=(), group: str = "",
@@ -179,22 +167,16 @@ class ChunkWriter:
             for item, slots in self._pending:
                 item.chunks = [ref for f, i in slots for ref in f.result()[i]]
                 items.append(item)
-            with self._lock:
-                builder, self._builder = self._builder, None
-            if len(builder):
-                self._put_pack(builder)
-            else:
-                builder.discard()
-            self._wait_uploads()
+            self._sink.finish()
             done = True
-            return WriteSummary(items=items, entries=self._entries, packs=self._packs)
+            return WriteSummary(items=items, entries=self._sink.entries, packs=self._sink.packs)
         finally:
             self._pending.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
-            self._stop_uploads()
-            self._discard_builders()
-            if not done:
-                self._remove_created_packs()
+            if done:
+                self._sink.close()
+            else:
+                self._sink.abort()
 
     def abort(self) -> None:
         """Stop, drop everything queued, and remove this writer's spool files and the packs it created that
@@ -202,30 +184,8 @@ class ChunkWriter:
         already indexed are left to ``gc``."""
         self._finished = True
         self._pool.shutdown(wait=True, cancel_futures=True)  # running jobs may still publish a pack
-        self._stop_uploads()
         self._pending.clear()
-        self._discard_builders()
-        self._remove_created_packs()
-
-    def _discard_builders(self) -> None:
-        with self._lock:
-            builders, self._open_builders, self._builder = self._open_builders, set(), None
-        for builder in builders:
-            builder.discard()
-
-    def _remove_created_packs(self) -> None:
-        with self._lock:
-            names, self._created = self._created, set()
-        store = self.store
-        local = local_root(store.backend)
-        # Another writer may have indexed (and deduplicated against) a pack of ours once it was listed; only
-        # an index inside the store is seen by every such writer, so elsewhere the packs are left to gc.
-        if not names or local is None or Path(store.cache_dir).resolve() != (local / "cache").resolve():
-            return
-        try:
-            store.index.delete_unindexed_packs(names, lambda name: store.backend.delete(pack_key(name)))
-        except Exception:  # noqa: BLE001 - cleanup never hides the save's own error; gc removes what is left
-            pass
+        self._sink.abort()
 
     # -- internals ---------------------------------------------------------------------------------------
     def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
@@ -280,9 +240,13 @@ class ChunkWriter:
             self._cond.notify_all()
 
     def _job_done(self, fut: Future, n: int) -> None:
-        if not fut.cancelled() and fut.exception() is not None and self._failed is None:
-            self._failed = fut.exception()
+        if not fut.cancelled() and fut.exception() is not None:
+            self._note_failure(fut.exception())
         self._release(n)
+
+    def _note_failure(self, error: BaseException) -> None:
+        if self._failed is None:
+            self._failed = error
 
     def _write_span(self, view: memoryview, elem_size: int, group: str | None, gstart: int) -> list[ChunkRef]:
         """Refs for one grid span: an existing chunk, slices of the parent's chunks, or a new chunk."""
@@ -406,64 +370,4 @@ class ChunkWriter:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
         if cod != codec.DELTA and c.delta and is_array and n >= self._delta_min:
             self._cache.put(c.store_id, cid, view)  # the next save's base
-        sealed = None
-        with self._lock:
-            self._builder.add(cid, cod, elem_size, n, stored, base_id, age)
-            if self._builder.size_bytes >= c.pack_target_bytes:
-                sealed, self._builder = self._builder, self._new_builder()
-        if sealed is not None:
-            self._put_pack(sealed)
-
-    def _new_builder(self) -> PackBuilder:
-        builder = PackBuilder(spool_for(self.store.backend))
-        self._open_builders.add(builder)  # (callers hold self._lock, or no job is running yet)
-        return builder
-
-    def _put_pack(self, builder: PackBuilder) -> None:
-        if self._uploads is None:
-            self._publish(builder)
-            return
-        self._upload_slots.acquire()  # released when the upload ends (or is cancelled)
-        try:
-            fut = self._uploads.submit(self._publish, builder)
-        except BaseException:
-            self._upload_slots.release()
-            raise
-        fut.add_done_callback(self._upload_done)
-
-    def _publish(self, builder: PackBuilder) -> None:
-        # Only a local store's failed save removes its packs (_remove_created_packs): elsewhere, spare the HEAD.
-        note = self._note_created if self._uploads is None else None
-        name, size, entries = builder.publish(self.store.backend, before_put=note)
-        with self._lock:
-            self._open_builders.discard(builder)
-            self._entries.extend(entries)
-            self._packs[name] = size
-
-    def _upload_done(self, fut: Future) -> None:
-        self._upload_slots.release()
-        error = None if fut.cancelled() else fut.exception()
-        if error is not None:
-            with self._lock:
-                self._upload_error = self._upload_error or error
-            if self._failed is None:
-                self._failed = error  # stop coding what could not be committed anyway
-
-    def _wait_uploads(self) -> None:
-        """Wait for every pack upload; raise the first error one of them met."""
-        if self._uploads is None:
-            return
-        self._uploads.shutdown(wait=True)
-        if self._upload_error is not None:
-            raise self._upload_error
-
-    def _stop_uploads(self) -> None:
-        """Drop queued uploads and wait for running ones (no pack is put after the writer stopped)."""
-        if self._uploads is not None:
-            self._uploads.shutdown(wait=True, cancel_futures=True)
-
-    def _note_created(self, name: str) -> None:
-        # A pack of the same bytes that is already there may be another writer's: never ours to remove.
-        if not self.store.backend.exists(pack_key(name)):
-            with self._lock:
-                self._created.add(name)
+        self._sink.add(cid, cod, elem_size, n, stored, base_id, age)

@@ -3,8 +3,9 @@
 A :class:`ChunkWriter` takes the items of one save (arrays and byte strings) and writes every chunk the
 store does not have yet into packs of its own. Hashing and encoding run in a thread pool over chunks
 (xxhash, zstd and the native kernels release the GIL); a cap on in-flight bytes keeps memory bounded for
-any checkpoint size. The writer decides what to save (dedup claims, slices of the parent, a delta or a
-keyframe); coded chunks go to its :class:`~.packsink.PackSink`, which builds, seals and publishes the packs.
+any checkpoint size. The writer decides what to save (dedup claims, slices of the parent) and codes each new
+chunk as its :class:`~.deltapolicy.DeltaPolicy` says (a delta or a keyframe); coded chunks go to its
+:class:`~.packsink.PackSink`, which builds, seals and publishes the packs.
 Nothing becomes visible until :meth:`Store.commit` writes the manifest. A writer that fails (or is aborted)
 removes its spool files and the packs it created that no index has seen yet; a writer that is abandoned (a
 killed process) leaves only unreferenced packs, which ``gc`` removes.
@@ -24,6 +25,7 @@ import numpy as np
 from ..errors import DeltackptError
 from . import codec
 from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
+from .deltapolicy import DeltaBase, DeltaPolicy
 from .manifest import ChunkRef, Item, Manifest
 from .pack import PackEntry
 from .packsink import PackSink
@@ -34,42 +36,6 @@ from .threads import InlineExecutor, default_write_threads
 
 MiB = 1 << 20
 BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
-
-
-_SAMPLE_BYTES = 64 * 1024  # at most; a chunk is judged by a sample of 1/16 of it, at least 16 KiB
-_SAMPLE_MIN_CHUNK = 256 * 1024  # smaller chunks are not sampled: their delta is coded outright
-# A sample verdict this close to the delta_min_gain line is not trusted. On the bench workloads' fp32 and bf16
-# state the sample's delta ratio was mostly within 0.01 of the whole chunk's; where it missed (sparse rows)
-# it overrated the delta, which costs a second coding, never bytes.
-_SAMPLE_MARGIN = 0.02
-# A place whose previous delta came in this far under the line is coded as a delta outright (no sample).
-_HISTORY_MARGIN = 0.05
-# Chunks smaller than this, or than a quarter of the store's chunk size (biases, norms: a few hundred bytes on
-# a sharded model), are always keyframes: a delta would save a few bytes and cost a base lookup, a second
-# coding and a cache copy per chunk.
-DELTA_MIN_BYTES = 16 * 1024
-
-
-def _sample_prefers_delta(view, base, elem_size: int, level: int, limit_ratio: float) -> bool | None:
-    """Whether the chunk's delta will come in under ``limit_ratio`` of its raw size, judged on a sample from
-    the chunk's middle (1/16 of it, 16-64 KiB); None when the sample is within ``_SAMPLE_MARGIN`` of the line
-    or the chunk too small to sample: then the delta is coded in full and compared.
-
-    ``limit_ratio`` comes from the keyframe at the same place (its coded size, less ``delta_min_gain``), so
-    only the delta side is coded: about 6 % of the chunk, which spares coding a losing delta in full.
-    """
-    n = len(view)
-    if n < _SAMPLE_MIN_CHUNK:
-        return None
-    size = max(16 * 1024, min(_SAMPLE_BYTES, n // 16)) // 64 * 64
-    start = (n // 2) // 64 * 64
-    base = as_byte_view(base)
-    ratio = len(codec.encode_delta(view[start:start + size], base[start:start + size], elem_size, level)) / size
-    if ratio <= limit_ratio - _SAMPLE_MARGIN:
-        return True
-    if ratio >= limit_ratio + _SAMPLE_MARGIN:
-        return False
-    return None
 
 
 @dataclass
@@ -106,7 +72,7 @@ class ChunkWriter:
         self._source = ChunkSource(store)
         self._cache = shared_base_cache()
         self._cache.new_generation()
-        self._delta_min = min(DELTA_MIN_BYTES, self.config.chunk_size_bytes // 4)
+        self._policy = DeltaPolicy(store)
         note_use(self.config.store_id)
         self.num_threads = num_threads or default_write_threads()
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
@@ -267,8 +233,8 @@ class ChunkWriter:
                     refs = self._match_parent(view, gstart, cover)
                     if refs is not None:
                         return refs
-            elif self.config.delta and same.skip == 0 and n >= self._delta_min:
-                base = self._delta_base(same.chunk_id, n)
+            elif same.skip == 0 and self._policy.may_delta(n):
+                base = self._policy.base_for(same.chunk_id, n)
         with self._lock:
             if cid in self._claimed:
                 return [ChunkRef(cid, n)]
@@ -283,28 +249,6 @@ class ChunkWriter:
         index = self.store.index
         entry = index.lookup(cid)
         return entry is not None and (entry.base_id is None or index.lookup(entry.base_id) is not None)
-
-    def _delta_base(self, parent_chunk: bytes, n: int) -> tuple[PackEntry, int, int | None] | None:
-        """(keyframe entry, age, stored size of the parent's delta or None) to code a changed chunk against,
-        or None for a new keyframe.
-
-        The base is the keyframe behind the parent's chunk at the same place (the parent chunk itself, or
-        its base when it is a delta), so restoring any chunk reads at most two. A keyframe that has served
-        ``keyframe_interval`` checkpoints is retired. The parent's delta size is this place's history: a
-        delta that paid off well last time is likely to again.
-        """
-        index = self.store.index
-        entry = index.lookup(parent_chunk)
-        if entry is None or entry.raw_len != n:
-            return None
-        if entry.codec == codec.DELTA:
-            age, last = entry.age + 1, entry.stored_len
-            entry = index.lookup(entry.base_id)
-            if entry is None or entry.codec == codec.DELTA or entry.raw_len != n:
-                return None
-        else:
-            age, last = 1, None
-        return (entry, age, last) if age <= self.config.keyframe_interval else None
 
     def _match_parent(self, view: memoryview, gstart: int, cover: list[Extent]) -> list[ChunkRef] | None:
         """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""
@@ -340,34 +284,26 @@ class ChunkWriter:
             self._cache.put(self.config.store_id, entry.chunk_id, raw)
         return raw
 
-    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int, base=None, is_array=False) -> None:
-        """Code and pack one new chunk: a delta against ``base`` when it pays off, else a keyframe."""
+    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int, base: DeltaBase | None = None,
+                     is_array=False) -> None:
+        """Code and pack one new chunk: a delta against ``base`` when the policy says it pays, else a
+        keyframe."""
         c = self.config
         n = len(view)
         cod, stored, base_id, age = None, None, None, 0
         if base is not None:
-            key_entry, key_age, last = base
-            base_raw = self._base_bytes(key_entry)
-            # The keyframe's own coded size stands in for this chunk's keyframe coding.
-            key_limit = (1.0 - c.delta_min_gain) * min(key_entry.stored_len, n)
-            if base_raw is None:
-                verdict = False
-            elif last is not None and last <= key_limit - _HISTORY_MARGIN * n:
-                verdict = True  # this place's last delta paid off well
-            else:
-                verdict = _sample_prefers_delta(view, base_raw, elem_size, c.zstd_level, key_limit / n)
+            base_raw = self._base_bytes(base.entry)
+            verdict = self._policy.verdict(view, elem_size, base, base_raw)
             if verdict is not False:  # True: delta expected; None: too close to call, code both ways
                 delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level)
-                # A delta larger than the keyframe it is based on means the place drifted away (e.g. an Adam
-                # state filling in): a new keyframe resets the base, so the next deltas are small again.
-                limit = key_limit
-                if len(delta) > limit and verdict is None:
+                keyframe_len = None
+                if verdict is None and not self._policy.accepts(len(delta), base, n):
                     cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
-                    limit = (1.0 - c.delta_min_gain) * len(stored)
-                if len(delta) <= limit:
-                    cod, stored, base_id, age = codec.DELTA, delta, key_entry.chunk_id, key_age
+                    keyframe_len = len(stored)
+                if self._policy.accepts(len(delta), base, n, keyframe_len):
+                    cod, stored, base_id, age = codec.DELTA, delta, base.entry.chunk_id, base.age
         if cod is None:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
-        if cod != codec.DELTA and c.delta and is_array and n >= self._delta_min:
+        if cod != codec.DELTA and self._policy.keeps_as_base(n, is_array):
             self._cache.put(c.store_id, cid, view)  # the next save's base
         self._sink.add(cid, cod, elem_size, n, stored, base_id, age)

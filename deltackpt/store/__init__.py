@@ -48,12 +48,13 @@ from .config import FORMAT_VERSION, StoreConfig
 from .copy import CopyReport, copy_checkpoints
 from .lock import SHARED, StoreLock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
-from .reader import CheckpointReader, default_read_threads
+from .reader import CheckpointReader
 from .repository import CheckpointInfo, Store, StoreUsage
 from .retention import ForgetPlan, plan_forget
+from .threads import default_read_threads, default_write_threads
 from .tier import Uploader
 from .verify import VerifyReport, verify_store
-from .writer import ChunkWriter, WriteSummary, default_write_threads
+from .writer import ChunkWriter, WriteSummary
 
 __all__ = [
     "AUTO_CAP_BYTES",

@@ -29,7 +29,7 @@ from .lock import EXCLUSIVE, StoreLock
 from .manifest import Manifest, decode_manifest
 from .pack import MAX_CHUNK_BYTES, pack_name_from_key, read_pack_entries, walk_entries
 from .progress import Progress, phase
-from .reader import ChunkSource
+from .source import ChunkSource
 from .repository import Store, _as_backend, holds_store_data, not_a_store_error
 
 DAMAGED_SUFFIX = ".damaged"

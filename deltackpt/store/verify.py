@@ -28,7 +28,7 @@ from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, Mis
 from . import codec
 from .pack import PackEntry, pack_bytes_ok, walk_entries, pack_key, pack_name_from_key, read_pack_entries
 from .progress import Progress, phase
-from .reader import ChunkSource
+from .source import ChunkSource
 
 
 class ProblemKind(str, Enum):

@@ -3,9 +3,12 @@
 A :class:`ChunkWriter` takes the items of one save (arrays and byte strings) and writes every chunk the
 store does not have yet into packs of its own. Hashing and encoding run in a thread pool over chunks
 (xxhash, zstd and the native kernels release the GIL); a cap on in-flight bytes keeps memory bounded for
-any checkpoint size. Nothing becomes visible until :meth:`Store.commit` writes the manifest. A writer that
-fails (or is aborted) removes its spool files and the packs it created that no index has seen yet; a writer
-that is abandoned (a killed process) leaves only unreferenced packs, which ``gc`` removes.
+any checkpoint size. The writer decides what to save (dedup claims, slices of the parent) and codes each new
+chunk as its :class:`~.deltapolicy.DeltaPolicy` says (a delta or a keyframe); coded chunks go to its
+:class:`~.packsink.PackSink`, which builds, seals and publishes the packs.
+Nothing becomes visible until :meth:`Store.commit` writes the manifest. A writer that fails (or is aborted)
+removes its spool files and the packs it created that no index has seen yet; a writer that is abandoned (a
+killed process) leaves only unreferenced packs, which ``gc`` removes.
 
 Several processes (DCP ranks) each run their own writer; their packs never collide because a pack is named
 by the hash of its bytes.
@@ -16,85 +19,23 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from .backend import local_root, spool_for
 from ..errors import DeltackptError
 from . import codec
 from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
+from .deltapolicy import DeltaBase, DeltaPolicy
 from .manifest import ChunkRef, Item, Manifest
-from .pack import PackBuilder, PackEntry, pack_key
+from .pack import PackEntry
+from .packsink import PackSink
 from .parentmap import Extent, ParentMap
 from .basecache import note_use, shared_base_cache
-from .reader import ChunkSource, usable_cores
+from .source import ChunkSource
+from .threads import InlineExecutor, default_write_threads
 
 MiB = 1 << 20
 BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
-# Sealed packs of a store with no local path (object storage) upload in this many threads while coding goes
-# on; a coding thread that seals one more waits, so at most this many sealed packs are held in memory.
-UPLOADS_IN_FLIGHT = 4
-
-
-_SAMPLE_BYTES = 64 * 1024  # at most; a chunk is judged by a sample of 1/16 of it, at least 16 KiB
-_SAMPLE_MIN_CHUNK = 256 * 1024  # smaller chunks are not sampled: their delta is coded outright
-# A sample verdict this close to the delta_min_gain line is not trusted. On the bench workloads' fp32 and bf16
-# state the sample's delta ratio was mostly within 0.01 of the whole chunk's; where it missed (sparse rows)
-# it overrated the delta, which costs a second coding, never bytes.
-_SAMPLE_MARGIN = 0.02
-# A place whose previous delta came in this far under the line is coded as a delta outright (no sample).
-_HISTORY_MARGIN = 0.05
-# Chunks smaller than this, or than a quarter of the store's chunk size (biases, norms: a few hundred bytes on
-# a sharded model), are always keyframes: a delta would save a few bytes and cost a base lookup, a second
-# coding and a cache copy per chunk.
-DELTA_MIN_BYTES = 16 * 1024
-
-
-def _sample_prefers_delta(view, base, elem_size: int, level: int, limit_ratio: float) -> bool | None:
-    """Whether the chunk's delta will come in under ``limit_ratio`` of its raw size, judged on a sample from
-    the chunk's middle (1/16 of it, 16-64 KiB); None when the sample is within ``_SAMPLE_MARGIN`` of the line
-    or the chunk too small to sample: then the delta is coded in full and compared.
-
-    ``limit_ratio`` comes from the keyframe at the same place (its coded size, less ``delta_min_gain``), so
-    only the delta side is coded: about 6 % of the chunk, which spares coding a losing delta in full.
-    """
-    n = len(view)
-    if n < _SAMPLE_MIN_CHUNK:
-        return None
-    size = max(16 * 1024, min(_SAMPLE_BYTES, n // 16)) // 64 * 64
-    start = (n // 2) // 64 * 64
-    base = as_byte_view(base)
-    ratio = len(codec.encode_delta(view[start:start + size], base[start:start + size], elem_size, level)) / size
-    if ratio <= limit_ratio - _SAMPLE_MARGIN:
-        return True
-    if ratio >= limit_ratio + _SAMPLE_MARGIN:
-        return False
-    return None
-
-
-def default_write_threads(processes: int = 1) -> int:
-    """Coding threads for one writer when ``processes`` writers (ranks) share this machine's cores: its share
-    of them, at least one, at most 8. More only contend: 2 and 3 FSDP ranks on 2 cores saved changed
-    checkpoints 1.19-1.24x and 1.18-1.21x DCP's time with 1 thread per rank, 1.24-1.36x and 1.26-1.29x with 2
-    (two runs each of the reshard bench's ranks)."""
-    cores = usable_cores()
-    return max(1, min(8, cores // max(1, processes)))
-
-
-class _InlineExecutor:
-    """The executor interface, running each job in the caller's thread (a writer with one coding thread)."""
-
-    def submit(self, fn) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(fn())
-        except Exception as e:  # surfaced by finish(), as a pool's would be
-            fut.set_exception(e)
-        return fut
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        pass
 
 
 @dataclass
@@ -131,22 +72,18 @@ class ChunkWriter:
         self._source = ChunkSource(store)
         self._cache = shared_base_cache()
         self._cache.new_generation()
-        self._delta_min = min(DELTA_MIN_BYTES, self.config.chunk_size_bytes // 4)
+        self._policy = DeltaPolicy(store)
         note_use(self.config.store_id)
         self.num_threads = num_threads or default_write_threads()
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
         # One coding thread is no thread: a pool of one costs hand-offs and GIL switches with the caller
         # (one rank's 22 MiB shard saved with 1 coding thread: 0.095-0.104 s in a pool, 0.085-0.090 inline).
         self._pool = (ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
-                      if self.num_threads > 1 else _InlineExecutor())
+                      if self.num_threads > 1 else InlineExecutor())
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
-        self._open_builders: set[PackBuilder] = set()  # with a spool file to remove if the save fails
-        self._created: set[str] = set()  # packs this writer published that did not exist before
-        self._failed: BaseException | None = None  # the first coding job's error: stop queueing more
-        self._builder = self._new_builder()
-        self._entries: list[PackEntry] = []
-        self._packs: dict[str, int] = {}
+        self._failed: BaseException | None = None  # the first coding job's (or upload's) error: stop queueing
+        self._sink = PackSink(store, on_error=self._note_failure)
         self._inflight = 0
         self._cond = threading.Condition()
         # (item skeleton, a slot per span: [batch future -> list of refs per span, index]). The tasks'
@@ -159,12 +96,6 @@ class ChunkWriter:
         self._batch_bytes = 0
         self._batch_slots: list[list] = []
         self._finished = False
-        # Uploads to a remote store must not stall the coding thread that sealed the pack (a 32 MiB PUT).
-        self._uploads: ThreadPoolExecutor | None = None
-        self._upload_slots = threading.Semaphore(UPLOADS_IN_FLIGHT)
-        self._upload_error: BaseException | None = None  # the first upload's error, raised by finish()
-        if local_root(store.backend) is None:
-            self._uploads = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="deltackpt-upload")
 
     # -- public ------------------------------------------------------------------------------------------
     def add_array(self, key: str, data, *, dtype: str, elem_size: int, shape=(), group: str = "",
@@ -202,22 +133,16 @@ class ChunkWriter:
             for item, slots in self._pending:
                 item.chunks = [ref for f, i in slots for ref in f.result()[i]]
                 items.append(item)
-            with self._lock:
-                builder, self._builder = self._builder, None
-            if len(builder):
-                self._put_pack(builder)
-            else:
-                builder.discard()
-            self._wait_uploads()
+            self._sink.finish()
             done = True
-            return WriteSummary(items=items, entries=self._entries, packs=self._packs)
+            return WriteSummary(items=items, entries=self._sink.entries, packs=self._sink.packs)
         finally:
             self._pending.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
-            self._stop_uploads()
-            self._discard_builders()
-            if not done:
-                self._remove_created_packs()
+            if done:
+                self._sink.close()
+            else:
+                self._sink.abort()
 
     def abort(self) -> None:
         """Stop, drop everything queued, and remove this writer's spool files and the packs it created that
@@ -225,30 +150,8 @@ class ChunkWriter:
         already indexed are left to ``gc``."""
         self._finished = True
         self._pool.shutdown(wait=True, cancel_futures=True)  # running jobs may still publish a pack
-        self._stop_uploads()
         self._pending.clear()
-        self._discard_builders()
-        self._remove_created_packs()
-
-    def _discard_builders(self) -> None:
-        with self._lock:
-            builders, self._open_builders, self._builder = self._open_builders, set(), None
-        for builder in builders:
-            builder.discard()
-
-    def _remove_created_packs(self) -> None:
-        with self._lock:
-            names, self._created = self._created, set()
-        store = self.store
-        local = local_root(store.backend)
-        # Another writer may have indexed (and deduplicated against) a pack of ours once it was listed; only
-        # an index inside the store is seen by every such writer, so elsewhere the packs are left to gc.
-        if not names or local is None or Path(store.cache_dir).resolve() != (local / "cache").resolve():
-            return
-        try:
-            store.index.delete_unindexed_packs(names, lambda name: store.backend.delete(pack_key(name)))
-        except Exception:  # noqa: BLE001 - cleanup never hides the save's own error; gc removes what is left
-            pass
+        self._sink.abort()
 
     # -- internals ---------------------------------------------------------------------------------------
     def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
@@ -303,9 +206,13 @@ class ChunkWriter:
             self._cond.notify_all()
 
     def _job_done(self, fut: Future, n: int) -> None:
-        if not fut.cancelled() and fut.exception() is not None and self._failed is None:
-            self._failed = fut.exception()
+        if not fut.cancelled() and fut.exception() is not None:
+            self._note_failure(fut.exception())
         self._release(n)
+
+    def _note_failure(self, error: BaseException) -> None:
+        if self._failed is None:
+            self._failed = error
 
     def _write_span(self, view: memoryview, elem_size: int, group: str | None, gstart: int) -> list[ChunkRef]:
         """Refs for one grid span: an existing chunk, slices of the parent's chunks, or a new chunk."""
@@ -326,8 +233,8 @@ class ChunkWriter:
                     refs = self._match_parent(view, gstart, cover)
                     if refs is not None:
                         return refs
-            elif self.config.delta and same.skip == 0 and n >= self._delta_min:
-                base = self._delta_base(same.chunk_id, n)
+            elif same.skip == 0 and self._policy.may_delta(n):
+                base = self._policy.base_for(same.chunk_id, n)
         with self._lock:
             if cid in self._claimed:
                 return [ChunkRef(cid, n)]
@@ -342,28 +249,6 @@ class ChunkWriter:
         index = self.store.index
         entry = index.lookup(cid)
         return entry is not None and (entry.base_id is None or index.lookup(entry.base_id) is not None)
-
-    def _delta_base(self, parent_chunk: bytes, n: int) -> tuple[PackEntry, int, int | None] | None:
-        """(keyframe entry, age, stored size of the parent's delta or None) to code a changed chunk against,
-        or None for a new keyframe.
-
-        The base is the keyframe behind the parent's chunk at the same place (the parent chunk itself, or
-        its base when it is a delta), so restoring any chunk reads at most two. A keyframe that has served
-        ``keyframe_interval`` checkpoints is retired. The parent's delta size is this place's history: a
-        delta that paid off well last time is likely to again.
-        """
-        index = self.store.index
-        entry = index.lookup(parent_chunk)
-        if entry is None or entry.raw_len != n:
-            return None
-        if entry.codec == codec.DELTA:
-            age, last = entry.age + 1, entry.stored_len
-            entry = index.lookup(entry.base_id)
-            if entry is None or entry.codec == codec.DELTA or entry.raw_len != n:
-                return None
-        else:
-            age, last = 1, None
-        return (entry, age, last) if age <= self.config.keyframe_interval else None
 
     def _match_parent(self, view: memoryview, gstart: int, cover: list[Extent]) -> list[ChunkRef] | None:
         """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""
@@ -399,94 +284,26 @@ class ChunkWriter:
             self._cache.put(self.config.store_id, entry.chunk_id, raw)
         return raw
 
-    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int, base=None, is_array=False) -> None:
-        """Code and pack one new chunk: a delta against ``base`` when it pays off, else a keyframe."""
+    def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int, base: DeltaBase | None = None,
+                     is_array=False) -> None:
+        """Code and pack one new chunk: a delta against ``base`` when the policy says it pays, else a
+        keyframe."""
         c = self.config
         n = len(view)
         cod, stored, base_id, age = None, None, None, 0
         if base is not None:
-            key_entry, key_age, last = base
-            base_raw = self._base_bytes(key_entry)
-            # The keyframe's own coded size stands in for this chunk's keyframe coding.
-            key_limit = (1.0 - c.delta_min_gain) * min(key_entry.stored_len, n)
-            if base_raw is None:
-                verdict = False
-            elif last is not None and last <= key_limit - _HISTORY_MARGIN * n:
-                verdict = True  # this place's last delta paid off well
-            else:
-                verdict = _sample_prefers_delta(view, base_raw, elem_size, c.zstd_level, key_limit / n)
+            base_raw = self._base_bytes(base.entry)
+            verdict = self._policy.verdict(view, elem_size, base, base_raw)
             if verdict is not False:  # True: delta expected; None: too close to call, code both ways
                 delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level)
-                # A delta larger than the keyframe it is based on means the place drifted away (e.g. an Adam
-                # state filling in): a new keyframe resets the base, so the next deltas are small again.
-                limit = key_limit
-                if len(delta) > limit and verdict is None:
+                keyframe_len = None
+                if verdict is None and not self._policy.accepts(len(delta), base, n):
                     cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
-                    limit = (1.0 - c.delta_min_gain) * len(stored)
-                if len(delta) <= limit:
-                    cod, stored, base_id, age = codec.DELTA, delta, key_entry.chunk_id, key_age
+                    keyframe_len = len(stored)
+                if self._policy.accepts(len(delta), base, n, keyframe_len):
+                    cod, stored, base_id, age = codec.DELTA, delta, base.entry.chunk_id, base.age
         if cod is None:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
-        if cod != codec.DELTA and c.delta and is_array and n >= self._delta_min:
+        if cod != codec.DELTA and self._policy.keeps_as_base(n, is_array):
             self._cache.put(c.store_id, cid, view)  # the next save's base
-        sealed = None
-        with self._lock:
-            self._builder.add(cid, cod, elem_size, n, stored, base_id, age)
-            if self._builder.size_bytes >= c.pack_target_bytes:
-                sealed, self._builder = self._builder, self._new_builder()
-        if sealed is not None:
-            self._put_pack(sealed)
-
-    def _new_builder(self) -> PackBuilder:
-        builder = PackBuilder(spool_for(self.store.backend))
-        self._open_builders.add(builder)  # (callers hold self._lock, or no job is running yet)
-        return builder
-
-    def _put_pack(self, builder: PackBuilder) -> None:
-        if self._uploads is None:
-            self._publish(builder)
-            return
-        self._upload_slots.acquire()  # released when the upload ends (or is cancelled)
-        try:
-            fut = self._uploads.submit(self._publish, builder)
-        except BaseException:
-            self._upload_slots.release()
-            raise
-        fut.add_done_callback(self._upload_done)
-
-    def _publish(self, builder: PackBuilder) -> None:
-        # Only a local store's failed save removes its packs (_remove_created_packs): elsewhere, spare the HEAD.
-        note = self._note_created if self._uploads is None else None
-        name, size, entries = builder.publish(self.store.backend, before_put=note)
-        with self._lock:
-            self._open_builders.discard(builder)
-            self._entries.extend(entries)
-            self._packs[name] = size
-
-    def _upload_done(self, fut: Future) -> None:
-        self._upload_slots.release()
-        error = None if fut.cancelled() else fut.exception()
-        if error is not None:
-            with self._lock:
-                self._upload_error = self._upload_error or error
-            if self._failed is None:
-                self._failed = error  # stop coding what could not be committed anyway
-
-    def _wait_uploads(self) -> None:
-        """Wait for every pack upload; raise the first error one of them met."""
-        if self._uploads is None:
-            return
-        self._uploads.shutdown(wait=True)
-        if self._upload_error is not None:
-            raise self._upload_error
-
-    def _stop_uploads(self) -> None:
-        """Drop queued uploads and wait for running ones (no pack is put after the writer stopped)."""
-        if self._uploads is not None:
-            self._uploads.shutdown(wait=True, cancel_futures=True)
-
-    def _note_created(self, name: str) -> None:
-        # A pack of the same bytes that is already there may be another writer's: never ours to remove.
-        if not self.store.backend.exists(pack_key(name)):
-            with self._lock:
-                self._created.add(name)
+        self._sink.add(cid, cod, elem_size, n, stored, base_id, age)

@@ -106,7 +106,7 @@ def test_repeated_saves_store_only_changes(tmp_path):
 def test_single_process_dcp_keeps_keyframes_from_its_second_save(tmp_path, monkeypatch):
     """A one-off single-process dcp.save holds no extra memory; from the second save on (a training loop) the
     keyframes are kept, so the next save's deltas read no bases back from the store."""
-    from deltackpt.store import basecache, reader
+    from deltackpt.store import basecache, source
 
     monkeypatch.delenv("DELTACKPT_BASE_CACHE_BYTES", raising=False)
     cache = basecache.shared_base_cache()
@@ -123,8 +123,8 @@ def test_single_process_dcp_keeps_keyframes_from_its_second_save(tmp_path, monke
         ids = {r.id for it in store.read_manifest("b").items for r in it.chunks if it.key.startswith("w@")}
         assert ids and ids <= {chunk_id for _store, chunk_id in cache._data}
         fetched = []
-        real_get = reader.ChunkSource.get
-        monkeypatch.setattr(reader.ChunkSource, "get", lambda self, cid, **kw: fetched.append(cid) or
+        real_get = source.ChunkSource.get
+        monkeypatch.setattr(source.ChunkSource, "get", lambda self, cid, **kw: fetched.append(cid) or
                             real_get(self, cid, **kw))
         w.add_(torch.randn_like(w) * 1e-6)
         deltackpt.save({"w": w}, path, "c")

@@ -292,6 +292,7 @@ def test_ranks_create_missing_store_concurrently(tmp_path):
 def _writer_threads(rank: int, world: int, path: str):
     """The coding threads each rank's ChunkWriter got, and what one process alone would get."""
     from deltackpt import DeltaStorageWriter
+    from deltackpt.store import threads as store_threads
     from deltackpt.store import writer as store_writer
     from deltackpt.store.basecache import shared_base_cache
 
@@ -306,7 +307,7 @@ def _writer_threads(rank: int, world: int, path: str):
     os.environ.pop("DELTACKPT_BASE_CACHE_BYTES", None)
     dcp.save({f"t{rank}": torch.randn(128, 128)}, storage_writer=DeltaStorageWriter(path, checkpoint_id="a"))
     cache = shared_base_cache()
-    return (seen, store_writer.default_write_threads(world), store_writer.default_write_threads(1),
+    return (seen, store_threads.default_write_threads(world), store_threads.default_write_threads(1),
             cache.cap_bytes, cache.size_bytes)
 
 
@@ -315,12 +316,12 @@ def test_ranks_on_one_machine_share_its_cores(store_path, monkeypatch):
     A multi-rank save keeps its keyframes for the next save from the first save on."""
     from deltackpt.store.basecache import AUTO_CAP_BYTES
 
-    from deltackpt.store import writer as store_writer
+    from deltackpt.store import threads as store_threads
 
-    monkeypatch.setattr(store_writer, "usable_cores", lambda: 6)
-    assert [store_writer.default_write_threads(n) for n in (1, 2, 3, 4, 7)] == [6, 3, 2, 1, 1]
-    monkeypatch.setattr(store_writer, "usable_cores", lambda: 64)
-    assert store_writer.default_write_threads(1) == 8
+    monkeypatch.setattr(store_threads, "usable_cores", lambda: 6)
+    assert [store_threads.default_write_threads(n) for n in (1, 2, 3, 4, 7)] == [6, 3, 2, 1, 1]
+    monkeypatch.setattr(store_threads, "usable_cores", lambda: 64)
+    assert store_threads.default_write_threads(1) == 8
     for seen, shared, alone, cap, cached in run_ranks(_writer_threads, 3, store_path, timeout=120):
         assert seen == [shared]
         assert shared == max(1, min(8, alone // 3))

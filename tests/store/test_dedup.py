@@ -117,7 +117,7 @@ def test_shards_split_off_grid_only_restore_the_straddling_chunk(store, rng):
 
 
 def test_moved_shard_edges_reuse_equal_parent_bytes_and_skip_decoding_changed_ones(store, rng, monkeypatch):
-    from deltackpt.store.reader import ChunkSource
+    from deltackpt.store.source import ChunkSource
 
     arr = random_array(rng, "float32", (32 * CHUNK // 4,))
     whole = _save_whole(store, "whole", arr)

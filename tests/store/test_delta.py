@@ -280,7 +280,7 @@ def test_a_save_after_a_restore_keeps_its_keyframes(tmp_path, monkeypatch):
 
 
 def test_sample_decides_between_delta_and_keyframe():
-    from deltackpt.store.writer import _sample_prefers_delta
+    from deltackpt.store.deltapolicy import _sample_prefers_delta
 
     rng = np.random.default_rng(10)
     base = rng.standard_normal(1 << 18).astype(np.float32)

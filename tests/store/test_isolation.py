@@ -28,7 +28,7 @@ NO_TORCH = textwrap.dedent(
     import numpy as np
     import deltackpt.store
     from deltackpt.store import (backend, chunking, codec, config, index, manifest, pack, reader,
-                                 repository, writer)
+                                 repository, source, threads, writer)
     from deltackpt.store import Store, MemoryBackend
     s = Store.init(MemoryBackend(), cache_dir=tempfile.mkdtemp())
     x = np.arange(100_000, dtype=np.float32)

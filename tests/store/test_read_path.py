@@ -14,7 +14,8 @@ from deltackpt.store.backend import LocalFiles
 from deltackpt.store import LocalBackend, MemoryBackend, Store, codec
 from deltackpt.store.basecache import shared_base_cache
 from deltackpt.store.pack import HEADER_SIZE, pack_key
-from deltackpt.store.reader import ChunkSource, usable_cores
+from deltackpt.store.source import ChunkSource
+from deltackpt.store.threads import usable_cores
 
 from store_helpers import flip_bit
 
@@ -168,7 +169,8 @@ def test_cold_probe_picks_more_read_threads(tmp_path, monkeypatch):
     """A warm local pack reads as cached (preadv RWF_NOWAIT); a backend that reports chunks off the page
     cache makes looks_cold true and doubles the read threads; a backend that cannot tell counts as warm."""
     from deltackpt.store import MemoryBackend
-    from deltackpt.store.reader import CheckpointReader, default_read_threads
+    from deltackpt.store.reader import CheckpointReader
+    from deltackpt.store.threads import default_read_threads
 
     store = Store.init(LocalBackend(tmp_path / "st", fsync=False), chunk_size_bytes=16384)
     w = np.random.default_rng(12).standard_normal(20_000).astype(np.float32)

@@ -13,7 +13,7 @@ import pytest
 from deltackpt.errors import CorruptChunkError
 from deltackpt.store import MemoryBackend, Store
 from deltackpt.store import reader as reader_mod
-from deltackpt.store.writer import UPLOADS_IN_FLIGHT
+from deltackpt.store.packsink import UPLOADS_IN_FLIGHT
 
 from store_helpers import flip_bit, packs_of_checkpoint
 

@@ -1,0 +1,258 @@
+"""Decoded, verified chunks by id: the one place a chunk's stored bytes are read back and checked.
+
+Every chunk read is verified: its decoded bytes must hash to its id, else :class:`CorruptChunkError`
+names the chunk, its pack and (when known) the checkpoint and item. A delta chunk is decoded through its
+base, which must itself be a keyframe; damage in the base is reported with both ids. Used by the read path
+(:mod:`.reader`), the write path (slices of the parent, delta bases), ``verify`` and ``repair``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
+from . import codec
+from .chunking import chunk_id_of
+from .pack import HEADER_SIZE, PackEntry, decode_header, pack_key
+
+MiB = 1 << 20
+
+
+class ChunkSource:
+    """Decoded, verified chunks by id, with a small LRU so overlapping reads decode a chunk once.
+
+    Chunks are decoded into the caller's buffer where it wants them (``decode_entry(..., out=)``): a raw
+    chunk is read straight into it, a coded one is read into a per-thread scratch buffer and decoded into it,
+    and the hash is taken over it. A delta's base is decoded into per-thread scratch too, so the reader itself
+    allocates nothing per chunk (fresh buffers per chunk cost page faults that serialize a multi-threaded
+    load). Scratch is kept only for chunks up to ``SCRATCH_MAX`` bytes (three buffers per thread: stored
+    bytes, byte planes, a delta's base; released with the source).
+    """
+
+    SCRATCH_MAX = 16 * MiB
+    PROBE_ELEMS = 256  # elements of a byte plane compared by differs()
+
+    def __init__(self, store, cache_bytes: int = 64 * MiB) -> None:
+        self.store = store
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[bytes, bytes] = OrderedDict()
+        self._cached = 0
+        self._lock = threading.Lock()
+        self._scratch = threading.local()
+
+    def entry(self, cid: bytes, *, checkpoint=None, item=None) -> PackEntry:
+        index = self.store.index
+        gen = index.generation
+        entry = index.lookup(cid)
+        if entry is None:
+            self.store.refresh_index()
+            entry = index.lookup(cid)
+        if entry is None and index.distrust(gen):  # a damaged cache can lose a record the packs still hold
+            entry = index.lookup(cid)
+        if entry is None:
+            raise MissingChunkError(cid.hex(), checkpoint=checkpoint, item=item)
+        return entry
+
+    def decode_chunk(self, cid: bytes, *, checkpoint=None, item=None, out=None):
+        """:meth:`decode_entry` of the copy the index locates; a location found wrong (a damaged cache, not
+        a damaged store, until the index rebuilt from the packs says the same) is looked up once more."""
+        gen = self.store.index.generation
+        try:
+            return self.decode_entry(self.entry(cid, checkpoint=checkpoint, item=item), checkpoint=checkpoint,
+                                     item=item, out=out)
+        except (CorruptChunkError, MissingChunkError) as first:
+            if not self.store.index.distrust(gen):
+                raise
+            try:
+                return self.decode_entry(self.entry(cid, checkpoint=checkpoint, item=item),
+                                         checkpoint=checkpoint, item=item, out=out)
+            except MissingChunkError:
+                raise first from None  # not even in the rebuilt index (its pack's table is damaged): say where
+
+    def _from_cache(self, cid: bytes):
+        with self._lock:
+            raw = self._cache.get(cid)
+            if raw is not None:
+                self._cache.move_to_end(cid)
+            return raw
+
+    def get(self, cid: bytes, *, checkpoint=None, item=None, keep: bool = True):
+        """Decoded bytes of chunk ``cid`` (a uint8 array or bytes; cached ones are shared: do not modify);
+        ``keep=False`` skips the LRU (a chunk read once)."""
+        raw = self._from_cache(cid)
+        if raw is not None:
+            return raw
+        raw = self.decode_chunk(cid, checkpoint=checkpoint, item=item)
+        if keep:
+            self._remember(cid, raw)
+        return raw
+
+    def decode_entry(self, entry: PackEntry, *, checkpoint=None, item=None, out=None, fetched=None):
+        """Decoded, verified bytes of the chunk at ``entry`` (a specific copy, e.g. from a pack table).
+
+        With ``out`` (a writable uint8 array of ``entry.raw_len`` bytes) the chunk is decoded into it and it
+        is returned; else into a new array. After an error ``out`` holds garbage (damaged or partly decoded
+        bytes): the caller's read fails anyway. ``fetched``: {(pack, offset): entry bytes (header and
+        payload)} the caller already read (one request for several chunks and their bases); entries not
+        in it are read here.
+        """
+        if out is None:
+            out = np.empty(entry.raw_len, dtype=np.uint8)
+        elif out.size != entry.raw_len:
+            raise ValueError(f"out has {out.size} bytes, chunk {entry.chunk_id.hex()} has {entry.raw_len}")
+        base = None
+        if entry.codec == codec.DELTA:
+            base = self._get_base(entry, checkpoint=checkpoint, item=item, fetched=fetched)
+        self._decode(entry, base, out, checkpoint=checkpoint, item=item, stored=_stored(fetched, entry))
+        return out
+
+    def _buffer(self, name: str, n: int) -> np.ndarray:
+        """This thread's scratch array ``name``, ``n`` bytes long (a new array past SCRATCH_MAX)."""
+        return codec.scratch_array(self._scratch, name, n, min_size=4 * MiB, keep_max=self.SCRATCH_MAX)
+
+    def _get_base(self, entry: PackEntry, *, checkpoint, item, fetched=None):
+        """The verified base of delta ``entry``: from the LRU, else decoded into this thread's scratch (valid
+        until this thread decodes the next base)."""
+        base_hex = entry.base_id.hex() if entry.base_id else None
+        if entry.base_id is None:
+            raise CorruptChunkError("delta chunk has no base", chunk_id=entry.chunk_id.hex(), pack=entry.pack,
+                                    checkpoint=checkpoint, item=item)
+        try:
+            base = self._from_cache(entry.base_id)
+            if base is not None:
+                return base
+            base_entry = self.entry(entry.base_id, checkpoint=checkpoint, item=item)
+            if base_entry.codec == codec.DELTA:
+                raise CorruptChunkError("delta base is itself a delta", chunk_id=base_hex, pack=base_entry.pack)
+            # Not cached: a base serves the one delta at its place, and a load touches it once.
+            base = self._buffer("base", base_entry.raw_len)
+            self._decode(base_entry, None, base, checkpoint=checkpoint, item=item,
+                         stored=_stored(fetched, base_entry))
+            return base
+        except (CorruptChunkError, MissingChunkError) as e:
+            raise CorruptChunkError(f"base of delta chunk is unreadable ({e})", chunk_id=entry.chunk_id.hex(),
+                                    base_chunk_id=base_hex, pack=entry.pack, checkpoint=checkpoint,
+                                    item=item) from e
+
+    def _decode(self, entry: PackEntry, base, out: np.ndarray, *, checkpoint, item, stored=None) -> None:
+        """Read the entry (one ranged read: its header, and its payload straight into ``out`` when raw, else
+        into scratch) unless ``stored`` holds its bytes, check the header against the index, decode into
+        ``out`` and check its hash."""
+        where = dict(chunk_id=entry.chunk_id.hex(), pack=entry.pack, checkpoint=checkpoint, item=item)
+        if entry.codec == codec.RAW and entry.stored_len != entry.raw_len:
+            raise CorruptChunkError("raw entry lengths disagree", **where)
+        if stored is not None:
+            stored = np.frombuffer(stored, dtype=np.uint8)
+            head, payload, n = stored[:HEADER_SIZE], stored[HEADER_SIZE:], len(stored)
+            if entry.codec == codec.RAW and n == entry.span:
+                out[:] = payload
+        else:
+            head = bytearray(HEADER_SIZE)
+            payload = out if entry.codec == codec.RAW else self._buffer("stored", entry.stored_len)
+            try:
+                n = self.store.backend.get_range_into(pack_key(entry.pack), entry.offset, [head, payload])
+            except FileNotFoundError:
+                raise CorruptChunkError("pack is missing", **where) from None
+        if n != entry.span:
+            raise CorruptChunkError("pack is truncated", **where)
+        try:
+            cid, cod, es, rlen, slen, base_id, _age = decode_header(head, f"pack {entry.pack}")
+        except ManifestFormatError as e:
+            raise CorruptChunkError(f"damaged entry header ({e})", **where) from None
+        if (cid, cod, es, rlen, slen, base_id) != (entry.chunk_id, entry.codec, entry.elem_size, entry.raw_len,
+                                                  entry.stored_len, entry.base_id):
+            raise CorruptChunkError("entry header disagrees with the index", **where)
+        if cod != codec.RAW:
+            try:
+                codec.decode(cod, payload, rlen, es, base, out=out, scratch=self._buffer("planes", rlen))
+            except ValueError as e:
+                raise CorruptChunkError(f"cannot decode ({e})", **where) from None
+        if chunk_id_of(out) != entry.chunk_id:
+            raise CorruptChunkError("chunk bytes do not match their hash", **where)
+
+    def differs(self, cid: bytes, skip: int, mine: np.ndarray) -> bool:
+        """Whether the bytes of chunk ``cid`` from ``skip`` surely differ from ``mine`` (a uint8 array), judged
+        from a few of its stored bytes (the first ``PROBE_ELEMS`` elements, one byte plane stored as is)
+        without decoding it. False when they look equal or cannot be judged this cheaply: the caller then
+        compares decoded, verified bytes. The bytes probed are not verified; damage there can only make
+        a chunk look different, so it is never reused on their word."""
+        index = self.store.index
+        entry = index.lookup(cid)
+        if entry is None:
+            return False
+        es = entry.elem_size
+        count = min(len(mine) // es, self.PROBE_ELEMS)
+        first = skip // es
+        if skip % es or count == 0 or first + count > entry.raw_len // es:
+            return False
+        parts = [entry]  # a delta's planes are XORed with its keyframe's
+        if entry.codec == codec.DELTA:
+            base = index.lookup(entry.base_id) if entry.base_id else None
+            if base is None or base.codec == codec.DELTA or base.elem_size != es or base.raw_len != entry.raw_len:
+                return False
+            parts.append(base)
+        try:
+            # One read per entry: its container header and, when close behind it, the probed bytes of plane 0.
+            heads = [self._head(e, first, count) for e in parts]
+            for plane in range(es):
+                got = [self._plane_bytes(e, head, plane, first, count) for e, head in zip(parts, heads)]
+                if all(g is not None for g in got):
+                    return not np.array_equal(np.bitwise_xor.reduce(got), mine[plane:plane + count * es:es])
+        except OSError:  # a probe never fails a save: the decoded comparison reports what is wrong
+            pass
+        return False
+
+    _HEAD_READ_MAX = 16384  # plane 0's probed bytes are read with the header when they end this close to it
+
+    def _head(self, entry: PackEntry, first: int, count: int):
+        """(plane layout, the stored bytes read from the payload's start) of a coded entry; (None, None) for
+        a raw entry, a payload that is not a plane container, or a short read."""
+        if entry.codec == codec.RAW:
+            return None, None
+        size = codec.container_header_size(entry.elem_size)
+        extra = first + count if first + count <= self._HEAD_READ_MAX else 0
+        buf = np.empty(size + extra, dtype=np.uint8)
+        got = self.store.backend.get_range_into(pack_key(entry.pack), entry.offset + HEADER_SIZE, [buf])
+        if got < size:
+            return None, None
+        return codec.plane_layout(buf[:size], entry.raw_len, entry.elem_size), buf[:got]
+
+    def _plane_bytes(self, entry: PackEntry, head, plane: int, first: int, count: int) -> np.ndarray | None:
+        """Byte ``plane`` of elements ``[first, first + count)`` of the chunk at ``entry``, from ``head``
+        (:meth:`_head`) or read from its stored bytes; None when that plane is not stored as is (or the read
+        comes up short)."""
+        es, at = entry.elem_size, entry.offset + HEADER_SIZE
+        layout, got = head
+        if entry.codec == codec.RAW:
+            buf = np.empty(count * es, dtype=np.uint8)
+            at += first * es
+            out = buf[plane::es]
+        elif layout is not None and layout[plane][0] == codec.SEG_RAW:
+            start = layout[plane][1] + first
+            if start + count <= len(got):
+                return got[start:start + count]
+            buf = out = np.empty(count, dtype=np.uint8)
+            at += start
+        else:
+            return None
+        return out if self.store.backend.get_range_into(pack_key(entry.pack), at, [buf]) == buf.size else None
+
+    def _remember(self, cid: bytes, raw) -> None:
+        n = len(raw)
+        if n > self.cache_bytes // 4:
+            return
+        with self._lock:
+            if cid in self._cache:
+                return
+            self._cache[cid] = raw
+            self._cached += n
+            while self._cached > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached -= len(old)
+
+
+def _stored(fetched: dict | None, entry: PackEntry):
+    return fetched.get((entry.pack, entry.offset)) if fetched else None

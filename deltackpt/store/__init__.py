@@ -45,16 +45,32 @@ names in ``__all__`` below (the other submodules are the engine's own parts).
 from .backend import Backend, LocalBackend, LocalFiles, MemoryBackend, ObjectInfo
 from .basecache import AUTO_CAP_BYTES, reserve_base_cache
 from .config import FORMAT_VERSION, StoreConfig
-from .copy import CopyReport, copy_checkpoints
 from .lock import SHARED, StoreLock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
 from .reader import CheckpointReader
 from .repository import CheckpointInfo, Store, StoreUsage
-from .retention import ForgetPlan, plan_forget
 from .threads import default_read_threads, default_write_threads
-from .tier import Uploader
-from .verify import VerifyReport, verify_store
 from .writer import ChunkWriter, WriteSummary
+
+# Maintenance and transfer names load on first use: a save or a load (and the CLI's start) needs none of them.
+_LAZY = {
+    "CopyReport": ".copy", "copy_checkpoints": ".copy",
+    "ForgetPlan": ".retention", "plan_forget": ".retention",
+    "Uploader": ".tier",
+    "VerifyReport": ".verify", "verify_store": ".verify",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'deltackpt.store' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AUTO_CAP_BYTES",

@@ -7,44 +7,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from deltackpt.cli import main
 from deltackpt.store import Store
-from deltackpt.store import index as index_mod
 from deltackpt.store.pack import pack_key
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SMALL = dict(chunk_size_bytes=4096, pack_target_bytes=65536, cdc_min_bytes=256, cdc_avg_bytes=1024,
-             cdc_max_bytes=4096)
+from cli_fixtures import REPO_ROOT, SMALL, _close_new_lmdb_envs, run, store_path  # noqa: F401  (fixtures)
 
-
-@pytest.fixture(autouse=True)
-def _close_new_lmdb_envs():
-    before = set(index_mod._envs)
-    yield
-    for key in set(index_mod._envs) - before:
-        index_mod._close_env(Path(key))
-
-
-@pytest.fixture
-def store_path(tmp_path):
-    """Four checkpoints s0..s3 (steps 0..30), one pack each."""
-    root = tmp_path / "store"
-    store = Store.init(root, **SMALL)
-    for i in range(4):
-        x = np.random.default_rng(i).standard_normal(3000).astype(np.float32)
-        store.save(f"s{i}", {"x": x}, metadata={"step": 10 * i})
-    return root
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _names(root) -> list[str]:

@@ -44,6 +44,10 @@ _LAZY = {
     "async_save": "deltackpt.dcp.api",
     "unwrap": "deltackpt.dcp.api",
     "copy": "deltackpt.store.copy",
+    "export": "deltackpt.interop.export",
+    "import_checkpoint": "deltackpt.interop.importer",
+    "import_all": "deltackpt.interop.importer",
+    "diff": "deltackpt.interop.diff",
     "TrainState": "deltackpt.train",
     "CheckpointManager": "deltackpt.train",
 }

@@ -233,3 +233,17 @@ class StorePermissionError(DeltackptError, PermissionError):
     """
 
 
+
+
+class SourceFormatError(DeltackptError, ValueError):
+    """A checkpoint to import is not one deltackpt can read: not a DCP directory or ``torch.save`` file, a
+    truncated ``.distcp`` file, a payload that does not match its metadata."""
+
+
+class UnsafeSourceError(SourceFormatError):
+    """A file to import needs unpickling beyond plain data (``torch.load(weights_only=True)``'s allow-list, or
+    DCP's metadata classes): it is refused, and nothing in it is executed."""
+
+
+class TargetExistsError(DeltackptError, FileExistsError):
+    """An export target (a file or a directory) already exists; exports never overwrite."""

@@ -47,6 +47,7 @@ from .basecache import AUTO_CAP_BYTES, reserve_base_cache
 from .config import FORMAT_VERSION, StoreConfig
 from .lock import SHARED, StoreLock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
+from .progress import NULL_PROGRESS, Progress, phase
 from .reader import CheckpointReader
 from .repository import CheckpointInfo, Store, StoreUsage
 from .threads import default_read_threads, default_write_threads
@@ -76,6 +77,7 @@ __all__ = [
     "AUTO_CAP_BYTES",
     "FORMAT_VERSION",
     "LATEST",
+    "NULL_PROGRESS",
     "SHARED",
     "Backend",
     "CheckpointInfo",
@@ -90,6 +92,7 @@ __all__ = [
     "Manifest",
     "MemoryBackend",
     "ObjectInfo",
+    "Progress",
     "Stats",
     "Store",
     "StoreConfig",
@@ -101,6 +104,7 @@ __all__ = [
     "copy_checkpoints",
     "default_read_threads",
     "default_write_threads",
+    "phase",
     "plan_forget",
     "reserve_base_cache",
     "validate_name",

@@ -1,0 +1,202 @@
+"""``import_checkpoint``: a stock DCP checkpoint directory or a ``torch.save`` file into the store.
+
+A DCP directory keeps its sharding: each saved chunk (a ``.distcp`` slice) becomes the item a native save
+of that chunk would have written (same key, same placement in its global tensor), so the checkpoint loads
+through ``DeltaStorageReader`` like a native one, resharded, and its chunks dedup and delta against what the
+store holds (importing the step directories of one run stores them incrementally). Nothing from the source
+is executed: ``.metadata`` is unpickled with an allow-list of DCP's own metadata classes, tensors with
+``torch.load(weights_only=True)``, and pickled non-tensor values are stored as the bytes they are.
+A ``torch.save`` file is loaded with ``weights_only=True`` (memory-mapped) and saved through ``dcp.save``.
+
+Every check that can fail on the source (its metadata, the presence and size of each slice) runs before
+anything is written; a payload found bad while writing aborts the save, which removes what it wrote.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from ..dcp import LAYER_KEY, save
+from ..dcp.metadata_schema import encode_metadata
+from ..dcp.placement import item_key, shard_placement, tensor_bytes
+from ..dcp.writer import open_store
+from ..errors import CheckpointExistsError, SourceFormatError, UnsafeSourceError
+from ..store import SHARED, Progress, Store, phase, validate_name
+from .dcpsource import DcpSource, read_dcp_dir
+
+
+@dataclass
+class ImportReport:
+    name: str
+    source: str
+    source_bytes: int  # the files the checkpoint is made of
+    logical_bytes: int
+    stored_bytes: int  # what the store grew by: new packs and the manifest
+    skipped: bool = False  # --all: a checkpoint of this name was already there
+    seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.source_bytes / self.stored_bytes if self.stored_bytes else float("inf")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"] = None if self.ratio == float("inf") else self.ratio
+        return d
+
+
+def import_checkpoint(store, src, name: str | None = None, *, progress: Progress | None = None,
+                      storage_options: dict | None = None) -> ImportReport:
+    """Import ``src`` (a DCP checkpoint directory or a ``torch.save`` file) as checkpoint ``name`` (default:
+    the directory's name, the file's name less its suffix) of ``store`` (created if absent)."""
+    src = Path(src)
+    name = validate_name(name if name is not None else src.name if src.is_dir() else src.stem)
+    source = _read_source(src)  # every check on the source, before the store is touched
+    store = open_store(store, storage_options)
+    if store.exists(name):
+        raise CheckpointExistsError(name)
+    return _import(store, source, name, {"imported_from": str(src)}, progress)
+
+
+def import_all(store, directory, *, progress: Progress | None = None, storage_options: dict | None = None
+               ) -> list[ImportReport]:
+    """Import every DCP checkpoint directory directly under ``directory`` in step order (the last number in
+    each name; names without one last, by name). Names already in the store are skipped (so an interrupted
+    run can be resumed). Every source is read and checked before the first is imported."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise SourceFormatError(f"{directory} is not a directory")
+    dirs = [d for d in directory.iterdir() if d.is_dir() and (d / ".metadata").is_file()]
+    if not dirs:
+        raise SourceFormatError(f"no DCP checkpoint directories (with a .metadata file) under {directory}")
+    dirs.sort(key=lambda d: (step_of(d.name) is None, step_of(d.name) or 0, d.name))
+    for d in dirs:
+        validate_name(d.name)
+    sources = [read_dcp_dir(d) for d in dirs]
+    store = open_store(store, storage_options)
+    reports = []
+    for d, source in zip(dirs, sources):
+        if store.exists(d.name):
+            reports.append(ImportReport(d.name, str(d), source.nbytes, 0, 0, skipped=True))
+            continue
+        meta = {"imported_from": str(d)}
+        if step_of(d.name) is not None:
+            meta["step"] = step_of(d.name)
+        reports.append(_import(store, source, d.name, meta, progress))
+    return reports
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint directory's name carries: its last number (``step-100``, ``global_step100``)."""
+    numbers = re.findall(r"\d+", name)
+    return int(numbers[-1]) if numbers else None
+
+
+@dataclass
+class _TorchFile:
+    path: Path
+    state_dict: dict
+    nbytes: int
+
+
+def _read_source(src: Path):
+    if src.is_dir():
+        return read_dcp_dir(src)
+    if not src.is_file():
+        raise SourceFormatError(f"{src} does not exist")
+    return _TorchFile(src, _load_torch_file(src), src.stat().st_size)
+
+
+def _load_torch_file(path: Path) -> dict:
+    """The state dict in a ``torch.save`` file, loaded with ``weights_only=True`` only (memory-mapped when
+    the file is in the zip format)."""
+    try:
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            sd = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+    except pickle.UnpicklingError as e:
+        raise UnsafeSourceError(f"{path}: refused, it needs unpickling beyond plain data "
+                                f"(torch.load(weights_only=True): {_first_line(e)}); nothing in it was run") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise SourceFormatError(f"{path} is neither a DCP checkpoint directory nor a torch.save file "
+                                f"({_first_line(e)})") from None
+    if not isinstance(sd, dict) or not sd:
+        raise SourceFormatError(f"{path} holds a {type(sd).__name__}{' (empty)' if sd == {} else ''}, not a "
+                                "state dict")
+    return sd
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _import(store: Store, source, name: str, meta: dict, progress: Progress | None) -> ImportReport:
+    started = time.monotonic()
+    if isinstance(source, _TorchFile):
+        save(source.state_dict, store, name, metadata=meta, no_dist=True)
+    else:
+        with store.lock(SHARED) as lock:
+            _import_dcp(store, source, name, meta, lock, progress)
+    info = store.summarize(store.read_manifest(name))
+    return ImportReport(name, str(source.path), source.nbytes, info.logical_bytes, info.added_bytes,
+                        seconds=time.monotonic() - started)
+
+
+def _import_dcp(store: Store, source: DcpSource, name: str, meta: dict, lock, progress) -> None:
+    store.index.sync()  # under the lock: a gc elsewhere may have deleted packs
+    writer = store.writer(parent=store.latest_manifest())
+    md = source.metadata
+    keys = {}
+    try:
+        with phase(progress, f"import {name}", source.nbytes, "B") as prog, source.open_files() as files:
+            for index, info in md.storage_data.items():
+                key = keys[index] = item_key(index)
+                data = files.read(info)
+                smd = md.state_dict_metadata[index.fqn]
+                if not isinstance(smd, TensorStorageMetadata):
+                    writer.add_bytes(key, data)
+                else:
+                    _add_tensor(writer, source, index, key, smd, data)
+                prog.advance(len(data))
+        summary = writer.finish()
+        stored = Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
+                          storage_data=keys, storage_meta=StorageMeta(checkpoint_id=name, save_id=uuid.uuid4().hex),
+                          version=md.version or "1.0.0")
+        store.commit(name, summary.items, entries=summary.entries, packs=summary.packs, metadata=meta,
+                     layer_data={LAYER_KEY: encode_metadata(stored)}, lock=lock)
+    except BaseException:
+        writer.abort()  # its packs and spool files: a failed import leaves nothing
+        raise
+
+
+def _add_tensor(writer, source: DcpSource, index, key: str, smd: TensorStorageMetadata, data: bytes) -> None:
+    where = f"{source.path}: {index.fqn} at offset {list(index.offset)}"
+    try:
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeSourceError(f"{where}: refused, it needs unpickling beyond a tensor ({_first_line(e)}); "
+                                "nothing in it was run") from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise SourceFormatError(f"{where} is not a torch.save payload ({_first_line(e)})") from None
+    sizes = source.chunk_sizes(index)
+    if not isinstance(value, torch.Tensor) or value.dtype != smd.properties.dtype or tuple(value.shape) != sizes:
+        got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise SourceFormatError(f"{where}: holds {got}, the metadata says {smd.properties.dtype} {list(sizes)}")
+    tensor, raw, elem_size = tensor_bytes(value)
+    group, offset = shard_placement(index.fqn, key, index.offset, sizes, smd.size, tensor.element_size())
+    writer.add_array(key, raw, dtype=str(tensor.dtype).removeprefix("torch."), elem_size=elem_size,
+                     shape=list(tensor.shape), group=group, global_offset=offset)
+

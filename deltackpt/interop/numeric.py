@@ -1,0 +1,52 @@
+"""Raw tensor bytes as numbers, and dtype casts, in numpy alone (torch-free).
+
+bfloat16 is the top half of a float32: widening shifts it up, narrowing rounds to nearest even as torch
+does (``c10::round_to_nearest_even``; every NaN becomes 0x7FC0). Float8 and other dtypes numpy lacks have
+no numeric view here: ``as_numbers`` returns None and callers compare their bytes only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_NUMPY = {"bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
+          "float32", "float64", "complex64", "complex128"}
+FLOATS = {"float16", "bfloat16", "float32", "float64"}
+CASTS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+
+
+def as_numbers(raw: np.ndarray, dtype: str) -> np.ndarray | None:
+    """``raw`` (uint8) as an array of float64 (complex128 for complex dtypes), or None for a dtype without a
+    numeric view."""
+    if dtype == "bfloat16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if dtype not in _NUMPY:
+        return None
+    values = raw.view(np.dtype(dtype))
+    return values.astype(np.complex128 if values.dtype.kind == "c" else np.float64)
+
+
+def cast(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Floating-point bytes ``raw`` of dtype ``src`` converted to ``dst`` (float32 or bfloat16), as uint8."""
+    if src == dst:
+        return raw
+    if src == "bfloat16":
+        f32 = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        f32 = raw.view(np.dtype(src)).astype(np.float32)  # float64 -> float32 rounds to nearest even
+    if dst == "float32":
+        return f32.view(np.uint8)
+    u = f32.view(np.uint32)
+    rounded = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    rounded[np.isnan(f32)] = 0x7FC0
+    return rounded.view(np.uint8)
+
+
+def cast_target(name: str | None) -> str | None:
+    """The dtype an export's ``dtype`` option names (``bf16`` / ``fp32``), or None for no cast."""
+    if name is None:
+        return None
+    try:
+        return CASTS[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of bf16, fp32 (or bfloat16, float32), got {name!r}") from None

@@ -8,9 +8,9 @@ variable                        effect
 ==============================  =========================================================================
 ``DELTACKPT_KERNELS``           ``auto`` (C kernels if built, else numpy), ``native`` or ``numpy``
 ``DELTACKPT_REQUIRE_NATIVE``    ``1``: fail at import if the C kernels are missing (CI sets it)
-``DELTACKPT_BASE_CACHE_BYTES``  memory per store for the previous save's keyframes; fixes the cap for the process
+``DELTACKPT_BASE_CACHE_BYTES``  memory per Store object for the previous save's keyframes; fixes the cap
                                 (0 = off); unset: 256 MiB for CheckpointManager and multi-rank saves, else
-                                0 until a process uses a store a second time
+                                0 until a Store object is used a second time
 ``DELTACKPT_CACHE_DIR``         where index caches live (``DIR/<store_id>``); unset: inside a local store,
                                 else the user's cache directory
 ``DELTACKPT_CRASH_POINT``       tests only: SIGKILL the process at this commit/gc/forget step

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deltackpt.cli import _progress, main
+from deltackpt.cli import main
+from deltackpt.cli.output import ProgressBar as _progress
 from deltackpt.store import Store
 from deltackpt.store import index as index_mod
 from deltackpt.store.progress import Progress

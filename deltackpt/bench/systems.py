@@ -114,8 +114,11 @@ class DeltackptSystem(System):
 
     def save(self, state, name):
         from .. import DeltaSavePlanner, DeltaStorageWriter
+        from ..store import Store
 
-        dcp.save(state, storage_writer=DeltaStorageWriter(str(self.path), checkpoint_id=name),
+        if getattr(self, "_store", None) is None:  # one Store for the run: it keeps its keyframes for the next save
+            self._store = Store.open(self.path)
+        dcp.save(state, storage_writer=DeltaStorageWriter(self._store, checkpoint_id=name),
                  planner=DeltaSavePlanner())
 
     def load(self, state, name):

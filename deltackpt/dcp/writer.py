@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SilentDataCorruptionError
-from ..store import AUTO_CAP_BYTES, SHARED, Item, Store, StoreLock, default_write_threads, reserve_base_cache
+from ..store import AUTO_CAP_BYTES, SHARED, Item, Store, StoreLock, default_write_threads
 from .names import LAYER_KEY, checkpoint_name
 from .pausegc import paused_gc
 from .metadata_schema import encode_metadata
@@ -180,7 +180,7 @@ class DeltaStorageWriter(StorageWriter):
             # A multi-rank save is a training job's: keep this save's keyframes for the next one from the
             # first save on, else the second save after every (re)start reads all its bases back. (A single
             # process keeps them from its second use of the store: a one-off save holds no extra memory.)
-            reserve_base_cache(AUTO_CAP_BYTES)
+            store.base_cache.reserve(AUTO_CAP_BYTES)
         # Ranks on one machine share its cores: each codes with its share (more threads only contend).
         writer = store.writer(parent=parent, num_threads=self.num_threads or default_write_threads(host_ranks))
         keys = []

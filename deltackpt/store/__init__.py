@@ -43,7 +43,7 @@ names in ``__all__`` below (the other submodules are the engine's own parts).
 """
 
 from .backend import Backend, LocalBackend, LocalFiles, MemoryBackend, ObjectInfo
-from .basecache import AUTO_CAP_BYTES, reserve_base_cache
+from .basecache import AUTO_CAP_BYTES, BaseCache
 from .config import FORMAT_VERSION, StoreConfig
 from .lock import SHARED, StoreLock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
@@ -75,6 +75,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AUTO_CAP_BYTES",
+    "BaseCache",
     "FORMAT_VERSION",
     "LATEST",
     "NULL_PROGRESS",
@@ -106,7 +107,6 @@ __all__ = [
     "default_write_threads",
     "phase",
     "plan_forget",
-    "reserve_base_cache",
     "validate_name",
     "verify_store",
 ]

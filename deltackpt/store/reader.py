@@ -18,7 +18,6 @@ import numpy as np
 
 from .backend import LocalFiles, local_root
 from ..errors import CorruptChunkError, MissingChunkError
-from .basecache import note_use
 from .manifest import Item, Manifest
 from .pack import PackEntry, pack_key
 from .source import ChunkSource
@@ -45,7 +44,7 @@ class CheckpointReader:
         self.num_threads = num_threads or default_read_threads(remote=self.remote)
         self._pool: ThreadPoolExecutor | None = None
         self._starts: dict[str, list[int]] = {}
-        note_use(store.config.store_id)  # a restore then a save: a resumed training loop (see basecache)
+        store.base_cache.note_use()  # a restore then a save: a resumed training loop (see basecache)
 
     @property
     def name(self) -> str:

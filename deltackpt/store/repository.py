@@ -34,6 +34,7 @@ from ..errors import (
     StoreNotFoundError,
 )
 from .backend import Backend, local_root
+from .basecache import BaseCache
 from .location import open_backend
 from .config import CONFIG_KEY, WRITER_FEATURES, StoreConfig, decode_config, encode_config, new_config
 from .index import ChunkIndex
@@ -140,6 +141,10 @@ def _user_cache_dirs(store_id: str) -> list[Path]:
             Path(tempfile.gettempdir()) / f"deltackpt-{os.getuid()}" / store_id]
 
 
+_RECEIVED_CACHES: dict[str, BaseCache] = {}  # store id -> the cache of Stores unpickled in this process
+_RECEIVED_LOCK = threading.Lock()
+
+
 class Store:
     """A deltackpt store. Create with :meth:`init`, open with :meth:`open`."""
 
@@ -152,6 +157,7 @@ class Store:
             _user_cache_dirs(config.store_id)
         self._index: ChunkIndex | None = None
         self._index_lock = threading.Lock()
+        self.base_cache = BaseCache.from_settings()  # keyframes this object's saves keep for its next save
 
     def __repr__(self) -> str:
         return f"Store({self.backend!r}, store_id={self.config.store_id[:8]})"
@@ -161,11 +167,19 @@ class Store:
         state = self.__dict__.copy()
         state["_index"] = None
         del state["_index_lock"]
+        cache = state.pop("base_cache")  # per process, like the index; its cap travels
+        state["_base_cache_cap"] = (cache.cap_bytes, cache.fixed)
         return state
 
     def __setstate__(self, state):
+        cap, fixed = state.pop("_base_cache_cap")
         self.__dict__.update(state)
         self._index_lock = threading.Lock()
+        # A Store sent to a worker process once per save (DCP's process-based async save) shares that
+        # process's cache for the store, so the worker's next save still finds its bases in memory.
+        with _RECEIVED_LOCK:
+            self.base_cache = _RECEIVED_CACHES.setdefault(self.config.store_id, BaseCache.from_settings())
+        self.base_cache.limit(cap) if fixed else self.base_cache.reserve(cap)
 
     # -- opening -----------------------------------------------------------------------------------------
     @classmethod

@@ -30,7 +30,6 @@ from .manifest import ChunkRef, Item, Manifest
 from .pack import PackEntry
 from .packsink import PackSink
 from .parentmap import Extent, ParentMap
-from .basecache import note_use, shared_base_cache
 from .source import ChunkSource
 from .threads import InlineExecutor, default_write_threads
 
@@ -70,10 +69,10 @@ class ChunkWriter:
         self.config = store.config
         self.parent = ParentMap(parent)
         self._source = ChunkSource(store)
-        self._cache = shared_base_cache()
+        self._cache = store.base_cache
         self._cache.new_generation()
         self._policy = DeltaPolicy(store)
-        note_use(self.config.store_id)
+        self._cache.note_use()
         self.num_threads = num_threads or default_write_threads()
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
         # One coding thread is no thread: a pool of one costs hand-offs and GIL switches with the caller
@@ -275,13 +274,13 @@ class ChunkWriter:
         return refs
 
     def _base_bytes(self, entry: PackEntry):
-        raw = self._cache.get(self.config.store_id, entry.chunk_id)
+        raw = self._cache.get(entry.chunk_id)
         if raw is None:
             try:
                 raw = self._source.get(entry.chunk_id, keep=False)  # used once, by this chunk's delta
             except DeltackptError:
                 return None  # a damaged base is never built upon; the chunk becomes a keyframe
-            self._cache.put(self.config.store_id, entry.chunk_id, raw)
+            self._cache.put(entry.chunk_id, raw)
         return raw
 
     def _store_chunk(self, cid: bytes, view: memoryview, elem_size: int, base: DeltaBase | None = None,
@@ -305,5 +304,5 @@ class ChunkWriter:
         if cod is None:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
         if cod != codec.DELTA and self._policy.keeps_as_base(n, is_array):
-            self._cache.put(c.store_id, cid, view)  # the next save's base
+            self._cache.put(cid, view)  # the next save's base
         self._sink.add(cid, cod, elem_size, n, stored, base_id, age)

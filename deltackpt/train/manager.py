@@ -44,7 +44,7 @@ from ..errors import (
     ManifestFormatError,
     MissingChunkError,
 )
-from ..store import Store, Uploader, copy_checkpoints, plan_forget, reserve_base_cache, verify_store
+from ..store import Store, Uploader, copy_checkpoints, plan_forget, verify_store
 from .state import TrainState, rank_and_world
 
 log = logging.getLogger("deltackpt.train")
@@ -85,7 +85,7 @@ class CheckpointManager:
         if async_mode not in (None, *_ASYNC_TYPES):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
         self.store: Store = open_store(store, storage_options)
-        reserve_base_cache(base_cache_bytes)
+        self.store.base_cache.limit(base_cache_bytes)
         self.remote = remote
         self._remote_storage_options = remote_storage_options
         self._remote: Store | None = None  # opened when a rank restores from it

@@ -104,33 +104,27 @@ def test_repeated_saves_store_only_changes(tmp_path):
 
 
 def test_single_process_dcp_keeps_keyframes_from_its_second_save(tmp_path, monkeypatch):
-    """A one-off single-process dcp.save holds no extra memory; from the second save on (a training loop) the
-    keyframes are kept, so the next save's deltas read no bases back from the store."""
+    """A one-off single-process dcp.save holds no extra memory; from the second save through the same Store
+    on (a training loop) the keyframes are kept, so the next save's deltas read no bases back from the store."""
     from deltackpt.store import basecache, source
 
     monkeypatch.delenv("DELTACKPT_BASE_CACHE_BYTES", raising=False)
-    cache = basecache.shared_base_cache()
-    monkeypatch.setattr(cache, "cap_bytes", 0)
-    cache.clear()
-    path = str(tmp_path / "s")
-    try:
-        deltackpt.save({"w": torch.randn(256, 256)}, path, "a")  # 256 KiB
-        assert cache.cap_bytes == 0 and cache.size_bytes == 0
-        w = torch.randn(256, 256)  # all new: keyframes
-        deltackpt.save({"w": w}, path, "b")
-        assert cache.cap_bytes == basecache.AUTO_CAP_BYTES
-        store = Store.open(path)
-        ids = {r.id for it in store.read_manifest("b").items for r in it.chunks if it.key.startswith("w@")}
-        assert ids and ids <= {chunk_id for _store, chunk_id in cache._data}
-        fetched = []
-        real_get = source.ChunkSource.get
-        monkeypatch.setattr(source.ChunkSource, "get", lambda self, cid, **kw: fetched.append(cid) or
-                            real_get(self, cid, **kw))
-        w.add_(torch.randn_like(w) * 1e-6)
-        deltackpt.save({"w": w}, path, "c")
-        assert not fetched
-        kinds = {store.index.lookup(r.id).codec for it in store.read_manifest("c").items for r in it.chunks
-                 if it.key.startswith("w@")}
-        assert kinds == {2}  # delta
-    finally:
-        cache.clear()
+    store = Store.open_or_init(str(tmp_path / "s"))
+    cache = store.base_cache
+    deltackpt.save({"w": torch.randn(256, 256)}, store, "a")  # 256 KiB
+    assert cache.cap_bytes == 0 and cache.size_bytes == 0
+    w = torch.randn(256, 256)  # all new: keyframes
+    deltackpt.save({"w": w}, store, "b")
+    assert cache.cap_bytes == basecache.AUTO_CAP_BYTES
+    ids = {r.id for it in store.read_manifest("b").items for r in it.chunks if it.key.startswith("w@")}
+    assert ids and ids <= set(cache._data)
+    fetched = []
+    real_get = source.ChunkSource.get
+    monkeypatch.setattr(source.ChunkSource, "get", lambda self, cid, **kw: fetched.append(cid) or
+                        real_get(self, cid, **kw))
+    w.add_(torch.randn_like(w) * 1e-6)
+    deltackpt.save({"w": w}, store, "c")
+    assert not fetched
+    kinds = {store.index.lookup(r.id).codec for it in store.read_manifest("c").items for r in it.chunks
+             if it.key.startswith("w@")}
+    assert kinds == {2}  # delta

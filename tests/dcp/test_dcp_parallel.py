@@ -294,7 +294,7 @@ def _writer_threads(rank: int, world: int, path: str):
     from deltackpt import DeltaStorageWriter
     from deltackpt.store import threads as store_threads
     from deltackpt.store import writer as store_writer
-    from deltackpt.store.basecache import shared_base_cache
+    from deltackpt.store import Store
 
     seen = []
     real_init = store_writer.ChunkWriter.__init__
@@ -305,8 +305,9 @@ def _writer_threads(rank: int, world: int, path: str):
 
     store_writer.ChunkWriter.__init__ = init
     os.environ.pop("DELTACKPT_BASE_CACHE_BYTES", None)
-    dcp.save({f"t{rank}": torch.randn(128, 128)}, storage_writer=DeltaStorageWriter(path, checkpoint_id="a"))
-    cache = shared_base_cache()
+    store = Store.open(path)
+    dcp.save({f"t{rank}": torch.randn(128, 128)}, storage_writer=DeltaStorageWriter(store, checkpoint_id="a"))
+    cache = store.base_cache
     return (seen, store_threads.default_write_threads(world), store_threads.default_write_threads(1),
             cache.cap_bytes, cache.size_bytes)
 

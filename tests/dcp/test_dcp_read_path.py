@@ -11,7 +11,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 import deltackpt
 from deltackpt.errors import CorruptChunkError
 from deltackpt.store import Store, codec
-from deltackpt.store.basecache import shared_base_cache
 from deltackpt.store.pack import HEADER_SIZE, pack_key
 
 pytestmark = [
@@ -34,7 +33,6 @@ def _states():
 
 @pytest.fixture
 def delta_store(tmp_path):
-    shared_base_cache().clear()
     path = tmp_path / "store"
     Store.init(path, chunk_size_bytes=65536)
     first, changed = _states()

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from deltackpt import kernels
 from deltackpt.errors import CorruptChunkError
 from deltackpt.store import MemoryBackend, Store, codec
-from deltackpt.store.basecache import shared_base_cache
 from deltackpt.store.pack import HEADER_SIZE, pack_key
 
 DTYPES = ["float32", "float16", "int64", "uint8", "bfloat16"]
@@ -46,7 +45,6 @@ def _record_reads(backend) -> list:
 
 @pytest.fixture
 def mem_store(tmp_path):
-    shared_base_cache().clear()
     return Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=16384)
 
 
@@ -101,7 +99,6 @@ def test_small_changes_are_stored_as_deltas_and_restore_bit_exact(mem_store):
 
 
 def test_twenty_checkpoint_chain_restores_every_checkpoint(tmp_path):
-    shared_base_cache().clear()
     store = Store.init(tmp_path / "s", chunk_size_bytes=16384, keyframe_interval=4)
     rng = np.random.default_rng(2)
     w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
@@ -152,7 +149,7 @@ def test_base_is_read_from_store_when_not_cached(mem_store):
     rng = np.random.default_rng(5)
     w = (rng.standard_normal(20_000) * 0.05).astype(np.float32)
     mem_store.save("c0", {"w": w})
-    shared_base_cache().clear()  # as after a restart
+    mem_store.base_cache.clear()  # as after a restart
     w1 = _drift(rng, w, 1e-6)
     mem_store.save("c1", {"w": w1})
     assert _codecs(mem_store)["delta"] > 0
@@ -160,7 +157,6 @@ def test_base_is_read_from_store_when_not_cached(mem_store):
 
 
 def test_corrupt_base_names_both_chunks(tmp_path):
-    shared_base_cache().clear()
     store = Store.init(tmp_path / "s", chunk_size_bytes=16384)
     rng = np.random.default_rng(6)
     w = (rng.standard_normal(4096) * 0.05).astype(np.float32)  # exactly one chunk
@@ -183,7 +179,6 @@ def test_corrupt_base_names_both_chunks(tmp_path):
 
 def test_damaged_base_is_not_built_upon(tmp_path):
     """A save whose base is corrupt writes a keyframe instead of a delta nobody could decode."""
-    shared_base_cache().clear()
     store = Store.init(tmp_path / "s", chunk_size_bytes=16384)
     rng = np.random.default_rng(8)
     w = (rng.standard_normal(4096) * 0.05).astype(np.float32)
@@ -193,7 +188,6 @@ def test_damaged_base_is_not_built_upon(tmp_path):
     data = bytearray(path.read_bytes())
     data[entry.offset + HEADER_SIZE + 5] ^= 0x01
     path.write_bytes(bytes(data))
-    shared_base_cache().clear()
     w1 = _drift(rng, w, 1e-6)
     Store.open(tmp_path / "s").save("c1", {"w": w1})
     reopened = Store.open(tmp_path / "s")
@@ -201,27 +195,25 @@ def test_damaged_base_is_not_built_upon(tmp_path):
 
 
 def test_base_cache_spares_reading_bases_back(tmp_path):
-    """With the cache on, a later save in the same process finds its delta bases in memory."""
-    cache = shared_base_cache()
-    old_cap = cache.cap_bytes
-    cache.clear()
-    cache.cap_bytes = 64 << 20
-    try:
-        backend, store, rng, w = _store_with_first_save(tmp_path, seed=9)
-        reads = _record_reads(backend)
-        w1 = _drift(rng, w, 1e-6)
-        store.save("c1", {"w": w1})
-        assert _codecs(store)["delta"] > 0
-        assert not [k for k in reads if k.startswith("packs/")], "bases should come from the cache"
-        assert np.array_equal(store.load("c1")["w"], w1)
-    finally:
-        cache.cap_bytes = old_cap
-        cache.clear()
+    """With its cache on, a Store's later save finds its delta bases in memory."""
+    backend = MemoryBackend()
+    store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=16384)
+    store.base_cache.limit(64 << 20)
+    rng = np.random.default_rng(9)
+    w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
+    store.save("c0", {"w": w})
+    reads = _record_reads(backend)
+    w1 = _drift(rng, w, 1e-6)
+    store.save("c1", {"w": w1})
+    assert _codecs(store)["delta"] > 0
+    assert not [k for k in reads if k.startswith("packs/")], "bases should come from the cache"
+    assert np.array_equal(store.load("c1")["w"], w1)
+    assert Store.open(backend, cache_dir=tmp_path / "c").base_cache.size_bytes == 0  # each Store owns its own
 
 
 @pytest.mark.parametrize("env", [None, "0"])
-def test_second_save_in_a_process_turns_the_cache_on(tmp_path, monkeypatch, env):
-    """One save keeps no copies; a second save to the same store (a training loop) raises the cache to
+def test_second_save_through_a_store_turns_its_cache_on(tmp_path, monkeypatch, env):
+    """One save keeps no copies; a second save through the same Store (a training loop) raises its cache to
     AUTO_CAP_BYTES and keeps the bases it reads back, so the third reads none. An explicit
     DELTACKPT_BASE_CACHE_BYTES wins."""
     from deltackpt.store import basecache
@@ -230,24 +222,20 @@ def test_second_save_in_a_process_turns_the_cache_on(tmp_path, monkeypatch, env)
         monkeypatch.delenv("DELTACKPT_BASE_CACHE_BYTES", raising=False)
     else:
         monkeypatch.setenv("DELTACKPT_BASE_CACHE_BYTES", env)
-    cache = shared_base_cache()
-    monkeypatch.setattr(cache, "cap_bytes", 0)
-    cache.clear()
-    try:
-        backend, store, rng, w = _store_with_first_save(tmp_path, seed=10)
-        assert cache.cap_bytes == 0 and cache.size_bytes == 0
-        w = _drift(rng, w, 1e-6)
-        store.save("c1", {"w": w})
-        assert cache.cap_bytes == (basecache.AUTO_CAP_BYTES if env is None else 0)
-        reads = _record_reads(backend)
-        w = _drift(rng, w, 1e-6)
-        store.save("c2", {"w": w})
-        assert _codecs(store)["delta"] > 0
-        base_reads = [k for k in reads if k.startswith("packs/")]
-        assert (not base_reads) if env is None else base_reads
-        assert np.array_equal(store.load("c2")["w"], w)
-    finally:
-        cache.clear()
+    backend, store, rng, w = _store_with_first_save(tmp_path, seed=10)
+    cache = store.base_cache
+    assert cache.cap_bytes == 0 and cache.size_bytes == 0
+    w = _drift(rng, w, 1e-6)
+    store.save("c1", {"w": w})
+    assert cache.cap_bytes == (basecache.AUTO_CAP_BYTES if env is None else 0)
+    reads = _record_reads(backend)
+    w = _drift(rng, w, 1e-6)
+    store.save("c2", {"w": w})
+    assert _codecs(store)["delta"] > 0
+    base_reads = [k for k in reads if k.startswith("packs/")]
+    assert (not base_reads) if env is None else base_reads
+    assert np.array_equal(store.load("c2")["w"], w)
+
 
 def test_a_save_after_a_restore_keeps_its_keyframes(tmp_path, monkeypatch):
     """A resumed run restores, then saves: that first save already keeps its keyframes, so the next save reads
@@ -255,28 +243,34 @@ def test_a_save_after_a_restore_keeps_its_keyframes(tmp_path, monkeypatch):
     from deltackpt.store import basecache
 
     monkeypatch.delenv("DELTACKPT_BASE_CACHE_BYTES", raising=False)
-    cache = shared_base_cache()
-    monkeypatch.setattr(cache, "cap_bytes", 0)
-    cache.clear()
-    try:
-        backend, _, rng, w = _store_with_first_save(tmp_path, seed=15)
-        store = Store.open(backend, cache_dir=tmp_path / "c2")  # as if in a new process: uses counted anew
-        monkeypatch.setattr(basecache, "_uses", {})
-        assert np.array_equal(store.load("c0")["w"], w)
-        assert cache.cap_bytes == 0
-        w = rng.standard_normal(w.size).astype(np.float32)  # all new: keyframes
-        store.save("c1", {"w": w})
-        assert cache.cap_bytes == basecache.AUTO_CAP_BYTES
-        c1_ids = {r.id for r in store.read_manifest("c1").item_map()["w"].chunks}
-        assert c1_ids <= {chunk_id for _store, chunk_id in cache._data}
-        reads = _record_reads(backend)
-        w = _drift(rng, w, 1e-6)
-        store.save("c2", {"w": w})
-        assert _codecs(store)["delta"] > 0
-        assert not [k for k in reads if k.startswith("packs/")]
-        assert np.array_equal(store.load("c2")["w"], w)
-    finally:
-        cache.clear()
+    backend, _, rng, w = _store_with_first_save(tmp_path, seed=15)
+    store = Store.open(backend, cache_dir=tmp_path / "c2")  # as if in a new process
+    cache = store.base_cache
+    assert np.array_equal(store.load("c0")["w"], w)
+    assert cache.cap_bytes == 0
+    w = rng.standard_normal(w.size).astype(np.float32)  # all new: keyframes
+    store.save("c1", {"w": w})
+    assert cache.cap_bytes == basecache.AUTO_CAP_BYTES
+    c1_ids = {r.id for r in store.read_manifest("c1").item_map()["w"].chunks}
+    assert c1_ids <= set(cache._data)
+    reads = _record_reads(backend)
+    w = _drift(rng, w, 1e-6)
+    store.save("c2", {"w": w})
+    assert _codecs(store)["delta"] > 0
+    assert not [k for k in reads if k.startswith("packs/")]
+    assert np.array_equal(store.load("c2")["w"], w)
+
+
+def test_a_store_sent_to_a_worker_keeps_its_cap_and_the_workers_cache(tmp_path):
+    """DCP's process-based async save sends the Store to its worker once per save: the cap travels, and the
+    Stores the worker receives for one store share its cache, so the worker's next save finds its bases."""
+    import pickle  # how multiprocessing sends it; the store never reads pickle back
+
+    store = Store.init(tmp_path / "s", chunk_size_bytes=16384)
+    store.base_cache.limit(1 << 20)
+    first, second = pickle.loads(pickle.dumps(store)), pickle.loads(pickle.dumps(store))
+    assert first.base_cache is second.base_cache and first.base_cache is not store.base_cache
+    assert first.base_cache.cap_bytes == 1 << 20 and first.base_cache.fixed
 
 
 def test_sample_decides_between_delta_and_keyframe():
@@ -293,7 +287,6 @@ def test_sample_decides_between_delta_and_keyframe():
 
 
 def test_chunks_the_sample_rejects_are_coded_once_as_keyframes(tmp_path, monkeypatch):
-    shared_base_cache().clear()
     store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
     rng = np.random.default_rng(11)
     store.save("c0", {"w": rng.standard_normal(1 << 18).astype(np.float32)})
@@ -318,7 +311,6 @@ def _count_codings(monkeypatch) -> Counter:
 
 
 def test_a_place_whose_last_delta_paid_off_skips_the_sample(tmp_path, monkeypatch):
-    shared_base_cache().clear()
     store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
     rng = np.random.default_rng(12)
     w = rng.standard_normal(1 << 18).astype(np.float32)  # one 1 MiB chunk
@@ -337,9 +329,8 @@ def test_a_place_whose_last_delta_paid_off_skips_the_sample(tmp_path, monkeypatc
 
 def test_chunks_much_smaller_than_the_chunk_size_are_keyframes(tmp_path, monkeypatch):
     """A bias or norm shard of a few hundred bytes is never delta-coded nor cached as a base."""
-    cache = shared_base_cache()
-    cache.clear()
     store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
+    cache = store.base_cache
     rng = np.random.default_rng(14)
     small = rng.standard_normal(256).astype(np.float32)  # 1 KiB
     big = rng.standard_normal(1 << 16).astype(np.float32)  # 256 KiB: a quarter chunk, delta-coded
@@ -350,7 +341,7 @@ def test_chunks_much_smaller_than_the_chunk_size_are_keyframes(tmp_path, monkeyp
     big_ids = {r.id for r in store.read_manifest("c2").item_map()["big"].chunks}
     assert {store.index.lookup(c).codec for c in small_ids} != {codec.DELTA}
     assert {store.index.lookup(c).codec for c in big_ids} == {codec.DELTA}
-    cached = {chunk_id for _store, chunk_id in cache._data}
+    cached = set(cache._data)
     big_bases = {store.index.lookup(c).base_id for c in big_ids}
     assert big_bases <= cached and not small_ids & cached
     assert np.array_equal(store.load("c2")["small"], small)
@@ -564,7 +555,6 @@ def test_damaged_plane_containers_raise_value_error(damage):
 def test_sparse_fill_in_keeps_trying_deltas(tmp_path):
     """Adam state of an embedding table fills in a few rows per interval: a delta that grows past its keyframe
     re-keyframes the place, and the next saves' deltas pay again."""
-    shared_base_cache().clear()
     store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
     rng = np.random.default_rng(13)
     m = np.zeros((1 << 14, 16), dtype=np.float32)  # 1 MiB: one chunk

@@ -12,7 +12,6 @@ import pytest
 from deltackpt.errors import CorruptChunkError
 from deltackpt.store.backend import LocalFiles
 from deltackpt.store import LocalBackend, MemoryBackend, Store, codec
-from deltackpt.store.basecache import shared_base_cache
 from deltackpt.store.pack import HEADER_SIZE, pack_key
 from deltackpt.store.source import ChunkSource
 from deltackpt.store.threads import usable_cores
@@ -57,7 +56,6 @@ def _codecs(store: Store) -> Counter:
 @pytest.fixture(params=["memory", "local"])
 def delta_store(request, tmp_path):
     """A store whose checkpoint "c1" holds raw, zstd and delta chunks (16 KiB chunks)."""
-    shared_base_cache().clear()
     backend = MemoryBackend() if request.param == "memory" else LocalBackend(tmp_path / "st", fsync=False)
     store = Store.init(backend, cache_dir=tmp_path / "cache", chunk_size_bytes=16384)
     rng = np.random.default_rng(5)

@@ -1,0 +1,57 @@
+"""Argument values shared by several commands: fractions, seconds, storage options, opening the store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from .status import UsageError
+
+
+def parse_fraction(text: str, option: str) -> float:
+    """``10%`` or ``0.1`` -> 0.1 (the engine checks the range)."""
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ValueError(f"{option} must be a fraction or a percentage (0.1 or 10%), got {text!r}") from None
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def parse_pairs(pairs, option: str) -> dict:
+    """``KEY=VALUE`` pairs; VALUE parsed as JSON when it is JSON, else kept as a string."""
+    out: dict = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"{option} wants KEY=VALUE, got {pair!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
+def options_for(args, location: str) -> dict | None:
+    """The ``--storage-option`` pairs for a URL; None for a local path (they would mean nothing there)."""
+    from ..store.location import scheme_of
+
+    if scheme_of(location) in (None, "file"):
+        return None
+    return parse_pairs(getattr(args, "storage_option", None), "--storage-option") or None
+
+
+def open_store(args):
+    from ..store import Store
+
+    return Store.open(args.store, storage_options=options_for(args, args.store))

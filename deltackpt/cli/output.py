@@ -1,0 +1,78 @@
+"""How commands write: JSON or text on stdout, tables, sizes, and progress bars on a terminal's stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable
+
+
+class StdoutClosed(Exception):
+    """The reader of our stdout went away (`| head -1`): not an error."""
+
+
+def out(text: str) -> None:
+    try:
+        print(text)
+    except BrokenPipeError:
+        raise StdoutClosed from None
+
+
+def emit(args, data, text: Callable[[], str]) -> None:
+    """``data`` as JSON with ``--json``, else the text ``text()`` renders."""
+    out(json.dumps(data, indent=2, sort_keys=True) if args.json else text())
+
+
+def fmt_bytes(n: int | float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_ratio(x: float) -> str:
+    return "inf" if x == float("inf") else f"{x:.2f}x"
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in [header, *rows]]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+class ProgressBar:
+    """The engine's progress (deltackpt.store.progress.Progress) as a tqdm bar per phase on stderr when it is a
+    terminal and not --json; else nothing. A context manager: a bar an error left open is closed."""
+
+    def __init__(self, args) -> None:
+        self.enabled = sys.stderr.isatty() and not args.json
+        self.bar = None
+
+    def __enter__(self):
+        from ..store.progress import NULL_PROGRESS
+
+        return self if self.enabled else NULL_PROGRESS
+
+    def start(self, label: str, total: int, unit: str) -> None:
+        from tqdm import tqdm
+
+        self.done()
+        if total <= 0:
+            return  # nothing to do: no bar
+        self.bar = tqdm(total=total, desc=label, unit=unit, unit_scale=unit == "B", unit_divisor=1024,
+                        file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def done(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __exit__(self, *exc) -> None:
+        self.done()

@@ -1,0 +1,44 @@
+"""Commands that move checkpoints between stores: copy."""
+
+from __future__ import annotations
+
+from .options import options_for
+from .output import ProgressBar, emit, fmt_bytes
+from .status import EXIT_OK, EXIT_PROBLEMS, UsageError
+
+
+def register(add) -> None:
+    sp = add("copy", cmd_copy, "copy checkpoints to another store (path or URL), sending only what it lacks; "
+                               "the destination is created with the source's settings")
+    sp.add_argument("src", help="source store (path or URL, e.g. s3://bucket/run)")
+    sp.add_argument("dst", help="destination store (path or URL)")
+    sp.add_argument("checkpoints", nargs="*", metavar="CKPT", help="checkpoints to copy ('latest' = newest)")
+    sp.add_argument("--all", action="store_true", help="copy every checkpoint")
+    sp.add_argument("--verify", action="store_true", help="read every copied checkpoint back and re-hash it")
+    sp.add_argument("--overwrite", action="store_true", help="replace same-named checkpoints that differ")
+
+
+def cmd_copy(args) -> int:
+    from ..store.copy import copy
+
+    if bool(args.checkpoints) == bool(args.all):
+        raise UsageError("name the checkpoints to copy, or pass --all")
+    with ProgressBar(args) as progress:
+        report = copy(args.src, args.dst, None if args.all else args.checkpoints, verify=args.verify,
+                      overwrite=args.overwrite, src_storage_options=options_for(args, args.src),
+                      dst_storage_options=options_for(args, args.dst), progress=progress)
+    data = {"src": args.src, "dst": args.dst, "checkpoints": len(report.copied) + len(report.skipped),
+            **report.as_dict()}
+
+    def text() -> str:
+        lines = [f"copied {len(report.copied)} checkpoint(s), {len(report.skipped)} already there; "
+                 f"sent {fmt_bytes(report.bytes_sent)} ({report.packs_sent} packs whole, {report.packs_repacked} "
+                 f"repacked, {report.chunks_sent} chunks), skipped {fmt_bytes(report.bytes_skipped)} "
+                 f"({report.chunks_skipped} chunks the destination had) in {report.seconds:.1f} s"]
+        if report.verified:
+            lines.append("verify: " + ("; ".join(report.problems) if report.problems else "every copied checkpoint "
+                                       "read back and re-hashed: no problems"))
+        return "\n".join(lines)
+
+    emit(args, data, text)
+    return EXIT_PROBLEMS if report.problems else EXIT_OK

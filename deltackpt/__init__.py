@@ -22,10 +22,13 @@ from .errors import (
     ManifestFormatError,
     MissingChunkError,
     SilentDataCorruptionError,
+    SourceFormatError,
     StoreExistsError,
     StoreLockedError,
     StoreNotFoundError,
     StorePermissionError,
+    TargetExistsError,
+    UnsafeSourceError,
     UnsupportedFormatError,
 )
 
@@ -67,10 +70,13 @@ __all__ = [
     "ManifestFormatError",
     "MissingChunkError",
     "SilentDataCorruptionError",
+    "SourceFormatError",
     "StoreExistsError",
     "StoreLockedError",
     "StoreNotFoundError",
     "StorePermissionError",
+    "TargetExistsError",
+    "UnsafeSourceError",
     "UnsupportedFormatError",
     *_LAZY,
 ]

@@ -242,7 +242,8 @@ class SourceFormatError(DeltackptError, ValueError):
 
 class UnsafeSourceError(SourceFormatError):
     """A file to import needs unpickling beyond plain data (``torch.load(weights_only=True)``'s allow-list, or
-    DCP's metadata classes): it is refused, and nothing in it is executed."""
+    DCP's metadata classes): it is refused, and nothing in it is executed. Also a ``torch`` export of values
+    that ``weights_only=True`` could not load back (nothing is written then)."""
 
 
 class TargetExistsError(DeltackptError, FileExistsError):

@@ -9,11 +9,11 @@ import os
 import sys
 
 from .. import __version__
-from . import benchmark, listing, maintenance, transfer
+from . import benchmark, interop, listing, maintenance, transfer
 from .output import StdoutClosed, out
 from .status import EPILOG, EXIT_OK, EXIT_USAGE, UsageError, exit_code_for
 
-COMMAND_MODULES = (listing, maintenance, transfer, benchmark)
+COMMAND_MODULES = (listing, maintenance, transfer, interop, benchmark)
 
 
 class _Parser(argparse.ArgumentParser):

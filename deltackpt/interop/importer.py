@@ -119,6 +119,10 @@ def _read_source(src: Path):
 def _load_torch_file(path: Path) -> dict:
     """The state dict in a ``torch.save`` file, loaded with ``weights_only=True`` only (memory-mapped when
     the file is in the zip format)."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04" and magic[:1] != b"\x80":  # torch.save's zip format, or a legacy pickle
+        raise SourceFormatError(f"{path} is neither a DCP checkpoint directory nor a torch.save file")
     try:
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -128,7 +132,7 @@ def _load_torch_file(path: Path) -> dict:
             sd = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except pickle.UnpicklingError as e:
         raise UnsafeSourceError(f"{path}: refused, it needs unpickling beyond plain data "
-                                f"(torch.load(weights_only=True): {_first_line(e)}); nothing in it was run") from None
+                                f"({_first_line(e)}); nothing in it was run") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise SourceFormatError(f"{path} is neither a DCP checkpoint directory nor a torch.save file "
                                 f"({_first_line(e)})") from None
@@ -139,8 +143,10 @@ def _load_torch_file(path: Path) -> dict:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+    """The line of an error that says what went wrong (torch's weights_only refusal says it after a preamble)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    named = [line for line in lines if "WeightsUnpickler error" in line or "GLOBAL" in line]
+    return (named or lines or [type(e).__name__])[0][:200]
 
 
 def _import(store: Store, source, name: str, meta: dict, progress: Progress | None) -> ImportReport:

@@ -1,7 +1,8 @@
 """Raw tensor bytes as numbers, and dtype casts, in numpy alone (torch-free).
 
 bfloat16 is the top half of a float32: widening shifts it up, narrowing rounds to nearest even as torch
-does (``c10::round_to_nearest_even``; every NaN becomes 0x7FC0). Float8 and other dtypes numpy lacks have
+does (``c10::round_to_nearest_even``; every NaN becomes the quiet NaN 0x7FC0, where torch's vectorized CPU
+path gives 0xFFFF); float64 is rounded to float32 first. Float8 and other dtypes numpy lacks have
 no numeric view here: ``as_numbers`` returns None and callers compare their bytes only.
 """
 

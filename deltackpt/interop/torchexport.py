@@ -95,7 +95,10 @@ def _write_tensor(f, reader, t, smd: TensorStorageMetadata, target, storage, pro
     chunks = []
     for r0, r1 in slabs(t, slab_bytes) or [(0, t.shape[0] if t.shape else 1)]:
         rows = (r1 - r0, *t.shape[1:]) if t.shape else ()
-        tensor = torch.from_numpy(read_rows(reader, t, r0, r1)).view(src).reshape(rows)
+        if t.numel:
+            tensor = torch.from_numpy(read_rows(reader, t, r0, r1)).view(src).reshape(rows)
+        else:
+            tensor = torch.empty(rows, dtype=src)  # no bytes to view
         if dst != src:
             tensor = tensor.to(dst)
         offsets = torch.Size((r0,) + (0,) * (len(t.shape) - 1) if t.shape else ())

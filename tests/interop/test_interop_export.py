@@ -1,0 +1,145 @@
+"""Export: memory stays near one tensor (measured), casts match torch's, existing targets and failures leave
+the file system as it was, and the safetensors and diff paths never import torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import deltackpt
+from deltackpt.errors import TargetExistsError, UnsafeSourceError
+from deltackpt.interop.layout import DCP_LAYER
+from deltackpt.interop.numeric import cast
+from deltackpt.store import Store
+from cli_fixtures import REPO_ROOT, run
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+MiB = 1 << 20
+
+
+def test_layer_key_matches_the_dcp_layer():
+    from deltackpt.dcp import LAYER_KEY
+
+    assert DCP_LAYER == LAYER_KEY
+
+
+def test_bf16_cast_matches_torch_bit_for_bit_except_nan_payloads():
+    rng = np.random.default_rng(0)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-45, 3.4e38, 1.00390625, 1.01171875,
+                        65504.0, 1 + 2**-8, 1 + 3 * 2**-8], dtype=np.float32)
+    values = np.concatenate([special, rng.standard_normal(10_000).astype(np.float32) * 1e3,
+                             rng.integers(0, 2**32, 10_000, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+    ours = cast(values.view(np.uint8), "float32", "bfloat16").view(np.uint16)
+    ref = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    nan = np.isnan(values)  # NaN payloads differ between torch's scalar and vector paths; NaN stays NaN
+    assert np.array_equal(ours[~nan], ref[~nan]) and nan.sum() > 30
+    assert (ours[nan] == 0x7FC0).all()
+    back = cast(ours.view(np.uint8), "bfloat16", "float32").view(np.float32)
+    assert np.array_equal(back, torch.from_numpy(ref.view(np.int16)).view(torch.bfloat16).float().numpy(),
+                          equal_nan=True)
+
+
+def _peak_exporting(tmp_path: Path, fmt: str, n: int, mib: int = 8) -> int:
+    """Peak traced bytes exporting ``n`` float32 tensors of ``mib`` MiB each (saved through DCP)."""
+    root = tmp_path / f"{fmt}-{n}"
+    deltackpt.save({f"layer{i}": torch.randn(mib * MiB // 4 // 256, 256) for i in range(n)}, root / "store", "big")
+    store = Store.open(root / "store")
+    tracemalloc.start()
+    try:
+        deltackpt.export(store, "big", root / "out", format=fmt)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_export_peak_memory_is_one_tensor_plus_the_readers_scratch(tmp_path, fmt):
+    from deltackpt.store import default_read_threads
+
+    peak = _peak_exporting(tmp_path, fmt, 8)
+    print(f"{fmt}: peak traced {peak / MiB:.1f} MiB exporting 64 MiB (largest tensor 8 MiB)")
+    # one 8 MiB slab, plus the stored-bytes and byte-plane scratch (a 4 MiB chunk each) of every thread that
+    # decodes (the read pool and the caller): fixed, whatever the number of tensors
+    assert peak < 8 * MiB + (default_read_threads() + 1) * 2 * 4 * MiB + 2 * MiB, peak
+
+
+def test_an_existing_target_is_refused_and_left_alone(tmp_path, capsys):
+    store = Store.init(tmp_path / "store")
+    store.save("c", {"w": np.ones(10, np.float32)})
+    (tmp_path / "taken.safetensors").write_text("mine")
+    (tmp_path / "taken-dir").mkdir()
+    for target, fmt in (("taken.safetensors", "safetensors"), ("taken-dir", "dcp")):
+        with pytest.raises(TargetExistsError):
+            deltackpt.export(store, "c", tmp_path / target, format=fmt)
+        code, out, err = run(capsys, "export", tmp_path / "store", "c", tmp_path / target, "--format", fmt)
+        assert code == 3 and out == "" and len(err.strip().splitlines()) == 1 and "already exists" in err
+    assert (tmp_path / "taken.safetensors").read_text() == "mine" and not any((tmp_path / "taken-dir").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store", "taken-dir", "taken.safetensors"]
+
+
+class Opaque:
+    """A value torch.load(weights_only=True) refuses."""
+
+    def __init__(self, x=1):
+        self.x = x
+
+
+def test_a_failed_export_leaves_nothing(tmp_path, capsys):
+    deltackpt.save({"w": torch.ones(4), "obj": Opaque()}, tmp_path / "store", "c")
+    with pytest.raises(UnsafeSourceError, match="export it as dcp"):
+        deltackpt.export(tmp_path / "store", "c", tmp_path / "out.pt", format="torch")
+    code, _out, err = run(capsys, "export", tmp_path / "store", "c", tmp_path / "o.st", "--format", "safetensors",
+                          "--only", "nothing.")
+    assert code == 2 and "no key" in err
+    code, _out, err = run(capsys, "export", tmp_path / "store", "nope", tmp_path / "o.st", "--format", "safetensors")
+    assert code == 3 and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]  # no target, no temporary left behind
+    deltackpt.export(tmp_path / "store", "c", tmp_path / "out", format="dcp")  # dcp keeps the value as saved
+
+
+_TORCH_FREE = """
+import sys, numpy as np
+import deltackpt
+from deltackpt.store import Store
+s = Store.init(sys.argv[1])
+rng = np.random.default_rng(0)
+a = {"w": rng.standard_normal((64, 8)).astype(np.float32), "i": np.arange(5), "raw": b"xyz"}
+s.save("a", a)
+a["w"][3, 3] = 9
+s.save("b", a)
+r = deltackpt.diff(s, "a", "b")
+rep = deltackpt.export(s, "b", sys.argv[1] + "/b.safetensors", format="safetensors", dtype="bf16")
+print({"torch": "torch" in sys.modules, "changed": [i.name for i in r.items if i.status != "unchanged"],
+       "skipped": rep.skipped, "converted": rep.converted})
+"""
+
+
+def test_safetensors_export_and_diff_never_import_torch(tmp_path):
+    out = subprocess.run([sys.executable, "-c", _TORCH_FREE, str(tmp_path / "s")], capture_output=True, text=True,
+                         cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = eval(out.stdout)  # a dict literal printed by the child
+    assert result == {"torch": False, "changed": ["w"], "skipped": ["raw: not a tensor (safetensors holds tensors "
+                                                                     "only)"], "converted": 1}
+    from safetensors.torch import load_file
+
+    got = load_file(tmp_path / "s" / "b.safetensors")
+    assert sorted(got) == ["i", "w"] and got["w"].dtype == torch.bfloat16 and got["i"].dtype == torch.int64
+    assert got["w"][3, 3].item() == 9
+
+
+def test_cli_export_json(tmp_path, capsys):
+    deltackpt.save({"m": {"w": torch.ones(3, 3)}, "step": 2}, tmp_path / "store", "c")
+    code, out, _err = run(capsys, "export", tmp_path / "store", "latest", tmp_path / "c.pt", "--format", "torch",
+                          "--dtype", "bf16", "--json")
+    data = json.loads(out)
+    assert code == 0 and (data["num_tensors"], data["num_values"], data["converted"]) == (1, 1, 1)
+    got = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert got["step"] == 2 and got["m"]["w"].dtype == torch.bfloat16

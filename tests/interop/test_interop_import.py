@@ -110,8 +110,8 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[Path, type]]:
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     return {"empty dir": (empty, SourceFormatError), "truncated .distcp": (truncated, SourceFormatError),
             "pickle payload": (tmp_path / "evil.pt", UnsafeSourceError),
-            "pickle in .metadata": (evil_md, UnsafeSourceError), "text file": (tmp_path / "notes.txt", SourceFormatError),
-            "missing": (tmp_path / "nope", SourceFormatError)}
+            "pickle in .metadata": (evil_md, UnsafeSourceError),
+            "text file": (tmp_path / "notes.txt", SourceFormatError), "missing": (tmp_path / "nope", SourceFormatError)}
 
 
 def test_bad_sources_are_refused_with_one_line_and_write_nothing(tmp_path, capsys):

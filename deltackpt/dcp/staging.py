@@ -152,7 +152,8 @@ class StagingBuffers:
         return groups
 
     def _allocate(self, leaves: list, tensors: list[tuple[int, torch.Tensor]], layout: tuple) -> None:
-        self._layout, self._buffers, self._wrappers, self._storages = None, [], {}, []  # the old buffers go before the new ones come
+        # the old buffers go before the new ones come: at most one staged copy at a time
+        self._layout, self._buffers, self._wrappers, self._storages = None, [], {}, []
         slots: list[int | None] = [None] * len(leaves)
         for pos, (i, value) in enumerate(tensors):
             group = layout[2][pos]

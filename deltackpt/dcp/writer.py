@@ -63,6 +63,8 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
     needs ``planner=DeltaSavePlanner()`` (``deltackpt.save`` and CheckpointManager use it by default).
     ``staging``: the buffers ``dcp.async_save`` stages into (default: the writer's own, made on first use);
     share one :class:`StagingBuffers` between writers to reuse it, and ``close()`` it (or the writer) at the end.
+    A writer reused for several ``dcp.async_save`` calls (like ``FileSystemWriter(cache_staged_state_dict=True)``)
+    must see each save's future done before the next call: the next stage overwrites the buffers.
     """
 
     _synchronize_after_execute = False  # stage() returns with its copies complete

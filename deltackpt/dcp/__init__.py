@@ -25,6 +25,10 @@ replica check
     ranks; differing replicas (a bit flip in memory or compute) raise ``SilentDataCorruptionError``
     (``replica_check="raise"``, the default), log a warning (``"warn"``) or are not compared (``"off"``).
 
+staging buffers
+    :class:`StagingBuffers`, where ``dcp.async_save`` copies the state before training goes on (the writer is
+    DCP's ``AsyncStager``): allocated once, refilled each save while the state keeps its layout.
+
 ``save`` / ``load`` / ``async_save`` (:mod:`.api`) build the writer or reader and raise DCP's wrapped
 ``CheckpointException`` as the typed deltackpt error (:func:`unwrap`). The layer reaches the engine only
 through ``deltackpt.store``'s public names.
@@ -34,6 +38,7 @@ from .api import async_save, load, quiet_single_process, save, typed_call, typed
 from .names import LAYER_KEY, checkpoint_name
 from .planner import DeltaSavePlanner
 from .reader import DeltaStorageReader
+from .staging import StagingBuffers
 from .writer import DeltaStorageWriter, open_store
 
 __all__ = [
@@ -41,6 +46,7 @@ __all__ = [
     "DeltaSavePlanner",
     "DeltaStorageReader",
     "DeltaStorageWriter",
+    "StagingBuffers",
     "async_save",
     "checkpoint_name",
     "load",

@@ -21,6 +21,7 @@ from ..errors import DeltackptError
 from ..store import LATEST
 from .planner import DeltaSavePlanner
 from .reader import DeltaStorageReader
+from .staging import StagingBuffers
 from .writer import DeltaStorageWriter
 
 T = TypeVar("T")
@@ -114,15 +115,23 @@ def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, proc
 def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
                async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
                process_group=None, planner=None, overwrite: bool = False,
-               metadata: dict[str, Any] | None = None, storage_options: dict | None = None) -> Future:
+               metadata: dict[str, Any] | None = None, storage_options: dict | None = None,
+               staging: StagingBuffers | None = None) -> Future:
     """``dcp.async_save`` into ``store``; returns a future whose error is the typed one. The state is copied
-    before this returns."""
+    before this returns.
+
+    ``staging``: pass the same :class:`StagingBuffers` to every call to copy into one set of buffers instead of
+    allocating a new copy each time (a call first waits for the previous save that uses them); ``close()`` it
+    after the last save.
+    """
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
-                                storage_options=storage_options)
+                                storage_options=storage_options, staging=staging)
     with quiet_single_process():
         fut = typed_call(lambda: dcp.async_save(state_dict, storage_writer=writer,
                                                 planner=planner or DeltaSavePlanner(), process_group=process_group,
                                                 async_checkpointer_type=async_checkpointer_type))
+    if staging is not None:
+        staging.hold_until(fut)
     return typed_future(fut)
 
 

@@ -9,6 +9,10 @@ for ``gc``.
 
 The writer is picklable (``dcp.async_save`` with PROCESS pickles it per request): the store is opened
 lazily in whichever process runs the save.
+
+The writer is DCP's ``AsyncStager`` too: ``dcp.async_save`` stages the state into the writer's
+:class:`StagingBuffers` (reused while the same writer, or the same buffers passed to several writers, serve
+save after save), and the background save writes straight from them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import msgspec
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -34,6 +39,7 @@ from .names import LAYER_KEY, checkpoint_name
 from .pausegc import paused_gc
 from .metadata_schema import encode_metadata
 from .placement import item_key, shard_placement, tensor_bytes
+from .staging import StagingBuffers
 
 log = logging.getLogger("deltackpt.dcp")
 
@@ -45,7 +51,7 @@ def open_store(store, storage_options: dict | None = None) -> Store:
     return Store.open_or_init(store, storage_options=storage_options)
 
 
-class DeltaStorageWriter(StorageWriter):
+class DeltaStorageWriter(StorageWriter, AsyncStager):
     """Save DCP checkpoints into a deltackpt store; each ``checkpoint_id`` becomes one named checkpoint.
 
     ``store``: a directory or a URL such as ``s3://bucket/run`` (a new store is created there if there is none),
@@ -55,11 +61,18 @@ class DeltaStorageWriter(StorageWriter):
     ``metadata``: JSON-able user metadata stored in the manifest (e.g. ``{"step": 500}``).
     ``replica_check``: what to do when replicas of a tensor differ across ranks ("raise", "warn", "off");
     needs ``planner=DeltaSavePlanner()`` (``deltackpt.save`` and CheckpointManager use it by default).
+    ``staging``: the buffers ``dcp.async_save`` stages into (default: the writer's own, made on first use);
+    share one :class:`StagingBuffers` between writers to reuse it, and ``close()`` it (or the writer) at the end.
+    A writer reused for several ``dcp.async_save`` calls (like ``FileSystemWriter(cache_staged_state_dict=True)``)
+    must see each save's future done before the next call: the next stage overwrites the buffers.
     """
+
+    _synchronize_after_execute = False  # stage() returns with its copies complete
 
     def __init__(self, store, checkpoint_id: str | os.PathLike | None = None, *, overwrite: bool = False,
                  metadata: dict[str, Any] | None = None, num_threads: int | None = None,
-                 replica_check: str = "raise", storage_options: dict | None = None) -> None:
+                 replica_check: str = "raise", storage_options: dict | None = None,
+                 staging: StagingBuffers | None = None) -> None:
         if replica_check not in ("raise", "warn", "off"):
             raise ValueError(f"replica_check must be 'raise', 'warn' or 'off', got {replica_check!r}")
         super().__init__()
@@ -76,12 +89,30 @@ class DeltaStorageWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self._parent_name: str | None = None
         self._lock: StoreLock | None = None
+        self._staging = staging
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_store"] = None  # reopened lazily where the save runs
         state["_lock"] = None
+        state["_staging"] = None  # the staged state travels as the state dict, not with the writer
         return state
+
+    # -- AsyncStager contract (dcp.async_save) ---------------------------------------------------------------
+    def stage(self, state_dict):
+        """Copy ``state_dict`` into the staging buffers; the background save reads that copy."""
+        if self._staging is None:
+            self._staging = StagingBuffers()
+        return self._staging.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        if self._staging is not None:
+            self._staging.synchronize()
+
+    def close(self) -> None:
+        """Free the staging buffers (a later async save makes them again)."""
+        if self._staging is not None:
+            self._staging.close()
 
     @property
     def store(self) -> Store:

@@ -32,6 +32,7 @@ from ..dcp import (
     DeltaSavePlanner,
     DeltaStorageReader,
     DeltaStorageWriter,
+    StagingBuffers,
     open_store,
     quiet_single_process,
     typed_call,
@@ -70,6 +71,8 @@ class CheckpointManager:
 
     ``keep_last``: after each successful save keep only this many newest checkpoints (None keeps all).
     ``async_mode``: None (blocking), "thread" or "process" (``dcp.async_save``; "process" needs a process group).
+    An async manager stages every save into one set of buffers (one copy of this rank's state, freed by
+    ``close()``), so a save blocks training for a memory copy.
     ``base_cache_bytes``: memory for the previous save's keyframes, so changed chunks are delta-coded
     without reading their bases back from the store (0 turns it off).
     """
@@ -101,6 +104,7 @@ class CheckpointManager:
         self.process_group = process_group
         self.name_format = name_format
         self._pending: tuple[Future, str] | None = None
+        self._staging = StagingBuffers(share_memory=async_mode == "process") if async_mode else None
         self._closed = False
         self._saved_step: int | None = None  # the step last saved or restored: saving it again changes nothing
 
@@ -141,7 +145,7 @@ class CheckpointManager:
         name = self.name_for(step)
         meta = {"step": step, "world_size": world,
                 "optimizers": {n: type(o).__name__ for n, o in self.state.optimizers.items()}, **(metadata or {})}
-        writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta)
+        writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta, staging=self._staging)
         payload = {STATE_KEY: self.state}
         started = time.perf_counter()
         if self.async_mode is None:
@@ -155,6 +159,7 @@ class CheckpointManager:
                 fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
                                                         process_group=self.process_group,
                                                         async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
+            self._staging.hold_until(fut)
             # Logged as the background save completes (before the typed future settles, so before wait()
             # returns), not when the next call collects it.
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() or self._log_saved(name, started))
@@ -194,6 +199,8 @@ class CheckpointManager:
                 self.wait()
             finally:
                 self._closed = True
+                if self._staging is not None:
+                    self._staging.close()
                 if self._uploader is not None:
                     self._uploader.close()
 

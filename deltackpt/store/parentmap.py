@@ -63,12 +63,14 @@ class ParentMap:
         """``group`` if the parent has it, else the parent group it was renamed from (see :func:`renamed_from`)."""
         if group in self._items:
             return group
-        if self._by_rename_key is None:
-            self._by_rename_key = {}
+        by_key = self._by_rename_key
+        if by_key is None:  # built whole before it is shared: coding threads call this concurrently
+            by_key = {}
             for name in self._items:
                 parts = name.split(".")
-                self._by_rename_key.setdefault(_rename_key(parts), []).append((parts, name))
-        return renamed_from(group, self._by_rename_key) or group
+                by_key.setdefault(_rename_key(parts), []).append((parts, name))
+            self._by_rename_key = by_key
+        return renamed_from(group, by_key) or group
 
     def exact(self, group: str, start: int, end: int) -> Extent | None:
         """The parent's extent with exactly these bounds, if any."""

@@ -111,3 +111,18 @@ def test_load_is_repeated_and_reported_as_the_median():
     assert fake.seen == [4.0, 0.0, 0.0]
     assert len(rec["load_s_all"]) == 3 and rec["load_s"] == pytest.approx(sorted(rec["load_s_all"])[1], abs=1e-4)
     assert torch.equal(state["t"], torch.full((4,), 3.0))
+
+
+def test_frozen_with_its_base_saved_first_adds_about_the_adapters(tmp_path):
+    results = run_bench(tmp_path, ["frozen-base"], size="tiny", systems=["dcp", "deltackpt"], isolate=False,
+                        log=lambda msg: None)
+    w = results["workloads"]["frozen-base"]
+    dcp, dk = w["systems"]["dcp"], w["systems"]["deltackpt"]
+    ideal = w["info"]["adapter_only_total_bytes"]
+    # The base (counted apart) is most of one checkpoint; every checkpoint after it adds about its adapters.
+    assert dk["base_stored_bytes"] > 0.5 * w["info"]["state_bytes"] and dcp["base_stored_bytes"] > 0
+    assert dk["cumulative_bytes"][-1] == dk["stored_bytes"] and len(dk["cumulative_bytes"]) == 4
+    assert dk["cumulative_bytes"][0] < 2 * ideal / 4, (dk["cumulative_bytes"], ideal)
+    assert w["info"]["stored_vs_adapter_only"]["deltackpt"] == pytest.approx(dk["stored_bytes"] / ideal)
+    assert dk["load_bit_exact"] and dcp["load_bit_exact"]
+    assert "the base model was saved first as checkpoint `base`" in (tmp_path / "results.md").read_text()

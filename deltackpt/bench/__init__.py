@@ -4,7 +4,8 @@ Terms
 -----
 workload
     A seeded training run that yields checkpoints as DCP state dicts (``dense``, ``dense100``, ``frozen``,
-    ``sparse``, ``bf16`` in one process; ``reshard`` on 2 then 3 gloo ranks). See :mod:`.workloads`.
+    ``frozen-base`` (the same with its base model saved first), ``sparse``, ``bf16`` in one process;
+    ``reshard`` on 2 then 3 gloo ranks). See :mod:`.workloads`.
 system
     A way to store those checkpoints: ``dcp`` (the baseline), ``deltackpt``, ``zipnn``, ``restic``.
     See :mod:`.systems`. Every system gets the very same checkpoints, in order.

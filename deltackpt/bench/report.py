@@ -113,6 +113,14 @@ def _workload_notes(wname: str, w: dict) -> list[str]:
                      f"(trainable params + their optimizer state): {_mib(info['adapter_only_bytes_per_checkpoint'])} "
                      f"MiB per checkpoint, {_mib(info['adapter_only_total_bytes'])} MiB total = "
                      f"{_x(info['adapter_only_ratio_vs_dcp'])} vs DCP")
+    based = {s: r for s, r in w["systems"].items() if "base_stored_bytes" in r}
+    if based:
+        rel, vs_ideal = w.get("relative_to_dcp", {}), info.get("stored_vs_adapter_only", {})
+        notes.append(f"{wname}: the base model was saved first as checkpoint `base` (not counted above): "
+                     + "; ".join(f"{s} {_mib(r['base_stored_bytes'])} MiB in {r['base_save_s']:.2f} s, then the "
+                                 f"checkpoints added {_x(vs_ideal.get(s))} the adapter-only bytes, first save "
+                                 f"{r['save_s_per_checkpoint'][0]:.3f} s ({_x(rel.get(s, {}).get('first_save_s'))} DCP)"
+                                 for s, r in based.items()))
     if "touched_ids_fraction" in info:
         fr = info["touched_ids_fraction"]
         notes.append(f"{wname}: embedding rows touched per interval {min(fr):.2%}..{max(fr):.2%} (ids looked up); "

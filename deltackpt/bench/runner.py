@@ -67,6 +67,10 @@ def run_inprocess(wl, systems: list[str], work: Path, opts: dict, log) -> dict:
         system = make_system(n, work / n, system_options(n, wl.dtype, opts))
         system.setup()
         runs[n] = SystemRun(system, opts.get("page_cache", "warm"))
+    base = wl.base_state()
+    if base is not None:
+        for run in runs.values():
+            run.save_base(base)
     first = first_ref = last = None
     for ck in wl.checkpoints():
         log(f"  {ck.name}: saving with {', '.join(runs)}")
@@ -89,6 +93,8 @@ def worker_main(spec_path: str, result_path: str) -> int:
     system = make_system(spec["system"], spec["root"], spec["options"])
     system.setup()
     run = SystemRun(system, spec["page_cache"])
+    if spec.get("base"):
+        run.save_base(torch.load(spec["base"], weights_only=True))
     sources = spec["sources"]
     for name, step, path in sources:
         state = torch.load(path, weights_only=True)
@@ -134,6 +140,11 @@ def _run_worker(spec_path: Path, result_path: Path) -> str | None:
 def run_isolated(wl, systems: list[str], work: Path, opts: dict, log) -> dict:
     src = work / "sources"
     src.mkdir(parents=True, exist_ok=True)
+    base, base_path = wl.base_state(), None
+    if base is not None:
+        base_path = str(src / "base.pt")
+        torch.save(base, base_path)
+        del base
     sources = []
     for ck in wl.checkpoints():
         path = src / f"{ck.name}.pt"
@@ -143,7 +154,7 @@ def run_isolated(wl, systems: list[str], work: Path, opts: dict, log) -> dict:
     out = {}
     for n in systems:
         spec = {"system": n, "root": str(work / n), "options": system_options(n, wl.dtype, opts),
-                "page_cache": opts.get("page_cache", "warm"), "sources": sources}
+                "page_cache": opts.get("page_cache", "warm"), "sources": sources, "base": base_path}
         spec_path, result_path = work / f"{n}.spec.json", work / f"{n}.result.json"
         spec_path.write_text(json.dumps(spec))
         t0 = time.perf_counter()
@@ -186,12 +197,15 @@ def with_ratios(entry: dict) -> dict:
         rel = {}
         for k in ("save_s", "load_s", "load_first_s", "peak_rss_bytes", "peak_rss_overhead_bytes"):
             rel[k] = r[k] / base[k] if base.get(k) else None
+        first, first_dcp = r["save_s_per_checkpoint"][:1], base["save_s_per_checkpoint"][:1]
+        rel["first_save_s"] = first[0] / first_dcp[0] if first and first_dcp and first_dcp[0] else None
         entry["relative_to_dcp"][n] = rel
     info = entry.get("info", {})
     if "adapter_only_bytes_per_checkpoint" in info:
         total = info["adapter_only_bytes_per_checkpoint"] * len(base["cumulative_bytes"])
         info["adapter_only_total_bytes"] = total
         info["adapter_only_ratio_vs_dcp"] = base["stored_bytes"] / total
+        info["stored_vs_adapter_only"] = {n: r["stored_bytes"] / total for n, r in systems.items() if "error" not in r}
     if "post_reshard_first_index" in info:
         i = info["post_reshard_first_index"]
         post = {}

@@ -31,6 +31,7 @@ class SystemRun:
         self.saves: list[dict] = []
         self.loads: dict[str, dict] = {}
         self.rss_method = ""
+        self.base: dict = {}  # the base saved before the checkpoints, if any: its save time and stored bytes
 
     def save(self, state: dict, name: str, step: int | None = None) -> dict:
         gc.collect()
@@ -49,6 +50,12 @@ class SystemRun:
             rec["stored_bytes"] = self.system.stored_bytes()
         self.saves.append(rec)
         return rec
+
+    def save_base(self, state: dict, name: str = "base") -> None:
+        """Save a workload's base before its checkpoints; the checkpoints' stored bytes are counted from here."""
+        rec = self.save(state, name)
+        self.saves.pop()
+        self.base = {"base_save_s": rec["save_s"], "base_stored_bytes": int(rec.get("stored_bytes", 0))}
 
     def load(self, state: dict, name: str, kind: str) -> dict:
         """Load ``name`` into ``state`` ``load_repeats`` times (zeroed in between, so the last load alone
@@ -87,16 +94,19 @@ class SystemRun:
         return how
 
     def result(self) -> dict:
-        return summarize(self.saves, self.loads, self.rss_method, self.system.extra())
+        return summarize(self.saves, self.loads, self.rss_method, {**self.system.extra(), **self.base})
 
 
 def summarize(saves: list[dict], loads: dict[str, dict], rss_method: str, extra: dict) -> dict:
+    """The result record; with ``extra["base_stored_bytes"]`` (a base saved first), stored bytes are what the
+    checkpoints added on top of it."""
     times = [r["save_s"] for r in saves]
+    before = int(extra.get("base_stored_bytes", 0))
     phases = saves + list(loads.values())
     last, first = loads.get("last", {}), loads.get("first", {})
     out = {
-        "stored_bytes": int(saves[-1]["stored_bytes"]) if saves else 0,
-        "cumulative_bytes": [int(r["stored_bytes"]) for r in saves],
+        "stored_bytes": int(saves[-1]["stored_bytes"]) - before if saves else 0,
+        "cumulative_bytes": [int(r["stored_bytes"]) - before for r in saves],
         "save_s": sum(times) / len(times) if times else 0.0,
         "save_total_s": sum(times),
         "save_s_per_checkpoint": [round(t, 4) for t in times],

@@ -6,6 +6,10 @@ aliases the live training state, so a consumer must save (or copy) it before ask
 ``Workload.info`` collects what the report needs about the run (parameter counts, losses, and per workload:
 the ideal adapter-only size for ``frozen``, the touched-row fractions for ``sparse``).
 
+A workload may also have a *base* (:meth:`Workload.base_state`): a state dict each system saves first, as
+checkpoint ``base``, before the workload's checkpoints (``frozen-base``: the pretrained model the LoRA
+fine-tune starts from, under its plain un-wrapped names); its stored bytes are then reported apart.
+
 Sizes: ``tiny`` (unit tests, seconds), ``quick`` (``deltackpt bench --quick``), ``full`` (``make bench``).
 The ``reshard`` workload runs on several processes; it lives in :mod:`deltackpt.bench.reshard`.
 """
@@ -42,9 +46,9 @@ def workload_config(name: str, size: str) -> dict:
         return {"model": gpt, "lr": 1e-3, "num_checkpoints": n_ckpt, "interval": every, "seed": 0}
     if name == "dense100":
         return {"model": gpt, "lr": 1e-3, "num_checkpoints": n_ckpt, "interval": 10 * every, "seed": 0}
-    if name == "frozen":
+    if name in ("frozen", "frozen-base"):
         return {"model": gpt, "lr": 1e-3, "lora_rank": {"tiny": 2, "quick": 4, "full": 8}[size],
-                "num_checkpoints": n_ckpt, "interval": every, "seed": 1}
+                "num_checkpoints": n_ckpt, "interval": every, "seed": 1, "base_first": name == "frozen-base"}
     if name == "sparse":
         return {"model": dict(REC_SIZES[size]), "lr": 1e-3, "num_checkpoints": n_ckpt, "interval": every,
                 "seed": 2, "max_touched_fraction": 0.03}
@@ -91,6 +95,10 @@ class Workload:
 
     def checkpoints(self) -> Iterator[Checkpoint]:
         raise NotImplementedError
+
+    def base_state(self) -> dict | None:
+        """The state dict to save as checkpoint ``base`` before the first checkpoint, or None."""
+        return None
 
     def _snapshot(self, step: int, model, optims, loss: float) -> Checkpoint:
         msd, osd = get_state_dict(model, optims)
@@ -151,6 +159,14 @@ class FrozenLoRA(DenseLM):
         assert frozen >= 0.9, f"only {frozen:.1%} of the parameters are frozen"
         self.info["frozen_fraction"] = round(frozen, 5)
         return params
+
+    def base_state(self) -> dict | None:
+        """With ``base_first``: the pretrained weights the run starts from (and keeps frozen), without adapters
+        and under the plain model's names (``blocks.0.qkv.weight``, not ``blocks.0.qkv.base.weight``)."""
+        if not self.cfg.get("base_first"):
+            return None
+        model = self._build()
+        return {"model": {k.replace(".base.", "."): v for k, v in model.state_dict().items() if "lora_" not in k}}
 
     def _snapshot(self, step, model, optims, loss):
         ck = super()._snapshot(step, model, optims, loss)
@@ -223,8 +239,8 @@ class Bf16FineTune(DenseLM):
         return ck
 
 
-WORKLOADS = {"dense": DenseLM, "dense100": DenseLM, "frozen": FrozenLoRA, "sparse": SparseRec,
-             "bf16": Bf16FineTune, "reshard": None}
+WORKLOADS = {"dense": DenseLM, "dense100": DenseLM, "frozen": FrozenLoRA, "frozen-base": FrozenLoRA,
+             "sparse": SparseRec, "bf16": Bf16FineTune, "reshard": None}
 QUICK_WORKLOADS = ("dense", "frozen", "sparse")
 FULL_WORKLOADS = ("dense", "dense100", "frozen", "sparse", "bf16", "reshard")
 

@@ -11,7 +11,8 @@ def register(add) -> None:
     sp = add("bench", cmd_bench, "workload benchmark: DCP vs deltackpt vs ZipNN vs restic on real training runs")
     sp.add_argument("--quick", action="store_true", help="small sizes, dense/frozen/sparse only (< 3 min)")
     sp.add_argument("--out", default="bench-out/workloads", help="output directory (default bench-out/workloads)")
-    sp.add_argument("--workloads", help="comma-separated: dense,dense100,frozen,sparse,bf16,reshard")
+    sp.add_argument("--workloads", help="comma-separated: dense,dense100,frozen,frozen-base,sparse,bf16,reshard "
+                    "(frozen-base: the frozen run with its base model saved first)")
     sp.add_argument("--systems", help="comma-separated: dcp,deltackpt,zipnn,restic (dcp always runs)")
     sp.add_argument("--store-config", action="append", metavar="KEY=VALUE",
                     help="deltackpt StoreConfig override, e.g. chunk_size_bytes=262144 (repeatable)")

@@ -4,6 +4,11 @@ A save consults its parent checkpoint to reuse chunks whose content did not chan
 boundaries moved: after resharding (2 ranks -> 3), a shard boundary cuts a grid cell in two, and each piece
 is referenced as a *slice* of the parent's chunk (``ChunkRef.skip``) once its bytes are checked equal,
 instead of being stored again. The delta codec uses the same map to find a changed chunk's base.
+
+A group the parent lacks is looked up under the name it was most likely renamed from: a fine-tune that wraps
+its base model inserts or drops dotted name components (``model.`` prefixes, a LoRA wrapper's
+``layer.base_layer.weight`` for ``layer.weight``), so its first checkpoint still finds the base's bytes.
+A wrong guess costs only a comparison: slices are reused only when their bytes are equal.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class ParentMap:
                 if it.kind == "array":
                     self._items.setdefault(it.group_name, []).append(it)
         self._built: dict[str, tuple[list[int], list[Extent]]] = {}
+        self._by_rename_key: dict[tuple, list[tuple[list[str], str]]] | None = None  # built on the first miss
 
     def __bool__(self) -> bool:
         return bool(self._items)
@@ -43,7 +49,7 @@ class ParentMap:
         hit = self._built.get(group)
         if hit is None:
             extents = []
-            for it in self._items.get(group, ()):
+            for it in self._items.get(self._resolve(group), ()):
                 pos = it.global_offset
                 for ref in it.chunks:
                     if ref.length:
@@ -52,6 +58,19 @@ class ParentMap:
             extents.sort(key=lambda e: e.start)
             hit = self._built[group] = ([e.start for e in extents], extents)
         return hit
+
+    def _resolve(self, group: str) -> str:
+        """``group`` if the parent has it, else the parent group it was renamed from (see :func:`renamed_from`)."""
+        if group in self._items:
+            return group
+        by_key = self._by_rename_key
+        if by_key is None:  # built whole before it is shared: coding threads call this concurrently
+            by_key = {}
+            for name in self._items:
+                parts = name.split(".")
+                by_key.setdefault(_rename_key(parts), []).append((parts, name))
+            self._by_rename_key = by_key
+        return renamed_from(group, by_key) or group
 
     def exact(self, group: str, start: int, end: int) -> Extent | None:
         """The parent's extent with exactly these bounds, if any."""
@@ -76,3 +95,30 @@ class ParentMap:
             pos = e.end
             i += 1
         return out if pos >= end else None
+
+
+def _rename_key(parts: list[str]) -> tuple:
+    # A rename keeps the leaf name and the layer indices: only groups alike in both are compared.
+    return parts[-1], tuple(p for p in parts if p.isdigit())
+
+
+def _subsequence(short: list[str], long: list[str]) -> bool:
+    rest = iter(long)
+    return all(p in rest for p in short)
+
+
+def renamed_from(group: str, by_rename_key: dict[tuple, list[tuple[list[str], str]]]) -> str | None:
+    """The one known group whose dotted name components are a subsequence of ``group``'s, or the other way
+    round (a wrapper inserted or dropped components), with the same leaf name and layer indices; the one
+    sharing the most components wins, and a tie is no answer."""
+    parts = group.split(".")
+    best, best_score, tie = None, -1, False
+    for other, name in by_rename_key.get(_rename_key(parts), ()):
+        short, long = (other, parts) if len(other) <= len(parts) else (parts, other)
+        if not _subsequence(short, long):
+            continue
+        if len(short) > best_score:
+            best, best_score, tie = name, len(short), False
+        elif len(short) == best_score:
+            tie = True
+    return None if tie else best

@@ -225,8 +225,9 @@ class ChunkWriter:
         base = None
         if group is not None and self.parent:
             same = self.parent.exact(group, gstart, gstart + n)
-            if same is None:
-                # Boundaries moved (resharding): reuse slices of the parent's chunks if the bytes are equal.
+            if same is None or self._is_slice(same, n):
+                # Boundaries moved (resharding), or the parent held these bytes as a slice of a larger chunk
+                # (its own save was resharded): reuse slices of the parent's chunks if the bytes are equal.
                 cover = self.parent.covering(group, gstart, gstart + n)
                 if cover:
                     refs = self._match_parent(view, gstart, cover)
@@ -248,6 +249,13 @@ class ChunkWriter:
         index = self.store.index
         entry = index.lookup(cid)
         return entry is not None and (entry.base_id is None or index.lookup(entry.base_id) is not None)
+
+    def _is_slice(self, extent: Extent, n: int) -> bool:
+        """Whether the parent's ``n`` bytes at ``extent`` are part of a longer chunk (never a delta base)."""
+        if extent.skip:
+            return True
+        entry = self.store.index.lookup(extent.chunk_id)
+        return entry is not None and entry.raw_len != n
 
     def _match_parent(self, view: memoryview, gstart: int, cover: list[Extent]) -> list[ChunkRef] | None:
         """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""

@@ -156,8 +156,8 @@ class CheckpointReader:
         with one open of each pack and one ordered ranged read per stretch of nearby bytes, then checks each
         chunk as a read of its own would: a job per chunk cost a pool hand-off, an index look-up and a file
         open each (84 us a chunk; 160k chunks of 8 KiB loaded in 13.4 s). A bundle holds at most
-        BUNDLE_BYTES on a local store (the threads share a load; 4 MiB chunks stay one job each) and
-        COALESCE_MAX_BYTES from object storage (a request costs a round trip)."""
+        BUNDLE_BYTES on a local store, less when that would leave threads idle (4 MiB chunks stay one job
+        each), and COALESCE_MAX_BYTES from object storage (a request costs a round trip)."""
         if len(jobs) < 2:
             return jobs
         index = self.store.index
@@ -170,14 +170,18 @@ class CheckpointReader:
             else:
                 out.append(job)
         whole.sort(key=_pack_order)
-        limit = COALESCE_MAX_BYTES if self.remote else BUNDLE_BYTES
-        bundle: list = []
-        pack, end, total = None, 0, 0  # of the bundle being built: its pack, where its bytes end, what it reads
-        for p, offset, e, job in whole:
+        costs = []
+        for _p, _offset, e, _job in whole:
             cost = HEADER_SIZE + e.stored_len
             if e.base_id is not None:
                 base = entries.get(e.base_id) or index.lookup(e.base_id)
                 cost += base.span if base is not None else 0
+            costs.append(cost)
+        # Locally at least a bundle per thread: an item of a few large chunks still decodes in parallel.
+        limit = COALESCE_MAX_BYTES if self.remote else min(BUNDLE_BYTES, -(-sum(costs) // self.num_threads))
+        bundle: list = []
+        pack, end, total = None, 0, 0  # of the bundle being built: its pack, where its bytes end, what it reads
+        for (p, offset, e, job), cost in zip(whole, costs):
             if bundle and (p != pack or offset > end + COALESCE_GAP_BYTES or total + cost > limit):
                 out.append(_bundle_job(bundle))
                 bundle, total = [], 0

@@ -168,13 +168,15 @@ def test_local_store_reads_are_bundled_under_their_own_cap(make_store, rng, monk
     store = make_store("local", chunk_size_bytes=CHUNK, pack_target_bytes=16 * CHUNK)
     data = rng.integers(0, 256, 8 * CHUNK, dtype=np.uint8)  # raw chunks: the cap fits two
     store.save("a", {"t": data})
-    with store.open_checkpoint("a") as reader:
+    with store.open_checkpoint("a", num_threads=2) as reader:
         out = np.empty(8 * CHUNK, dtype=np.uint8)
         jobs = reader.coalesce(reader.chunk_jobs("t", out))
         assert [len(job[1]) for job in jobs] == [2, 2, 2, 2]
         for job in jobs:
             reader.run_job(job)
     assert np.array_equal(out, data)
+    with store.open_checkpoint("a", num_threads=8) as reader:  # a bundle per thread at least: one chunk each
+        assert len(reader.coalesce(reader.chunk_jobs("t", out))) == 8
 
 
 def test_bundles_stay_under_the_size_cap(tmp_path, rng, monkeypatch):

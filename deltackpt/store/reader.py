@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from operator import attrgetter, itemgetter
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -184,7 +184,7 @@ class CheckpointReader:
         for (p, offset, e, job), cost in zip(whole, costs):
             if bundle and (p != pack or offset > end + COALESCE_GAP_BYTES or total + cost > limit):
                 out.append(_bundle_job(bundle))
-                bundle, total = [], 0
+                bundle, end, total = [], 0, 0
             bundle.append((e, job))
             pack, end, total = p, max(end, offset + HEADER_SIZE + e.stored_len), total + cost
         if bundle:

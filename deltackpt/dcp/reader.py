@@ -148,9 +148,9 @@ class DeltaStorageReader(StorageReader):
         threads = self.num_threads
         if threads is None:  # one per core, twice that when the chunks are not in the page cache, more remote
             threads = default_read_threads(reader.looks_cold(chunk_jobs), remote=reader.remote)
-        if reader.remote:  # chunks of several tensors stored back to back: one request
-            work = [job for job in work if job[1] != reader.run_job]
-            work += [(job[-1], reader.run_job, job) for job in reader.coalesce(chunk_jobs)]
+        # Chunks of one pack, of every tensor, read together: a pack opened once, one read per stretch.
+        work = [job for job in work if job[1] != reader.run_job]
+        work += [(job[-1], reader.run_job, job) for job in reader.coalesce(chunk_jobs)]
         batches = _batches(work, BATCH_BYTES)
         if len(batches) > 1 and threads > 1:
             with ThreadPoolExecutor(min(threads, len(batches)), thread_name_prefix="deltackpt-load") as pool:

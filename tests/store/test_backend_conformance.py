@@ -72,6 +72,19 @@ def test_get_range(backend):
         backend.get_range("k", 0, -5)
 
 
+def test_get_ranges_into_reads_each_range_in_order(backend):
+    data = bytes(range(256)) * 40
+    backend.put("k", data)
+    # More buffers than one preadv takes (1024), a gap between ranges, a range running past the end.
+    many = [bytearray(3) for _ in range(1500)]
+    head, tail = bytearray(10), bytearray(100)
+    assert backend.get_ranges_into("k", [(0, many), (5000, [head]), (len(data) - 40, [tail])]) == [4500, 10, 40]
+    assert b"".join(many) == data[:4500] and head == data[5000:5010] and tail[:40] == data[-40:]
+    assert backend.get_ranges_into("k", []) == []
+    with pytest.raises(FileNotFoundError):
+        backend.get_ranges_into("nope", [(0, [bytearray(1)])])
+
+
 def test_list_by_prefix(backend):
     keys = ["a/b/c", "a/b/d", "a/x", "ab", "b", "packs/00/p1", "packs/ff/p2"]
     for k in keys:

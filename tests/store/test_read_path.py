@@ -240,3 +240,53 @@ def test_differs_cannot_judge_when_every_plane_is_compressed(tmp_path):
     other = np.frombuffer(smooth.tobytes(), np.uint8)[:ref.length].copy()
     other[:4] ^= 0xFF
     assert not ChunkSource(store).differs(ref.id, 0, other)  # unknown: the caller compares decoded bytes
+
+
+# -- loads coalesced per pack --------------------------------------------------------------------------------
+
+
+class _CountingLocal(LocalBackend):
+    """A LocalBackend counting the pack opens of reads (each get_ranges_into call opens the file once)."""
+
+    opens = 0
+
+    def get_ranges_into(self, key, ranges):
+        if key.startswith("packs/"):
+            type(self).opens += 1
+        return super().get_ranges_into(key, ranges)
+
+
+def test_load_of_small_chunks_opens_each_pack_once_per_bundle(tmp_path, monkeypatch):
+    from deltackpt.store import reader as reader_mod
+
+    monkeypatch.setattr(_CountingLocal, "opens", 0)
+    store = Store.init(_CountingLocal(tmp_path / "st", fsync=False), chunk_size_bytes=4096)
+    rng = np.random.default_rng(7)
+    items = {
+        "noise": rng.integers(0, 256, 600 * 4096, dtype=np.uint8),  # raw chunks, read straight into place
+        "w": (rng.standard_normal(300 * 1024) * 0.05).astype(np.float32).view(np.uint8),  # coded, via scratch
+        "tiled": np.tile(rng.integers(0, 256, 4096, dtype=np.uint8), 200),  # one chunk stored once, used 200x
+    }
+    store.save("a", items, num_threads=1)  # one coding thread: each item's chunks back to back in the pack
+    assert len(list(store.backend.list("packs/"))) == 1
+    _CountingLocal.opens = 0
+    with store.open_checkpoint("a", num_threads=2) as r:
+        for key, want in items.items():
+            out = np.full(want.size, 0xEE, np.uint8)
+            r.read_into(key, out)
+            assert np.array_equal(out, want), key
+        threads = r.num_threads
+    # a bundle per BUNDLE_BYTES of an item's chunks, or a few per thread, not an open per chunk (1100 chunks)
+    assert _CountingLocal.opens <= sum(max(2 * threads, -(-v.nbytes // reader_mod.BUNDLE_BYTES))
+                                       for v in items.values())
+
+
+def test_damaged_chunk_used_many_times_is_a_corrupt_chunk(tmp_path):
+    store = Store.init(LocalBackend(tmp_path / "st", fsync=False), chunk_size_bytes=4096)
+    store.save("a", {"z": np.zeros(50 * 4096, np.uint8)})
+    (ref,) = {r.id: r for r in store.read_manifest("a").item_map()["z"].chunks}.values()
+    entry = store.index.lookup(ref.id)
+    flip_bit(store.backend, pack_key(entry.pack), entry.offset + HEADER_SIZE + 10)
+    with pytest.raises(CorruptChunkError) as ei:
+        store.load("a")
+    assert (ei.value.chunk_id, ei.value.item) == (ref.id.hex(), "z")

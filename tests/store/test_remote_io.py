@@ -163,12 +163,20 @@ def test_coalesced_bundle_reports_the_damaged_chunk(tmp_path, rng):
     assert info.value.chunk_id == victim.hex()
 
 
-def test_local_store_reads_are_not_coalesced(make_store, rng):
-    store = make_store("local")
-    store.save("a", _items(rng, n_items=1, chunks=2))
-    with store.open_checkpoint("a") as reader:
-        jobs = reader.chunk_jobs("t0", np.empty(2 * CHUNK, dtype=np.uint8))
-        assert reader.coalesce(jobs) is jobs
+def test_local_store_reads_are_bundled_under_their_own_cap(make_store, rng, monkeypatch):
+    monkeypatch.setattr(reader_mod, "BUNDLE_BYTES", 3 * CHUNK)  # not COALESCE_MAX_BYTES: no round trips here
+    store = make_store("local", chunk_size_bytes=CHUNK, pack_target_bytes=16 * CHUNK)
+    data = rng.integers(0, 256, 8 * CHUNK, dtype=np.uint8)  # raw chunks: the cap fits two
+    store.save("a", {"t": data})
+    with store.open_checkpoint("a", num_threads=2) as reader:
+        out = np.empty(8 * CHUNK, dtype=np.uint8)
+        jobs = reader.coalesce(reader.chunk_jobs("t", out))
+        assert [len(job[1]) for job in jobs] == [2, 2, 2, 2]
+        for job in jobs:
+            reader.run_job(job)
+    assert np.array_equal(out, data)
+    with store.open_checkpoint("a", num_threads=8) as reader:  # a bundle per thread at least: one chunk each
+        assert len(reader.coalesce(reader.chunk_jobs("t", out))) == 8
 
 
 def test_bundles_stay_under_the_size_cap(tmp_path, rng, monkeypatch):

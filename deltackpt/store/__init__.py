@@ -47,8 +47,11 @@ from .basecache import AUTO_CAP_BYTES, reserve_base_cache
 from .config import FORMAT_VERSION, StoreConfig
 from .lock import SHARED, StoreLock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
+from .parentmap import ParentMap
+from .pausegc import paused_gc
 from .reader import CheckpointReader
-from .repository import CheckpointInfo, Store, StoreUsage
+from .repository import Store
+from .summary import CheckpointInfo, StoreUsage
 from .threads import default_read_threads, default_write_threads
 from .writer import ChunkWriter, WriteSummary
 
@@ -90,6 +93,7 @@ __all__ = [
     "Manifest",
     "MemoryBackend",
     "ObjectInfo",
+    "ParentMap",
     "Stats",
     "Store",
     "StoreConfig",
@@ -101,6 +105,7 @@ __all__ = [
     "copy_checkpoints",
     "default_read_threads",
     "default_write_threads",
+    "paused_gc",
     "plan_forget",
     "reserve_base_cache",
     "validate_name",

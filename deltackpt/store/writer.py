@@ -135,8 +135,14 @@ class ChunkWriter:
         try:
             self._submit_batch()
             items = []
+            batches: dict[Future, list] = {}  # a batch's result, fetched once for all its spans
             for item, slots in self._pending:
-                item.chunks = [ref for f, i in slots for ref in f.result()[i]]
+                item.chunks = []
+                for f, i in slots:
+                    refs = batches.get(f)
+                    if refs is None:
+                        refs = batches[f] = f.result()
+                    item.chunks.extend(refs[i])
                 items.append(item)
             self._sink.finish()
             done = True

@@ -18,8 +18,9 @@ planner
     holds (what the replica check compares). The load side uses DCP's default planner.
 save plan
     DCP's per-rank ``SavePlan``: the write items a rank will save. Its ``storage_data`` carries this layer's
-    per-rank facts to the coordinator (parent checkpoint, replica digests, host), whose global plan sends
-    back the agreed parent to diff against and how many ranks share each machine.
+    per-rank facts to the coordinator (replica digests, host), whose global plan sends back the parent
+    checkpoint to diff against, the parent's chunk refs the rank's items overlap (so no rank reads the
+    parent's manifest) and how many ranks share each machine.
 replica check
     Before anything is written, the coordinator compares the digests of each replicated tensor across
     ranks; differing replicas (a bit flip in memory or compute) raise ``SilentDataCorruptionError``

@@ -24,7 +24,7 @@ from ..errors import ManifestFormatError
 from ..store import LATEST, CheckpointReader, Manifest, Store, default_read_threads
 from .metadata_schema import decode_metadata
 from .names import LAYER_KEY, checkpoint_name
-from .pausegc import paused_gc
+from ..store import paused_gc
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 

@@ -48,8 +48,11 @@ from .config import FORMAT_VERSION, StoreConfig
 from .lock import SHARED, StoreLock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
 from .progress import NULL_PROGRESS, Progress, phase
+from .parentmap import ParentMap
+from .pausegc import paused_gc
 from .reader import CheckpointReader
-from .repository import CheckpointInfo, Store, StoreUsage
+from .repository import Store
+from .summary import CheckpointInfo, StoreUsage
 from .threads import default_read_threads, default_write_threads
 from .writer import ChunkWriter, WriteSummary
 
@@ -93,6 +96,7 @@ __all__ = [
     "Manifest",
     "MemoryBackend",
     "ObjectInfo",
+    "ParentMap",
     "Progress",
     "Stats",
     "Store",
@@ -105,6 +109,7 @@ __all__ = [
     "copy_checkpoints",
     "default_read_threads",
     "default_write_threads",
+    "paused_gc",
     "phase",
     "plan_forget",
     "validate_name",

@@ -9,12 +9,17 @@ A group the parent lacks is looked up under the name it was most likely renamed 
 its base model inserts or drops dotted name components (``model.`` prefixes, a LoRA wrapper's
 ``layer.base_layer.weight`` for ``layer.weight``), so its first checkpoint still finds the base's bytes.
 A wrong guess costs only a comparison: slices are reused only when their bytes are equal.
+
+A DCP save builds the map once, on its coordinator, and sends each rank only the part its items overlap
+(:meth:`ParentMap.encode_part`): no rank reads the parent's manifest.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+
+import msgspec
 
 from .manifest import Manifest
 
@@ -30,7 +35,8 @@ class Extent:
 
 
 class ParentMap:
-    """Group name -> sorted extents of the parent checkpoint's array items."""
+    """Group name -> sorted extents of the parent checkpoint's array items (or of the part of them one DCP
+    rank's items overlap: :meth:`decode_part`)."""
 
     def __init__(self, manifest: Manifest | None) -> None:
         self.name = manifest.name if manifest is not None else None
@@ -42,8 +48,36 @@ class ParentMap:
         self._built: dict[str, tuple[list[int], list[Extent]]] = {}
         self._by_rename_key: dict[tuple, list[tuple[list[str], str]]] | None = None  # built on the first miss
 
+    @classmethod
+    def from_extents(cls, name: str | None, extents: dict[str, list[Extent]]) -> "ParentMap":
+        """A map of just these extents per group (e.g. those overlapping one rank's items): for a byte range
+        inside the ranges they were chosen for, it answers as the whole parent's map does."""
+        pm = cls(None)
+        pm.name = name
+        for group, found in extents.items():
+            found = sorted(found, key=lambda e: e.start)
+            pm._items[group] = []
+            pm._built[group] = ([e.start for e in found], found)
+        return pm
+
     def __bool__(self) -> bool:
         return bool(self._items)
+
+    def encode_part(self, ranges) -> bytes:
+        """The extents that overlap ``ranges`` (``(group, start, end)`` each; e.g. one DCP rank's items), for
+        :meth:`decode_part` in another process: msgpack of group -> ``[start, end, chunk id, skip]`` rows."""
+        part: dict[str, dict[int, Extent]] = {}
+        for group, start, end in ranges:
+            for e in self.overlapping(group, start, end):
+                part.setdefault(group, {})[e.start] = e
+        return msgspec.msgpack.encode({g: [(e.start, e.end, e.chunk_id, e.skip) for e in found.values()]
+                                       for g, found in part.items()})
+
+    @classmethod
+    def decode_part(cls, name: str | None, data: bytes) -> "ParentMap":
+        """The map :meth:`encode_part` sent (parsed with a strict schema)."""
+        rows = msgspec.msgpack.decode(data, type=dict[str, list[tuple[int, int, bytes, int]]])
+        return cls.from_extents(name, {g: [Extent(*row) for row in found] for g, found in rows.items()})
 
     def _extents(self, group: str) -> tuple[list[int], list[Extent]]:
         hit = self._built.get(group)
@@ -79,6 +113,17 @@ class ParentMap:
         if i < len(extents) and extents[i].start == start and extents[i].end == end:
             return extents[i]
         return None
+
+    def overlapping(self, group: str, start: int, end: int) -> list[Extent]:
+        """The parent's extents that share a byte with ``[start, end)``, in order."""
+        starts, extents = self._extents(group)
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        out = []
+        while i < len(extents) and extents[i].start < end:
+            if extents[i].end > start:
+                out.append(extents[i])
+            i += 1
+        return out
 
     def covering(self, group: str, start: int, end: int) -> list[Extent] | None:
         """Parent extents that together cover ``[start, end)`` without a gap, else None."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from deltackpt.store import Store
-from deltackpt.store import repository
+from deltackpt.store import cachedir
 from deltackpt.store.fsspec_backend import FsspecBackend
 
 
@@ -14,13 +14,13 @@ def test_local_store_keeps_its_cache_inside(tmp_path, monkeypatch):
     monkeypatch.delenv("DELTACKPT_CACHE_DIR", raising=False)
     s = Store.init(tmp_path / "s")
     assert s.cache_dir == tmp_path / "s" / "cache"
-    assert repository.mount_type(tmp_path) is not None
+    assert cachedir.mount_type(tmp_path) is not None
 
 
 def test_store_on_a_shared_filesystem_keeps_its_cache_on_the_node(tmp_path, monkeypatch):
     monkeypatch.delenv("DELTACKPT_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setattr(repository, "mount_type", lambda path: "nfs4")
+    monkeypatch.setattr(cachedir, "mount_type", lambda path: "nfs4")
     s = Store.init(tmp_path / "s")
     assert s.cache_dir == tmp_path / "xdg" / "deltackpt" / s.config.store_id
     s.save("a", {"w": np.arange(1000.0)})

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from deltackpt.dcp.pausegc import paused_gc
+from deltackpt.store.pausegc import paused_gc
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,102 @@
+"""The steps of :meth:`Store.commit` before its manifest put: index the save's packs, check that every chunk
+the checkpoint references can be restored, build the manifest.
+
+The check costs what the save touched, not what the store holds: a ChunkWriter looked each chunk it
+reused up once (under the store lock, with its delta base) and reports the packs it found them in
+(``WriteSummary.reused_packs``); the commit then only checks that those packs still exist, a stat each.
+Without that report (a caller assembling items itself) every referenced chunk is looked up. Either way a
+pack gone since (damage, or a gc that ran behind a stale cache) sends the commit to the full look-up after
+an index refresh, and a chunk still missing then is a MissingChunkError: nothing is committed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Mapping
+
+from ..errors import MissingChunkError
+from .crashpoints import crash_point
+from .manifest import Item, Manifest, Stats
+from .pack import PackEntry, pack_key, read_pack_entries
+
+
+def index_new_packs(store, entries: Iterable[PackEntry] | None, packs: dict[str, int]) -> list[PackEntry]:
+    """Record the save's packs (and their entries, read from the pack tables unless given) in the index."""
+    if entries is None:
+        entries = [e for p, size in packs.items() for e in read_pack_entries(store.backend, p, size)]
+    entries = list(entries)
+    crash_point("commit:before-index")
+    store.index.add(entries, packs)
+    _index_rewritten_chunks(store, entries)
+    crash_point("commit:after-index")
+    return entries
+
+
+def check_chunks(store, name: str, items: list[Item], entries: list[PackEntry], packs: dict[str, int],
+                 checked_packs: Iterable[str] | None = None) -> None:
+    """Raise MissingChunkError unless every chunk ``items`` reference, and its delta base, is indexed in a
+    pack that exists (``packs``: this save's, just indexed). ``checked_packs``: see the module docstring."""
+    present = set(packs)
+    if checked_packs is not None:
+        # Only the packs this save points into, a stat each: listing every pack of a long run's store took
+        # 53 ms at 10,000 packs, on the coordinator's commit of every save.
+        if all(store.backend.exists(pack_key(p)) for p in set(checked_packs) - present):
+            return
+    wanted = {ref.id for it in items for ref in it.chunks}
+    missing = _missing_chunks(store, wanted, present)
+    if missing:
+        # Another process may be rebuilding the index cache (it drops it first): re-index, look again.
+        store.index.refresh()
+        store.index.add(entries, packs)
+        missing = _missing_chunks(store, wanted, present)
+    if missing:
+        cid = next(iter(missing))
+        owner = next((it.key for it in items if any(r.id == cid for r in it.chunks)), None)
+        raise MissingChunkError(cid.hex(), checkpoint=name, item=owner)
+
+
+def build_manifest(store, name: str, items: list[Item], *, entries: list[PackEntry], packs: Mapping[str, int],
+                   parent: str | None, metadata: Mapping[str, Any] | None, layer_data: Mapping[str, Any] | None,
+                   created_ns: int | None) -> Manifest:
+    stats = Stats(
+        logical_bytes=sum(it.nbytes for it in items),
+        stored_bytes=sum(packs.values()),
+        num_chunks=sum(len(it.chunks) for it in items),
+        new_chunks=len(entries),
+    )
+    return Manifest(
+        name=name,
+        store_id=store.config.store_id,
+        created_ns=created_ns or time.time_ns(),  # a copy keeps the source's time
+        parent=parent if parent != name else None,
+        items=items,
+        stats=stats,
+        metadata=dict(metadata or {}),
+        layer_data=dict(layer_data or {}),
+    )
+
+
+def _missing_chunks(store, wanted: set[bytes], present: set[str]) -> set[bytes]:
+    """Which of ``wanted`` or their delta bases are not indexed in an existing pack (``present``: packs
+    known to exist, e.g. the ones this save just wrote and indexed)."""
+    found = store.index.lookup_many(wanted)
+    # Delta bases must survive too; and every pack we point into must still exist (gc elsewhere).
+    bases = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
+    found.update(store.index.lookup_many(bases))
+    missing = (wanted | bases) - found.keys()
+    if not missing:
+        gone = {p for p in {e.pack for e in found.values()} - present if not store.backend.exists(pack_key(p))}
+        missing = {cid for cid, e in found.items() if e.pack in gone}
+    return missing
+
+
+def _index_rewritten_chunks(store, entries: list[PackEntry]) -> None:
+    """Point the index at this save's copy of a chunk whose indexed copy cannot be restored: the writer
+    wrote it again because it was a delta whose base is gone."""
+    index = store.index
+    indexed = index.lookup_many({e.chunk_id for e in entries})
+    bases = index.lookup_many({e.base_id for e in indexed.values() if e.base_id is not None})
+    own = [e for e in entries if (old := indexed.get(e.chunk_id)) is not None and old != e
+           and old.base_id is not None and old.base_id not in bases]
+    if own:
+        index.relocate(own, {})

@@ -1,0 +1,149 @@
+"""An incremental save costs what it touches: each chunk is looked up in the index once (by the writer;
+the commit checks only that the packs those look-ups found still exist), the Python collector is paused
+through it, and a parent map cut to one writer's byte ranges answers as the whole one does there."""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+
+import msgspec
+import numpy as np
+import pytest
+
+from deltackpt.errors import MissingChunkError
+from deltackpt.store import ParentMap, Store
+from deltackpt.store.index import ChunkIndex
+from deltackpt.store.pack import pack_key
+
+from store_helpers import packs_of_checkpoint, random_array
+
+CHUNK = 4096  # SMALL_CONFIG's
+
+
+@pytest.fixture
+def lookups(monkeypatch) -> Counter:
+    """Chunk ids looked up in any index: ``["ids"]``."""
+    counts: Counter = Counter()
+    real_lookup, real_many = ChunkIndex.lookup, ChunkIndex.lookup_many
+
+    def lookup(self, cid):
+        counts["ids"] += 1
+        return real_lookup(self, cid)
+
+    def lookup_many(self, ids):
+        ids = list(ids)
+        counts["ids"] += len(ids)
+        return real_many(self, ids)
+
+    monkeypatch.setattr(ChunkIndex, "lookup", lookup)
+    monkeypatch.setattr(ChunkIndex, "lookup_many", lookup_many)
+    return counts
+
+
+def _state(rng, n_items=4, chunks_per_item=64):
+    return {f"w{i}": random_array(rng, "float32", (chunks_per_item * CHUNK // 4,)) for i in range(n_items)}
+
+
+def test_unchanged_save_looks_each_chunk_up_once(store, rng, lookups):
+    items = _state(rng)
+    store.save("a", items)
+    lookups.clear()
+    m = store.save("b", items)
+    assert m.stats.new_chunks == 0
+    # Once by the writer; the commit looked every chunk (and delta base) up a second time before.
+    assert lookups["ids"] == m.stats.num_chunks
+
+
+def test_one_percent_save_looks_up_chunks_once_plus_its_changes(store, rng, lookups):
+    items = _state(rng)
+    store.save("a", items)
+    for a in items.values():
+        a[::16 * CHUNK // 4] += 1.0  # one element of every 16th chunk
+    lookups.clear()
+    m = store.save("b", items)
+    changed = m.stats.new_chunks
+    assert 0 < changed < m.stats.num_chunks // 8
+    # The writer's look-up of every chunk, then per changed chunk its delta base (parent chunk and keyframe)
+    # and the commit's check of this save's own new entries.
+    assert lookups["ids"] <= m.stats.num_chunks + 4 * changed
+
+
+def test_writer_reports_the_packs_its_reused_chunks_are_in(store, rng):
+    items = _state(rng)
+    store.save("a", items)
+    w = store.writer(parent=store.read_manifest("a"))
+    for key, value in items.items():
+        w.add_array(key, value.view(np.uint8), dtype="<f4", elem_size=4, shape=value.shape)
+    summary = w.finish()
+    assert summary.entries == [] and summary.packs == {}
+    assert summary.reused_packs == packs_of_checkpoint(store, "a")
+
+
+def test_commit_trusting_the_writer_still_refuses_a_pack_gone_since(store, rng, lookups):
+    items = _state(rng, n_items=2)
+    store.save("a", items)
+    w = store.writer(parent=store.read_manifest("a"))
+    for key, value in items.items():
+        w.add_array(key, value.view(np.uint8), dtype="<f4", elem_size=4, shape=value.shape)
+    summary = w.finish()
+    victim = sorted(summary.reused_packs)[0]
+    store.backend.delete(pack_key(victim))  # behind the index's back, between the write and the commit
+    with pytest.raises(MissingChunkError):
+        store.commit("b", summary.items, entries=summary.entries, packs=summary.packs,
+                     checked_packs=summary.reused_packs)
+    assert not store.exists("b")
+
+
+def test_commit_without_the_writers_word_looks_every_chunk_up(store, rng, lookups):
+    items = _state(rng, n_items=2)
+    m = store.save("a", items)
+    packs = packs_of_checkpoint(store, "a")
+    lookups.clear()
+    store.commit("copy", m.items)  # a caller's own items: nothing vouches for them
+    assert lookups["ids"] >= m.stats.num_chunks
+    lookups.clear()
+    store.commit("trusted", m.items, checked_packs=packs)
+    assert lookups["ids"] == 0
+
+
+def test_engine_save_pauses_the_garbage_collector(store, rng, monkeypatch):
+    assert gc.isenabled()
+    seen = []
+    real_commit = Store.commit
+    monkeypatch.setattr(Store, "commit", lambda self, *a, **k: seen.append(gc.isenabled()) or real_commit(self, *a, **k))
+    real_read = Store.read_manifest
+    monkeypatch.setattr(Store, "read_manifest",
+                        lambda self, *a, **k: seen.append(gc.isenabled()) or real_read(self, *a, **k))
+    items = _state(rng, n_items=1, chunks_per_item=4)
+    store.save("a", items)
+    store.save("b", items)
+    assert seen and not any(seen)  # the parent manifest read and both commits ran with the collector off
+    assert gc.isenabled()
+
+
+# -- the part of a parent map one writer needs ---------------------------------------------------------------
+
+def _parent(rng, store) -> ParentMap:
+    items = {"t": random_array(rng, "float32", (10 * CHUNK // 4,)), "u": random_array(rng, "float32", (CHUNK,))}
+    store.save("p", items)
+    return ParentMap(store.read_manifest("p"))
+
+
+def test_parent_map_part_answers_like_the_whole_inside_its_ranges(store, rng):
+    whole = _parent(rng, store)
+    lo, hi = 3 * CHUNK + 100, 6 * CHUNK - 8  # a rank whose bytes start and end inside chunks
+    part = ParentMap.decode_part("p", whole.encode_part([("t", lo, hi)]))
+    assert part.name == "p" and part
+    assert [e.start for e in part.overlapping("t", 0, 1 << 40)] == [3 * CHUNK, 4 * CHUNK, 5 * CHUNK]
+    for start, end in [(3 * CHUNK, 4 * CHUNK), (4 * CHUNK, 5 * CHUNK), (lo, hi), (4 * CHUNK + 8, 5 * CHUNK + 8)]:
+        assert part.exact("t", start, end) == whole.exact("t", start, end)
+        assert part.covering("t", start, end) == whole.covering("t", start, end)
+    assert part.overlapping("u", 0, 1 << 40) == []  # another group's extents stay home
+
+
+def test_parent_map_part_is_parsed_with_a_strict_schema(store, rng):
+    whole = _parent(rng, store)
+    assert not ParentMap.decode_part("p", whole.encode_part([("missing", 0, 100)]))
+    with pytest.raises(msgspec.ValidationError):
+        ParentMap.decode_part("p", msgspec.msgpack.encode({"t": [[0, 1, "not bytes", 0]]}))

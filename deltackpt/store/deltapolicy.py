@@ -78,7 +78,7 @@ class DeltaPolicy:
         """Whether a new keyframe of ``n`` bytes is kept in memory as the next save's base."""
         return self.config.delta and is_array and n >= self.min_bytes
 
-    def base_for(self, parent_chunk: bytes, n: int) -> DeltaBase | None:
+    def base_for(self, parent_chunk: bytes, n: int, entry: PackEntry | None = None) -> DeltaBase | None:
         """The keyframe to code a changed chunk of ``n`` bytes against, or None for a new keyframe.
 
         The base is the keyframe behind the parent's chunk at the same place (the parent chunk itself, or
@@ -87,7 +87,7 @@ class DeltaPolicy:
         delta that paid off well last time is likely to again.
         """
         index = self.store.index
-        entry = index.lookup(parent_chunk)
+        entry = entry or index.lookup(parent_chunk)  # the caller may have looked it up already
         if entry is None or entry.raw_len != n:
             return None
         if entry.codec == codec.DELTA:

@@ -238,7 +238,9 @@ class ChunkWriter:
         base = None
         if group is not None and self.parent:
             same = self.parent.exact(group, gstart, gstart + n)
-            if same is None or self._is_slice(same, n):
+            # One look-up of the parent's chunk serves both questions: is it a slice, and what is its base.
+            entry = None if same is None or same.skip else self.store.index.lookup(same.chunk_id)
+            if same is None or same.skip or (entry is not None and entry.raw_len != n):
                 # Boundaries moved (resharding), or the parent held these bytes as a slice of a larger chunk
                 # (its own save was resharded): reuse slices of the parent's chunks if the bytes are equal.
                 cover = self.parent.covering(group, gstart, gstart + n)
@@ -246,8 +248,8 @@ class ChunkWriter:
                     refs = self._match_parent(view, gstart, cover)
                     if refs is not None:
                         return refs
-            elif same.skip == 0 and self._policy.may_delta(n):
-                base = self._policy.base_for(same.chunk_id, n)
+            elif entry is not None and self._policy.may_delta(n):
+                base = self._policy.base_for(same.chunk_id, n, entry)
         with self._lock:
             if cid in self._claimed:
                 return [ChunkRef(cid, n)]
@@ -278,13 +280,6 @@ class ChunkWriter:
     def _note_reused(self, packs) -> None:
         with self._lock:
             self._reused_packs.update(packs)
-
-    def _is_slice(self, extent: Extent, n: int) -> bool:
-        """Whether the parent's ``n`` bytes at ``extent`` are part of a longer chunk (never a delta base)."""
-        if extent.skip:
-            return True
-        entry = self.store.index.lookup(extent.chunk_id)
-        return entry is not None and entry.raw_len != n
 
     def _match_parent(self, view: memoryview, gstart: int, cover: list[Extent]) -> list[ChunkRef] | None:
         """Slices of the parent's chunks equal to ``view``, or None if any byte differs."""

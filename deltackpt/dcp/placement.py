@@ -68,3 +68,13 @@ def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
 
 
 _NOT_NUMPY: set = set()  # torch dtypes that Tensor.numpy() refuses
+
+
+def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: Sequence[int],
+              global_size: Sequence[int]) -> None:
+    """Add one shard of a tensor (``offsets``/``sizes`` within ``global_size``) to a store ChunkWriter at its
+    place in the whole tensor, so its chunks line up with any other sharding of the same tensor."""
+    tensor, raw, elem_size = tensor_bytes(value)
+    group, offset = shard_placement(fqn, key, offsets, sizes, global_size, tensor.element_size())
+    writer.add_array(key, raw, dtype=str(tensor.dtype).removeprefix("torch."), elem_size=elem_size,
+                     shape=list(tensor.shape), group=group, global_offset=offset)

@@ -43,7 +43,7 @@ from ..store import (AUTO_CAP_BYTES, SHARED, Item, Manifest, ParentMap, Store, S
                      paused_gc)
 from .names import LAYER_KEY, checkpoint_name
 from .metadata_schema import encode_metadata
-from .placement import item_key, shard_placement, tensor_bytes
+from .placement import add_shard, item_key, shard_placement
 from .staging import StagingBuffers
 
 log = logging.getLogger("deltackpt.dcp")
@@ -246,12 +246,8 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
                 if item.type == WriteItemType.BYTE_IO:
                     writer.add_bytes(key, data.getbuffer())
                     continue
-                tensor, raw, elem_size = tensor_bytes(data)
                 td = item.tensor_data
-                group, offset = shard_placement(item.index.fqn, key, td.chunk.offsets, td.chunk.sizes, td.size,
-                                                tensor.element_size())
-                writer.add_array(key, raw, dtype=str(tensor.dtype).removeprefix("torch."), elem_size=elem_size,
-                                 shape=list(tensor.shape), group=group, global_offset=offset)
+                add_shard(writer, key, item.index.fqn, data, td.chunk.offsets, td.chunk.sizes, td.size)
             summary = writer.finish()
         except BaseException:
             writer.abort()  # its spool files and the packs it created (finish cleans up the same way)

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from ..dcp import LAYER_KEY, save
 from ..dcp.metadata_schema import encode_metadata
-from ..dcp.placement import item_key, shard_placement, tensor_bytes
+from ..dcp.placement import add_shard, item_key
 from ..dcp.writer import open_store
 from ..errors import CheckpointExistsError, SourceFormatError, UnsafeSourceError
 from ..store import SHARED, Progress, Store, phase, validate_name
@@ -201,8 +201,5 @@ def _add_tensor(writer, source: DcpSource, index, key: str, smd: TensorStorageMe
     if not isinstance(value, torch.Tensor) or value.dtype != smd.properties.dtype or tuple(value.shape) != sizes:
         got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise SourceFormatError(f"{where}: holds {got}, the metadata says {smd.properties.dtype} {list(sizes)}")
-    tensor, raw, elem_size = tensor_bytes(value)
-    group, offset = shard_placement(index.fqn, key, index.offset, sizes, smd.size, tensor.element_size())
-    writer.add_array(key, raw, dtype=str(tensor.dtype).removeprefix("torch."), elem_size=elem_size,
-                     shape=list(tensor.shape), group=group, global_offset=offset)
+    add_shard(writer, key, index.fqn, value, index.offset, sizes, smd.size)
 

@@ -9,11 +9,21 @@ id      name          stored bytes
 1       ``zstd``      the byte planes of raw (``elem_size`` planes), in a plane container
 2       ``delta``     the byte planes of ``raw XOR base`` in a plane container; ``base`` is another
                       chunk (a keyframe)
+3       ``zdelta``    the byte planes of ``zigzag(raw - base)`` in a plane container: the difference
+                      of each element's bit pattern as a little-endian integer, zigzag-mapped
+                      (0, -1, 1, -2 ... -> 0, 1, 2, 3 ...; a trailing partial element is XORed);
+                      ``base`` as for ``delta`` (store feature ``zigzag-delta``)
 ======  ============  ==========================================================================
 
 Byte planes regroup the k bytes of each element into k planes (all first bytes, then all second bytes, ...),
 which lets zstd find the redundancy in float exponents. The chunk id is always the hash of the *raw* bytes,
 so how a chunk is coded never changes its identity.
+
+XOR or difference: most elements move by a few units in the last place between checkpoints. XOR turns a
+change of +-1 in the bit pattern into a carry chain (1, 3, 7, 15 ... set bits), the difference keeps it +-1
+(zigzag 1 or 2), so the low planes carry less entropy and the higher ones are zero more often (measured on
+the bench's bf16 fine-tuning run: 3.18x instead of 2.75x). Values that change by much (or change sign)
+code alike either way. The writer picks per chunk (:mod:`.deltapolicy`); readers decode both.
 
 Plane container (written since 0.2)::
 
@@ -48,8 +58,10 @@ from .. import kernels
 RAW = 0
 ZSTD = 1
 DELTA = 2
+ZDELTA = 3
 
-CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", DELTA: "delta"}
+CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", DELTA: "delta", ZDELTA: "zdelta"}
+DELTA_CODECS = (DELTA, ZDELTA)  # codecs whose chunk has a base
 VALID_ELEM_SIZES = (1, 2, 4, 8)
 
 PLANES_MAGIC = b"DCPL"
@@ -165,9 +177,21 @@ def encode_planes(raw, elem_size: int, level: int) -> Coded:
     return _pack_planes(planes, elem_size, level)
 
 
-def encode_delta(raw, base, elem_size: int, level: int) -> Coded:
-    """The ``delta`` codec's stored bytes for ``raw`` against ``base`` (same length)."""
-    return _pack_planes(kernels.xor_shuffle(raw, base, elem_size), elem_size, level)
+def is_delta(codec: int) -> bool:
+    """Whether a chunk coded with ``codec`` is a delta (needs its base to decode)."""
+    return codec in DELTA_CODECS
+
+
+def encode_delta(raw, base, elem_size: int, level: int, kind: int = DELTA) -> Coded:
+    """The stored bytes for ``raw`` against ``base`` (same length) in delta codec ``kind`` (``DELTA``: XOR,
+    ``ZDELTA``: zigzag difference)."""
+    if kind == ZDELTA:
+        planes = kernels.zigzag_shuffle(raw, base, elem_size)
+    elif kind == DELTA:
+        planes = kernels.xor_shuffle(raw, base, elem_size)
+    else:
+        raise ValueError(f"codec {kind} is not a delta codec")
+    return _pack_planes(planes, elem_size, level)
 
 
 def container_header_size(elem_size: int) -> int:
@@ -326,11 +350,11 @@ def decode(codec: int, stored, raw_len: int, elem_size: int, base=None, out=None
         if elem_size == 1:  # one plane: the planes are the raw bytes
             return _unpack_planes(stored, raw_len, 1, out)
         return kernels.unshuffle(_unpack_planes(stored, raw_len, elem_size, scratch), elem_size, out=out)
-    if codec == DELTA:
+    if codec in DELTA_CODECS:
         if base is None or len(base) != raw_len:
             raise ValueError("delta chunk needs its base chunk of the same length")
-        return kernels.unshuffle_xor(_unpack_planes(stored, raw_len, elem_size, scratch), base, elem_size,
-                                     out=out)
+        undo = kernels.unshuffle_zigzag if codec == ZDELTA else kernels.unshuffle_xor
+        return undo(_unpack_planes(stored, raw_len, elem_size, scratch), base, elem_size, out=out)
     raise ValueError(f"unknown codec id {codec}")
 
 

@@ -23,7 +23,7 @@ XOR or difference: most elements move by a few units in the last place between c
 change of +-1 in the bit pattern into a carry chain (1, 3, 7, 15 ... set bits), the difference keeps it +-1
 (zigzag 1 or 2), so the low planes carry less entropy and the higher ones are zero more often (the bench's
 bf16 fine-tuning run, each checkpoint against the one before: 3.30x instead of 2.86x; in the store, against
-keyframes: 2.59x instead of 2.45x of DCP's bytes). A value that changes sign costs every byte of a difference
+keyframes: 2.58x instead of 2.45x of DCP's bytes). A value that changes sign costs every byte of a difference
 but one bit of XOR, so XOR stays a codec: the writer picks per chunk (:mod:`.deltapolicy`); readers decode
 both.
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltackpt import kernels  # noqa: E402
 
-SHUFFLE_KERNELS = ("shuffle", "unshuffle", "xor_shuffle", "unshuffle_xor")
+SHUFFLE_KERNELS = ("shuffle", "unshuffle", "xor_shuffle", "unshuffle_xor", "zigzag_shuffle", "unshuffle_zigzag")
 SPARSE_KERNELS = ("sparse_split", "sparse_merge")
 SPARSE_DENSITY = 0.1  # nonzero bytes in the plane: an XOR delta's sign+exponent plane is about this
 SHUFFLE_TARGET_GBPS = 4.0
@@ -47,7 +47,9 @@ def best_time(fn, repeat: int) -> float:
     return best
 
 
-PIPELINE_TARGETS = {"encode_keyframe": 1.0, "encode_delta": 1.0, "decode_keyframe": 1.5, "decode_delta": 1.5}
+PIPELINE_TARGETS = {"encode_keyframe": 1.0, "encode_delta": 1.0, "decode_keyframe": 1.5, "decode_delta": 1.5,
+                    "encode_zdelta": 1.0, "decode_zdelta": 2.0}
+# zdelta (zigzag difference) against delta (XOR): the same fused kernel shape, so the same speed is the bar.
 
 
 def adam_states(n: int, steps: int = 30, interval: int = 10, seed: int = 0):
@@ -121,25 +123,30 @@ def bench_pipeline(size_mib: float, repeat: int) -> list[dict]:
     def enc_key():
         return [codec.encode_best(new_b[s:e], 4, 1, 0.03) for s, e in spans if chunk_id_of(new_b[s:e])]
 
-    def enc_delta():
-        return [codec.encode_delta(new_b[s:e], old_b[s:e], 4, 1) for s, e in spans if chunk_id_of(new_b[s:e])]
+    def enc_delta(kind=codec.DELTA):
+        return [codec.encode_delta(new_b[s:e], old_b[s:e], 4, 1, kind) for s, e in spans
+                if chunk_id_of(new_b[s:e])]
 
     # Stored as bytes, as a read returns them from a pack.
     keyframes = [(cod, bytes(blob)) for cod, blob in enc_key()]
-    deltas = [bytes(blob) for blob in enc_delta()]
+    deltas = {kind: [bytes(blob) for blob in enc_delta(kind)] for kind in (codec.DELTA, codec.ZDELTA)}
 
     def dec_key():
         for (s, e), (cod, blob) in zip(spans, keyframes):
             chunk_id_of(codec.decode(cod, blob, e - s, 4))
 
-    def dec_delta():
-        for (s, e), blob in zip(spans, deltas):
-            chunk_id_of(codec.decode(codec.DELTA, blob, e - s, 4, old_b[s:e]))
+    def dec_delta(kind=codec.DELTA):
+        for (s, e), blob in zip(spans, deltas[kind]):
+            chunk_id_of(codec.decode(kind, blob, e - s, 4, old_b[s:e]))
 
     out = []
-    stored = {"encode_keyframe": sum(len(b) for _, b in keyframes), "encode_delta": sum(len(b) for b in deltas)}
+    stored = {"encode_keyframe": sum(len(b) for _, b in keyframes),
+              "encode_delta": sum(len(b) for b in deltas[codec.DELTA]),
+              "encode_zdelta": sum(len(b) for b in deltas[codec.ZDELTA])}
     for name, fn in (("encode_keyframe", enc_key), ("encode_delta", enc_delta),
-                     ("decode_keyframe", dec_key), ("decode_delta", dec_delta)):
+                     ("encode_zdelta", lambda: enc_delta(codec.ZDELTA)),
+                     ("decode_keyframe", dec_key), ("decode_delta", dec_delta),
+                     ("decode_zdelta", lambda: dec_delta(codec.ZDELTA))):
         t = best_time(fn, max(1, min(repeat, 3)))
         row = {"kernel": name, "backend": kernels.BACKEND, "elem_size": 4, "bytes": new_b.size,
                "seconds": round(t, 6), "gb_per_s": round(new_b.size / t / 1e9, 3),
@@ -147,6 +154,42 @@ def bench_pipeline(size_mib: float, repeat: int) -> list[dict]:
         key = name.replace("decode", "encode")
         row["ratio"] = round(new_b.size / stored[key], 3)
         out.append(row)
+    _add_vs_xor(out)
+    return out
+
+
+def _add_vs_xor(rows: list[dict]) -> None:
+    """Give each zdelta row its speed and ratio relative to the XOR delta row of the same run."""
+    by_name = {r["kernel"]: r for r in rows}
+    for r in rows:
+        xor = by_name.get(r["kernel"].replace("zdelta", "delta"))
+        if "zdelta" in r["kernel"] and xor is not None:
+            r["speed_vs_xor"] = round(r["gb_per_s"] / xor["gb_per_s"], 3)
+            r["ratio_vs_xor"] = round(r["ratio"] / xor["ratio"], 3)
+
+
+def bench_delta_codecs_bf16(size_mib: float, repeat: int) -> list[dict]:
+    """XOR and zigzag-difference deltas of bf16 fine-tuning weights (ulp-sized moves): speed and ratio."""
+    from deltackpt.store import codec
+
+    chunk = 4 << 20  # the store's default chunk size
+    old, new = bf16_finetune_states(int(size_mib * (1 << 20)) // 2)
+    old_b, new_b = old.view(np.uint8), new.view(np.uint8)
+    spans = [(i, min(i + chunk, new_b.size)) for i in range(0, new_b.size, chunk)]
+    out = []
+    for kind, label in ((codec.DELTA, "delta"), (codec.ZDELTA, "zdelta")):
+        enc = lambda kind=kind: [codec.encode_delta(new_b[s:e], old_b[s:e], 2, 1, kind) for s, e in spans]  # noqa: E731
+        blobs = [bytes(b) for b in enc()]
+        dec = lambda kind=kind, blobs=blobs: [codec.decode(kind, b, e - s, 2, old_b[s:e])  # noqa: E731
+                                              for (s, e), b in zip(spans, blobs)]
+        assert all(bytes(d) == new_b[s:e].tobytes() for (s, e), d in zip(spans, dec()))
+        for name, fn in ((f"encode_{label}_bf16", enc), (f"decode_{label}_bf16", dec)):
+            t = best_time(fn, max(1, min(repeat, 3)))
+            out.append({"kernel": name, "backend": kernels.BACKEND, "elem_size": 2, "bytes": new_b.size,
+                        "seconds": round(t, 6), "gb_per_s": round(new_b.size / t / 1e9, 3),
+                        "ratio": round(new_b.size / sum(len(b) for b in blobs), 3),
+                        "workload": "bf16 weights, ulp-sized moves, 4 MiB chunks, zstd level 1, one thread, no hashing"})
+    _add_vs_xor(out)
     return out
 
 
@@ -223,6 +266,7 @@ def main(argv=None) -> int:
     pipeline = bench_pipeline(args.pipeline_mib, args.repeat)
     results.extend(pipeline)
     results.extend(bench_sparse_planes(args.pipeline_mib, args.repeat))
+    results.extend(bench_delta_codecs_bf16(args.pipeline_mib, args.repeat))
 
     checks = {}
     for r in pipeline:

@@ -1,4 +1,4 @@
-"""Byte-plane shuffle, fused XOR delta, and FastCDC chunking.
+"""Byte-plane shuffle, fused XOR and zigzag-difference deltas, and FastCDC chunking.
 
 Public API (all inputs are any C-contiguous buffer, read as raw bytes)::
 
@@ -6,12 +6,18 @@ Public API (all inputs are any C-contiguous buffer, read as raw bytes)::
     unshuffle(src, elem_size, out=None)        -> uint8 array (inverse)
     xor_shuffle(a, b, elem_size, out=None)     -> shuffle(a XOR b)
     unshuffle_xor(planes, base, elem_size, out=None) -> unshuffle(planes) XOR base
+    zigzag_shuffle(a, b, elem_size, out=None)  -> shuffle(zigzag(a - b)) over integer elements
+    unshuffle_zigzag(planes, base, elem_size, out=None) -> base + unzigzag(unshuffle(planes))
     sparse_split(src)                          -> (bitmap, nonzero bytes) of a mostly-zero plane
     sparse_merge(bitmap, vals, n, out=None)    -> inverse of sparse_split (ValueError if they disagree)
     fastcdc_cuts(data, min_size, avg_size, max_size) -> int64 chunk end offsets
 
 Byte planes: with ``n = len // k`` full elements, ``out[j*n + i] = src[i*k + j]``;
 the trailing ``len % k`` bytes are copied unchanged to the end.
+
+Zigzag difference: each full element of ``a`` and ``b`` is read as a little-endian k-byte unsigned integer,
+``d = a - b`` modulo ``2**(8k)`` and ``zigzag(d) = (d << 1) ^ (d >> (8k - 1))`` (arithmetic shift), so a change
+of -1, +1, -2 ... in the bit pattern becomes 1, 2, 3 ...; the trailing partial element is ``a XOR b``.
 
 Two interchangeable implementations exist: the C extension ``deltackpt._native``
 (:data:`native_impl`, ``None`` when it cannot be imported) and a numpy fallback
@@ -46,12 +52,16 @@ __all__ = [
     "sparse_split",
     "unshuffle",
     "unshuffle_xor",
+    "unshuffle_zigzag",
     "xor_shuffle",
+    "zigzag_shuffle",
 ]
 
 ELEM_SIZES = (1, 2, 4, 8)
 _BACKEND_CHOICES = settings.KERNEL_CHOICES
 _U64 = (1 << 64) - 1
+_UINTS = {k: np.dtype(f"<u{k}") for k in ELEM_SIZES}  # element bit patterns, little-endian
+_SINTS = {k: np.dtype(f"<i{k}") for k in ELEM_SIZES}
 
 # --------------------------------------------------------------------------
 # argument normalisation (shared by both implementations)
@@ -206,6 +216,24 @@ class _Impl:
             raise ValueError(f"planes and base must have equal byte length ({p8.nbytes} != {b8.nbytes})")
         return self._run(self._raw.unshuffle_xor, (p8, b8), k, out)
 
+    def zigzag_shuffle(self, a, b, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """``shuffle(zigzag(a - b))`` over little-endian ``elem_size``-byte integers in one pass (trailing
+        partial element: ``a XOR b``); ``a`` and ``b`` must have equal byte length."""
+        k = _elem_size(elem_size)
+        a8, b8 = _as_u8(a, "a"), _as_u8(b, "b")
+        if a8.nbytes != b8.nbytes:
+            raise ValueError(f"a and b must have equal byte length ({a8.nbytes} != {b8.nbytes})")
+        return self._run(self._raw.zigzag_shuffle, (a8, b8), k, out)
+
+    def unshuffle_zigzag(self, planes, base, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """``base + unzigzag(unshuffle(planes))`` in one pass (inverse of :meth:`zigzag_shuffle` given
+        ``base``)."""
+        k = _elem_size(elem_size)
+        p8, b8 = _as_u8(planes, "planes"), _as_u8(base, "base")
+        if p8.nbytes != b8.nbytes:
+            raise ValueError(f"planes and base must have equal byte length ({p8.nbytes} != {b8.nbytes})")
+        return self._run(self._raw.unshuffle_zigzag, (p8, b8), k, out)
+
     def sparse_split(self, src) -> tuple[np.ndarray, np.ndarray]:
         """(bitmap, vals): bit i of the bitmap (LSB first, ``ceil(n / 8)`` bytes) is set where ``src[i]`` is
         nonzero, and ``vals`` are those nonzero bytes in order."""
@@ -271,6 +299,24 @@ class _NumpyRaw:
     def unshuffle_xor(cls, planes, base, k, out):
         cls.unshuffle(planes, k, out)
         np.bitwise_xor(out, base, out=out)
+
+    @classmethod
+    def zigzag_shuffle(cls, a, b, k, out):
+        m = a.nbytes // k * k
+        d = a[:m].view(_UINTS[k]) - b[:m].view(_UINTS[k])  # modulo 2**(8k)
+        z = (d << 1) ^ (d.view(_SINTS[k]) >> (8 * k - 1)).view(d.dtype)  # arithmetic shift: 0 or all ones
+        tmp = np.empty_like(a)
+        tmp[:m] = z.astype(_UINTS[k], copy=False).view(np.uint8)
+        np.bitwise_xor(a[m:], b[m:], out=tmp[m:])
+        cls.shuffle(tmp, k, out)
+
+    @classmethod
+    def unshuffle_zigzag(cls, planes, base, k, out):
+        cls.unshuffle(planes, k, out)
+        m = out.nbytes // k * k
+        z = out[:m].view(_UINTS[k])
+        np.add(base[:m].view(_UINTS[k]), (z >> 1) ^ np.negative(z & 1), out=z)
+        np.bitwise_xor(out[m:], base[m:], out=out[m:])
 
     @staticmethod
     def sparse_split(src, bitmap, vals):
@@ -364,6 +410,8 @@ class _NativeRaw:
         self.unshuffle = mod.unshuffle
         self.xor_shuffle = mod.xor_shuffle
         self.unshuffle_xor = mod.unshuffle_xor
+        self.zigzag_shuffle = mod.zigzag_shuffle
+        self.unshuffle_zigzag = mod.unshuffle_zigzag
         self.sparse_split = mod.sparse_split
         self.sparse_merge = mod.sparse_merge
 
@@ -408,6 +456,8 @@ shuffle = _impl.shuffle
 unshuffle = _impl.unshuffle
 xor_shuffle = _impl.xor_shuffle
 unshuffle_xor = _impl.unshuffle_xor
+zigzag_shuffle = _impl.zigzag_shuffle
+unshuffle_zigzag = _impl.unshuffle_zigzag
 sparse_split = _impl.sparse_split
 sparse_merge = _impl.sparse_merge
 fastcdc_cuts = _impl.fastcdc_cuts

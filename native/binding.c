@@ -20,7 +20,7 @@
 #define DC_SIMD_NAME "scalar"
 #endif
 
-enum { OP_SHUFFLE, OP_UNSHUFFLE, OP_XOR_SHUFFLE, OP_UNSHUFFLE_XOR };
+enum { OP_SHUFFLE, OP_UNSHUFFLE, OP_XOR_SHUFFLE, OP_UNSHUFFLE_XOR, OP_ZIGZAG_SHUFFLE, OP_UNSHUFFLE_ZIGZAG };
 
 static int get_in(PyObject *obj, Py_buffer *view, const char *name)
 {
@@ -68,7 +68,8 @@ static PyObject *run_plane_op(PyObject *args, int op, const char *fmt)
     PyObject *a_obj = NULL, *b_obj = NULL, *out_obj = NULL;
     Py_ssize_t k;
     Py_buffer a, b, out;
-    int two = (op == OP_XOR_SHUFFLE || op == OP_UNSHUFFLE_XOR);
+    int two = op != OP_SHUFFLE && op != OP_UNSHUFFLE;
+    int encodes = op == OP_XOR_SHUFFLE || op == OP_ZIGZAG_SHUFFLE; /* inputs (a, b), else (planes, base) */
     int have_b = 0;
 
     if (two) {
@@ -83,10 +84,10 @@ static PyObject *run_plane_op(PyObject *args, int op, const char *fmt)
                      "elem_size must be 1, 2, 4 or 8, got %zd", k);
         return NULL;
     }
-    if (get_in(a_obj, &a, two ? (op == OP_XOR_SHUFFLE ? "a" : "planes") : "src") < 0)
+    if (get_in(a_obj, &a, two ? (encodes ? "a" : "planes") : "src") < 0)
         return NULL;
     if (two) {
-        if (get_in(b_obj, &b, op == OP_XOR_SHUFFLE ? "b" : "base") < 0)
+        if (get_in(b_obj, &b, encodes ? "b" : "base") < 0)
             goto fail_a;
         have_b = 1;
         if (b.len != a.len) {
@@ -118,6 +119,8 @@ static PyObject *run_plane_op(PyObject *args, int op, const char *fmt)
         case OP_SHUFFLE: dc_shuffle(pa, po, len, (size_t)k); break;
         case OP_UNSHUFFLE: dc_unshuffle(pa, po, len, (size_t)k); break;
         case OP_XOR_SHUFFLE: dc_xor_shuffle(pa, pb, po, len, (size_t)k); break;
+        case OP_ZIGZAG_SHUFFLE: dc_zigzag_shuffle(pa, pb, po, len, (size_t)k); break;
+        case OP_UNSHUFFLE_ZIGZAG: dc_unshuffle_zigzag(pa, pb, po, len, (size_t)k); break;
         default: dc_unshuffle_xor(pa, pb, po, len, (size_t)k); break;
         }
         if (release)
@@ -172,6 +175,25 @@ static PyObject *py_unshuffle_xor(PyObject *self, PyObject *args)
 {
     (void)self;
     return run_plane_op(args, OP_UNSHUFFLE_XOR, "OOnO:unshuffle_xor");
+}
+
+PyDoc_STRVAR(zigzag_shuffle_doc,
+"zigzag_shuffle(a, b, elem_size, out) -> None\n\n"
+"out = shuffle(zigzag(a - b)) over little-endian elem_size-byte integers\n"
+"(trailing partial element: a XOR b).");
+static PyObject *py_zigzag_shuffle(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plane_op(args, OP_ZIGZAG_SHUFFLE, "OOnO:zigzag_shuffle");
+}
+
+PyDoc_STRVAR(unshuffle_zigzag_doc,
+"unshuffle_zigzag(planes, base, elem_size, out) -> None\n\n"
+"out = base + unzigzag(unshuffle(planes)): the inverse of zigzag_shuffle.");
+static PyObject *py_unshuffle_zigzag(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return run_plane_op(args, OP_UNSHUFFLE_ZIGZAG, "OOnO:unshuffle_zigzag");
 }
 
 PyDoc_STRVAR(fastcdc_cuts_doc,
@@ -327,6 +349,8 @@ static PyMethodDef native_methods[] = {
     {"unshuffle", py_unshuffle, METH_VARARGS, unshuffle_doc},
     {"xor_shuffle", py_xor_shuffle, METH_VARARGS, xor_shuffle_doc},
     {"unshuffle_xor", py_unshuffle_xor, METH_VARARGS, unshuffle_xor_doc},
+    {"zigzag_shuffle", py_zigzag_shuffle, METH_VARARGS, zigzag_shuffle_doc},
+    {"unshuffle_zigzag", py_unshuffle_zigzag, METH_VARARGS, unshuffle_zigzag_doc},
     {"fastcdc_cuts", py_fastcdc_cuts, METH_VARARGS, fastcdc_cuts_doc},
     {"sparse_split", py_sparse_split, METH_VARARGS, sparse_split_doc},
     {"sparse_merge", py_sparse_merge, METH_VARARGS, sparse_merge_doc},
@@ -337,7 +361,7 @@ static PyMethodDef native_methods[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT,
     "deltackpt._native",
-    "Native kernels for deltackpt (byte-plane shuffle, XOR delta, FastCDC).",
+    "Native kernels for deltackpt (byte-plane shuffle, XOR and zigzag deltas, FastCDC).",
     -1,
     native_methods,
     NULL, NULL, NULL, NULL,

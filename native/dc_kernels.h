@@ -1,6 +1,6 @@
 /*
- * deltackpt native kernels: byte-plane shuffle (optionally fused with XOR
- * delta) and FastCDC content-defined chunking.
+ * deltackpt native kernels: byte-plane shuffle (optionally fused with an XOR
+ * or zigzag-difference delta) and FastCDC content-defined chunking.
  *
  * Pure C99, no Python dependency. All exported symbols are prefixed dc_.
  * Buffers passed to one call must not overlap (the Python layer guarantees
@@ -35,6 +35,20 @@ void dc_xor_shuffle(const uint8_t *a, const uint8_t *b, uint8_t *dst,
 /* dst = unshuffle(planes) XOR base; all hold len bytes. */
 void dc_unshuffle_xor(const uint8_t *planes, const uint8_t *base, uint8_t *dst,
                       size_t len, size_t elem_size);
+
+/*
+ * dst = shuffle(zigzag(a - b)): each full element of a and b read as a
+ * little-endian elem_size-byte integer, d = a - b modulo 2^(8 * elem_size),
+ * zigzag(d) = (d << 1) ^ (d >> (8 * elem_size - 1)) (arithmetic shift), so
+ * d = 0, -1, 1, -2, ... become 0, 1, 2, 3, ...; the trailing len % elem_size
+ * bytes are a XOR b. a, b and dst all hold len bytes.
+ */
+void dc_zigzag_shuffle(const uint8_t *a, const uint8_t *b, uint8_t *dst,
+                       size_t len, size_t elem_size);
+
+/* Inverse of dc_zigzag_shuffle given the base: dst = base + unzigzag(unshuffle(planes)). */
+void dc_unshuffle_zigzag(const uint8_t *planes, const uint8_t *base, uint8_t *dst,
+                         size_t len, size_t elem_size);
 
 /* Builds the SIMD tables of the two functions below; call once before them
  * (without it they run their scalar code). */

@@ -64,6 +64,21 @@ def ref_shuffle(data: bytes, k: int) -> bytes:
     return bytes(out)
 
 
+def ref_zigzag_shuffle(a: bytes, b: bytes, k: int) -> bytes:
+    """shuffle(zigzag(a - b)) element by element in Python integers; the partial tail is a XOR b."""
+    n, bits = len(a) // k, 8 * k
+    mask = (1 << bits) - 1
+    out = bytearray(len(a))
+    for i in range(n):
+        d = (int.from_bytes(a[i * k:i * k + k], "little") - int.from_bytes(b[i * k:i * k + k], "little")) & mask
+        signed = d - (1 << bits) if d >> (bits - 1) else d
+        z = ((signed << 1) ^ (signed >> (bits - 1))) & mask  # Python's >> on ints is arithmetic
+        for j, byte in enumerate(z.to_bytes(k, "little")):
+            out[j * n + i] = byte
+    out[n * k:] = bytes(p ^ q for p, q in zip(a[n * k:], b[n * k:]))
+    return bytes(out)
+
+
 def ref_gear() -> list[int]:
     state, vals = 0x64656C7461636B70, []
     for _ in range(256):
@@ -110,6 +125,11 @@ def rand_bytes(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
+def rng_steps(n: int, seed: int) -> np.ndarray:
+    """n small signed steps (-2..2) as int8: added to bytes they move elements by a few units."""
+    return np.random.default_rng(seed).integers(-2, 3, n).astype(np.int8)
+
+
 def unaligned(data: bytes, offset: int) -> memoryview:
     """A memoryview of ``data`` starting ``offset`` bytes into a bytearray."""
     buf = bytearray(offset) + bytearray(data)
@@ -153,6 +173,8 @@ def test_native_matches_numpy(k, data, other_seed, off_a, off_b):
         ("unshuffle", (a,)),
         ("xor_shuffle", (a, b)),
         ("unshuffle_xor", (a, b)),
+        ("zigzag_shuffle", (a, b)),
+        ("unshuffle_zigzag", (a, b)),
     ):
         want = getattr(npy, fn)(*args, k)
         got = getattr(nat, fn)(*args, k)
@@ -163,6 +185,48 @@ def test_native_matches_numpy(k, data, other_seed, off_a, off_b):
         planes = im.xor_shuffle(a, b, k)
         assert planes.tobytes() == im.shuffle(a_arr ^ np.frombuffer(other, np.uint8), k).tobytes()
         assert im.unshuffle_xor(planes, b, k).tobytes() == data
+        assert im.unshuffle_zigzag(im.zigzag_shuffle(a, b, k), b, k).tobytes() == data
+
+
+@pytest.mark.parametrize("impl", impls())
+@pytest.mark.parametrize("k", ELEM_SIZES)
+@settings(deadline=None, max_examples=60)
+@given(data=st.binary(max_size=300), seed=st.integers(0, 2**32 - 1), near=st.booleans())
+def test_zigzag_matches_reference(impl, k, data, seed, near):
+    im = get_impl(impl)
+    if near:  # the case it is for: elements a few units apart (and the odd wrap at 0 / 2**(8k))
+        steps = np.random.default_rng(seed).integers(-3, 4, len(data) // k + 1)
+        base = bytearray(data)
+        for i in range(len(data) // k):
+            v = (int.from_bytes(data[i * k:i * k + k], "little") + int(steps[i])) % (1 << 8 * k)
+            base[i * k:i * k + k] = v.to_bytes(k, "little")
+        other = bytes(base)
+    else:
+        other = rand_bytes(len(data), seed).tobytes()
+    expected = ref_zigzag_shuffle(data, other, k)
+    got = im.zigzag_shuffle(data, other, k)
+    assert got.dtype == np.uint8 and got.tobytes() == expected
+    assert im.unshuffle_zigzag(expected, other, k).tobytes() == data
+
+
+@pytest.mark.parametrize("impl", impls())
+@pytest.mark.parametrize("k", ELEM_SIZES)
+def test_zigzag_maps_small_differences_to_small_low_bytes(impl, k):
+    """+-1 in the bit pattern is 2 / 1 in plane 0 and zero above (XOR makes a carry chain of it); the extremes
+    of the signed difference land on all-ones / all-ones-but-one."""
+    im = get_impl(impl)
+    bits, top = 8 * k, 1 << (8 * k - 1)
+    same = 0x0123456789ABCDEF & ((1 << bits) - 1)
+    # differences: +1, -1, -1, +1, -1, +1 (wrapping), 0, then the extremes -2**(bits-1) (top - 0) and 2**(bits-1) - 1
+    base = [0, 1, 0x80, top - 1, top, (1 << bits) - 1, same, 0, 1]
+    new = [1, 0, 0x7F, top, top - 1, 0, same, top, top]
+    want = [2, 1, 1, 2, 1, 2, 0, (1 << bits) - 1, (1 << bits) - 2]
+    dt = np.dtype(f"<u{k}")
+    a, b = np.array(new, dtype=np.uint64).astype(dt), np.array(base, dtype=np.uint64).astype(dt)
+    planes = im.zigzag_shuffle(a, b, k)
+    assert planes.tobytes() == im.shuffle(np.array(want, dtype=np.uint64).astype(dt), k).tobytes()
+    assert im.unshuffle_zigzag(planes, b, k).tobytes() == a.tobytes()
+    assert not im.zigzag_shuffle(a[:7], b[:7], k)[7:].any()  # the seven small moves: every plane above 0 zero
 
 
 def _block_lengths(k):
@@ -183,6 +247,9 @@ def test_block_boundaries_parity(k):
         x = bytes(p ^ q for p, q in zip(a, b))
         assert nat.xor_shuffle(a, b, k).tobytes() == ref_shuffle(x, k)
         assert nat.unshuffle_xor(ref_shuffle(x, k), b, k).tobytes() == a
+        z = ref_zigzag_shuffle(a, b, k)
+        assert nat.zigzag_shuffle(a, b, k).tobytes() == z
+        assert nat.unshuffle_zigzag(z, b, k).tobytes() == a
 
 
 @pytest.mark.parametrize("k", ELEM_SIZES)
@@ -197,6 +264,12 @@ def test_large_parity(k):
     assert np.array_equal(x, npy.xor_shuffle(a, b, k))
     assert np.array_equal(nat.unshuffle_xor(x, b, k), a)
     assert np.array_equal(npy.unshuffle_xor(x, b, k), a)
+    near = (a.view(np.int8) + rng_steps(n, 12)).view(np.uint8)  # elements a few units apart
+    for other in (b, near):
+        z = nat.zigzag_shuffle(a, other, k)
+        assert np.array_equal(z, npy.zigzag_shuffle(a, other, k))
+        assert np.array_equal(nat.unshuffle_zigzag(z, other, k), a)
+        assert np.array_equal(npy.unshuffle_zigzag(z, other, k), a)
 
 
 @pytest.mark.parametrize("impl", impls())
@@ -250,6 +323,8 @@ def test_out_validation(impl):
             lambda: im.unshuffle(a, 4, out=out),
             lambda: im.xor_shuffle(a, a, 4, out=out),
             lambda: im.unshuffle_xor(a, a, 4, out=out),
+            lambda: im.zigzag_shuffle(a, a, 4, out=out),
+            lambda: im.unshuffle_zigzag(a, a, 4, out=out),
         ):
             with pytest.raises(ValueError):
                 call()
@@ -265,6 +340,8 @@ def test_elem_size_validation(impl, bad):
         lambda: im.unshuffle(a, bad),
         lambda: im.xor_shuffle(a, a, bad),
         lambda: im.unshuffle_xor(a, a, bad),
+        lambda: im.zigzag_shuffle(a, a, bad),
+        lambda: im.unshuffle_zigzag(a, a, bad),
     ):
         with pytest.raises(ValueError, match="elem_size"):
             call()
@@ -277,6 +354,10 @@ def test_input_validation(impl):
         im.xor_shuffle(b"abcd", b"abc", 2)
     with pytest.raises(ValueError):
         im.unshuffle_xor(b"abcd", b"abcde", 2)
+    with pytest.raises(ValueError):
+        im.zigzag_shuffle(b"abcd", b"abc", 2)
+    with pytest.raises(ValueError):
+        im.unshuffle_zigzag(b"abcd", b"abcde", 2)
     with pytest.raises(ValueError):
         im.shuffle(np.zeros(16, np.uint8)[::2], 2)
     with pytest.raises(ValueError):
@@ -294,6 +375,10 @@ def test_native_module_rejects_bad_raw_calls():
         mod.shuffle(a, 4, np.zeros(31, np.uint8))
     with pytest.raises(ValueError):
         mod.xor_shuffle(a, np.zeros(31, np.uint8), 4, np.zeros(32, np.uint8))
+    with pytest.raises(ValueError):
+        mod.zigzag_shuffle(a, np.zeros(31, np.uint8), 4, np.zeros(32, np.uint8))
+    with pytest.raises(ValueError):
+        mod.unshuffle_zigzag(a, a, 3, np.zeros(32, np.uint8))
     with pytest.raises(ValueError):
         mod.shuffle(a, 4, b"\0" * 32)  # read-only out
     with pytest.raises(ValueError):

@@ -12,8 +12,8 @@ chunk
     are cut on a fixed grid of ``chunk_size_bytes`` in their group's global byte space; byte items with
     FastCDC. A chunk is stored once per store, however many items and checkpoints use it.
 codec
-    How a chunk is stored: ``raw``, ``zstd`` over byte planes, or ``delta`` (XOR against a *base* chunk,
-    then byte planes and zstd). See :mod:`deltackpt.store.codec`.
+    How a chunk is stored: ``raw``, ``zstd`` over byte planes, or a delta against a *base* chunk, then byte
+    planes and zstd: ``delta`` (XOR) or ``zdelta`` (zigzag integer difference). See :mod:`deltackpt.store.codec`.
 keyframe / base
     A chunk coded without reference to another (raw or zstd) is a keyframe. A delta's base is always a
     keyframe, so restoring a chunk reads at most two chunks.

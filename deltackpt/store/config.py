@@ -27,9 +27,10 @@ CONFIG_KEY = "config"
 SUPPORTED_FEATURES = {
     "plane-container": "codec payloads in a DCPL plane container (per-plane raw / zstd segments)",
     "zero-sparse-planes": "plane segments of mode 2: a bitmap of nonzero bytes plus those bytes",
+    "zigzag-delta": "chunks of codec 3 (zdelta): byte planes of the zigzag integer difference with the base",
 }
 # What this code's writer may produce in any store it writes to.
-WRITER_FEATURES = ("plane-container", "zero-sparse-planes")
+WRITER_FEATURES = ("plane-container", "zero-sparse-planes", "zigzag-delta")
 
 MiB = 1 << 20
 

@@ -3,15 +3,16 @@
 A :class:`DeltaPolicy` answers the writer's questions about one chunk: may it be a delta at all (size,
 the store's ``delta`` switch), which keyframe it would be coded against (:meth:`DeltaPolicy.base_for`: the
 keyframe behind the parent's chunk at the same place, retired after ``keyframe_interval`` checkpoints),
-whether the delta is expected to pay (:meth:`DeltaPolicy.verdict`: this place's history, else a sample),
-and whether a coded delta is small enough to keep (:meth:`DeltaPolicy.accepts`). The writer codes
-accordingly. A delta's base is always a keyframe, so restoring any chunk reads at most two; chained deltas
-would change this module.
+whether the delta is expected to pay and in which delta codec (:meth:`DeltaPolicy.verdict`: this place's
+history, else a sample), and whether a coded delta is small enough to keep (:meth:`DeltaPolicy.accepts`).
+The writer codes accordingly. A delta's base is always a keyframe, so restoring any chunk reads at most two;
+chained deltas would change this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from . import codec
 from .chunking import as_byte_view
@@ -29,6 +30,10 @@ _HISTORY_MARGIN = 0.05
 # a sharded model), are always keyframes: a delta would save a few bytes and cost a base lookup, a second
 # coding and a cache copy per chunk.
 DELTA_MIN_BYTES = 16 * 1024
+# The delta codec of a chunk too small to sample (and without this place's history): on the bench workloads'
+# checkpoints the zigzag difference came in at most 3 % larger than XOR on any chunk, up to 31 % smaller, and
+# 2-13 % smaller on the median chunk (dense, sparse, bf16).
+DEFAULT_DELTA_CODEC = codec.ZDELTA
 
 
 @dataclass(frozen=True)
@@ -38,28 +43,43 @@ class DeltaBase:
     entry: PackEntry  # the keyframe's
     age: int  # checkpoints the keyframe will have served, this one included
     last: int | None  # stored size of the parent's delta at this place (its history), None after a keyframe
+    last_codec: int | None = None  # the delta codec of that delta
 
 
-def _sample_prefers_delta(view, base, elem_size: int, level: int, limit_ratio: float) -> bool | None:
+class Verdict(NamedTuple):
+    """Whether a changed chunk's delta pays (True, False, or None: too close to call) and its delta codec."""
+
+    pays: bool | None
+    codec: int
+
+
+def _sample_prefers_delta(view, base, elem_size: int, level: int, limit_ratio: float) -> Verdict:
     """Whether the chunk's delta will come in under ``limit_ratio`` of its raw size, judged on a sample from
-    the chunk's middle (1/16 of it, 16-64 KiB); None when the sample is within ``_SAMPLE_MARGIN`` of the line
-    or the chunk too small to sample: then the delta is coded in full and compared.
+    the chunk's middle (1/16 of it, 16-64 KiB) coded with each delta codec, and the codec whose sample came
+    out smaller; ``pays`` is None when the sample is within ``_SAMPLE_MARGIN`` of the line or the chunk too
+    small to sample (then with :data:`DEFAULT_DELTA_CODEC`): then the delta is coded in full and compared.
 
     ``limit_ratio`` comes from the keyframe at the same place (its coded size, less ``delta_min_gain``), so
-    only the delta side is coded: about 6 % of the chunk, which spares coding a losing delta in full.
+    only the delta side is coded: about 12 % of the chunk (6 % per codec), which spares coding a losing delta
+    in full. On the bench workloads' deltas (dense, sparse, bf16) the sample picked the smaller codec for 89 %
+    of the chunks, a miss cost at most 0.7 % of a chunk, and all picks together came within 0.05 % of the
+    smaller codec everywhere.
     """
     n = len(view)
     if n < _SAMPLE_MIN_CHUNK:
-        return None
+        return Verdict(None, DEFAULT_DELTA_CODEC)
     size = max(16 * 1024, min(_SAMPLE_BYTES, n // 16)) // 64 * 64
     start = (n // 2) // 64 * 64
-    base = as_byte_view(base)
-    ratio = len(codec.encode_delta(view[start:start + size], base[start:start + size], elem_size, level)) / size
+    part, base_part = view[start:start + size], as_byte_view(base)[start:start + size]
+    sizes = {k: len(codec.encode_delta(part, base_part, elem_size, level, k))
+             for k in (DEFAULT_DELTA_CODEC, codec.DELTA)}
+    kind = min(sizes, key=sizes.get)  # the first smallest: a tie keeps the default
+    ratio = sizes[kind] / size
     if ratio <= limit_ratio - _SAMPLE_MARGIN:
-        return True
+        return Verdict(True, kind)
     if ratio >= limit_ratio + _SAMPLE_MARGIN:
-        return False
-    return None
+        return Verdict(False, kind)
+    return Verdict(None, kind)
 
 
 class DeltaPolicy:
@@ -90,29 +110,31 @@ class DeltaPolicy:
         entry = entry or index.lookup(parent_chunk)  # the caller may have looked it up already
         if entry is None or entry.raw_len != n:
             return None
-        if entry.codec == codec.DELTA:
-            age, last = entry.age + 1, entry.stored_len
+        last_codec = None
+        if codec.is_delta(entry.codec):
+            age, last, last_codec = entry.age + 1, entry.stored_len, entry.codec
             entry = index.lookup(entry.base_id)
-            if entry is None or entry.codec == codec.DELTA or entry.raw_len != n:
+            if entry is None or codec.is_delta(entry.codec) or entry.raw_len != n:
                 return None
         else:
             age, last = 1, None
-        return DeltaBase(entry, age, last) if age <= self.config.keyframe_interval else None
+        return DeltaBase(entry, age, last, last_codec) if age <= self.config.keyframe_interval else None
 
     def _key_limit(self, base: DeltaBase, n: int) -> float:
         # The keyframe's own coded size stands in for this chunk's keyframe coding.
         return (1.0 - self.config.delta_min_gain) * min(base.entry.stored_len, n)
 
-    def verdict(self, view, elem_size: int, base: DeltaBase, base_raw) -> bool | None:
-        """True: code the delta (expected to pay); False: a keyframe (no delta coded); None: too close to
-        call, code both ways and keep the smaller (:meth:`accepts` with the keyframe's size).
-        ``base_raw``: the keyframe's bytes, None when unreadable (a damaged base is never built upon)."""
+    def verdict(self, view, elem_size: int, base: DeltaBase, base_raw) -> Verdict:
+        """``pays`` True: code the delta (expected to pay); False: a keyframe (no delta coded); None: too close
+        to call, code both ways and keep the smaller (:meth:`accepts` with the keyframe's size); and the delta
+        codec to code it with. ``base_raw``: the keyframe's bytes, None when unreadable (a damaged base is
+        never built upon)."""
         n = len(view)
         key_limit = self._key_limit(base, n)
         if base_raw is None:
-            return False
+            return Verdict(False, DEFAULT_DELTA_CODEC)
         if base.last is not None and base.last <= key_limit - _HISTORY_MARGIN * n:
-            return True  # this place's last delta paid off well
+            return Verdict(True, base.last_codec or DEFAULT_DELTA_CODEC)  # this place's last delta paid off well
         return _sample_prefers_delta(view, base_raw, elem_size, self.config.zstd_level, key_limit / n)
 
     def accepts(self, delta_len: int, base: DeltaBase, n: int, keyframe_len: int | None = None) -> bool:

@@ -232,7 +232,7 @@ def live_chunk_ids(store, names=None) -> np.ndarray:
     raw = live.tobytes()
     for k in range(live.size):
         entry = index.lookup(raw[16 * k : 16 * k + 16])
-        if entry is not None and entry.codec == codec.DELTA:
+        if entry is not None and codec.is_delta(entry.codec):
             bases.append(entry.base_id)
     if bases:
         live = np.unique(np.concatenate([live, _ids(bases)])).astype(ID_DTYPE)

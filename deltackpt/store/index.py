@@ -37,7 +37,7 @@ import lmdb
 
 from .backend import local_root
 from ..errors import ManifestFormatError
-from .codec import DELTA
+from .codec import is_delta
 from .memenv import MemoryEnv
 from .pack import PackEntry, _check_fields, pack_key, pack_name_from_key, read_pack_entries, walk_entries
 from .progress import Progress, phase
@@ -118,7 +118,7 @@ def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
         raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} has {len(rec)} bytes")
     pack, off, slen, rlen, codec, es, base, age = _RECORD.unpack(rec)
     _check_fields(codec, es, rlen, slen, f"index record for chunk {chunk_id.hex()} is malformed")
-    if (codec == DELTA) != (base != _NO_BASE):
+    if is_delta(codec) != (base != _NO_BASE):
         raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} is malformed")
     return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base, age)
 

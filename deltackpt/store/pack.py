@@ -28,7 +28,7 @@ import xxhash
 
 from ..errors import ManifestFormatError
 from .backend import raise_if_disk_full
-from .codec import CODEC_NAMES, DELTA, VALID_ELEM_SIZES
+from .codec import CODEC_NAMES, VALID_ELEM_SIZES, is_delta
 
 PACK_MAGIC = b"DCPACK\x00\x01"
 ENTRY_MAGIC = b"DCE1"
@@ -248,7 +248,7 @@ def parse_table(table: bytes, tail: bytes, name: str) -> list[PackEntry]:
         if off < prev_end or off + HEADER_SIZE + slen > table_offset:
             raise ManifestFormatError(f"{where}: entry out of bounds")
         prev_end = off + HEADER_SIZE + slen
-        if (codec == DELTA) != (base != NO_BASE):
+        if is_delta(codec) != (base != NO_BASE):
             raise ManifestFormatError(f"{where}: base id must be set exactly for delta chunks")
         entries.append(PackEntry(cid, name, off, slen, rlen, codec, es, None if base == NO_BASE else base, age))
     return entries

@@ -104,7 +104,7 @@ class ChunkSource:
         elif out.size != entry.raw_len:
             raise ValueError(f"out has {out.size} bytes, chunk {entry.chunk_id.hex()} has {entry.raw_len}")
         base = None
-        if entry.codec == codec.DELTA:
+        if codec.is_delta(entry.codec):
             base = self._get_base(entry, checkpoint=checkpoint, item=item, fetched=fetched)
         self._decode(entry, base, out, checkpoint=checkpoint, item=item, stored=_stored(fetched, entry))
         return out
@@ -125,7 +125,7 @@ class ChunkSource:
             if base is not None:
                 return base
             base_entry = self.entry(entry.base_id, checkpoint=checkpoint, item=item)
-            if base_entry.codec == codec.DELTA:
+            if codec.is_delta(base_entry.codec):
                 raise CorruptChunkError("delta base is itself a delta", chunk_id=base_hex, pack=base_entry.pack)
             # Not cached: a base serves the one delta at its place, and a load touches it once.
             base = self._buffer("base", base_entry.raw_len)
@@ -211,19 +211,26 @@ class ChunkSource:
         first = skip // es
         if skip % es or count == 0 or first + count > entry.raw_len // es:
             return False
-        parts = [entry]  # a delta's planes are XORed with its keyframe's
-        if entry.codec == codec.DELTA:
+        parts = [entry]  # a delta's planes are combined with its keyframe's
+        if codec.is_delta(entry.codec):
             base = index.lookup(entry.base_id) if entry.base_id else None
-            if base is None or base.codec == codec.DELTA or base.elem_size != es or base.raw_len != entry.raw_len:
+            if base is None or codec.is_delta(base.codec) or base.elem_size != es or base.raw_len != entry.raw_len:
                 return False
             parts.append(base)
+        # A byte of a difference depends on the bytes below it, except the low 7 bits of the lowest (plane 0).
+        planes = (0,) if entry.codec == codec.ZDELTA else range(es)
         try:
             # One read per entry: its container header and, when close behind it, the probed bytes of plane 0.
             heads = [self._head(e, first, count) for e in parts]
-            for plane in range(es):
+            for plane in planes:
                 got = [self._plane_bytes(e, head, plane, first, count) for e, head in zip(parts, heads)]
                 if all(g is not None for g in got):
-                    return not np.array_equal(np.bitwise_xor.reduce(got), mine[plane:plane + count * es:es])
+                    want = mine[plane:plane + count * es:es]
+                    if entry.codec == codec.ZDELTA:
+                        z, base_low = got  # the low 7 bits of (base + unzigzag(z)) need z's plane 0 only
+                        low = base_low + ((z >> 1) ^ np.negative(z & 1))
+                        return not np.array_equal(low & 0x7F, want & 0x7F)
+                    return not np.array_equal(np.bitwise_xor.reduce(got), want)
         except OSError:  # a probe never fails a save: the decoded comparison reports what is wrong
             pass
         return False

@@ -220,13 +220,13 @@ def _check_structure(index, found: _Findings, last_seen, packs, progress) -> Non
                 bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=entry.pack,
                                    chunk_id=cid.hex())
                 continue
-            if entry.codec == codec.DELTA:
+            if codec.is_delta(entry.codec):
                 base = index.lookup(entry.base_id)
                 found.needed.setdefault(entry.base_id, []).extend(where)
                 if base is None or base.pack not in packs:
                     bad[cid] = Problem(ProblemKind.BAD_BASE, f"base chunk {entry.base_id.hex()} is missing",
                                        pack=entry.pack, chunk_id=cid.hex())
-                elif base.codec == codec.DELTA:
+                elif codec.is_delta(base.codec):
                     bad[cid] = Problem(ProblemKind.BAD_BASE, f"base chunk {entry.base_id.hex()} is itself a delta",
                                        pack=entry.pack, chunk_id=cid.hex())
     found.live_packs = set(unreadable)

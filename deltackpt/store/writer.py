@@ -326,18 +326,18 @@ class ChunkWriter:
         cod, stored, base_id, age = None, None, None, 0
         if base is not None:
             base_raw = self._base_bytes(base.entry)
-            verdict = self._policy.verdict(view, elem_size, base, base_raw)
-            if verdict is not False:  # True: delta expected; None: too close to call, code both ways
-                delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level)
+            pays, kind = self._policy.verdict(view, elem_size, base, base_raw)
+            if pays is not False:  # True: delta expected; None: too close to call, code both ways
+                delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level, kind)
                 keyframe_len = None
-                if verdict is None and not self._policy.accepts(len(delta), base, n):
+                if pays is None and not self._policy.accepts(len(delta), base, n):
                     cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
                     keyframe_len = len(stored)
                 if self._policy.accepts(len(delta), base, n, keyframe_len):
-                    cod, stored, base_id, age = codec.DELTA, delta, base.entry.chunk_id, base.age
+                    cod, stored, base_id, age = kind, delta, base.entry.chunk_id, base.age
                     self._note_reused((base.entry.pack,))
         if cod is None:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
-        if cod != codec.DELTA and self._policy.keeps_as_base(n, is_array):
+        if not codec.is_delta(cod) and self._policy.keeps_as_base(n, is_array):
             self._cache.put(cid, view)  # the next save's base
         self._sink.add(cid, cod, elem_size, n, stored, base_id, age)

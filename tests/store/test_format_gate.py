@@ -85,3 +85,46 @@ def test_malformed_feature_lists_are_format_errors(tmp_path, features):
     (tmp_path / "s" / "config").write_text(json.dumps(cfg))
     with pytest.raises((ManifestFormatError, UnsupportedFormatError)):
         Store.open(tmp_path / "s")
+
+
+
+def _ulp_moves(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    w = (np.random.default_rng(seed).standard_normal(50_000) * 0.05).astype(np.float32)
+    return w, (w.view(np.uint32) + np.uint32(1)).view(np.float32)  # one unit in the last place: a zdelta
+
+
+def _zdelta_store(location) -> Store:
+    from deltackpt.store import codec
+
+    s = Store.init(location, chunk_size_bytes=16384, features=("plane-container", "zero-sparse-planes"))
+    w0, w1 = _ulp_moves(2)
+    s.save("a", {"w": w0})
+    s.save("b", {"w": w1})
+    assert codec.ZDELTA in {s.index.lookup(r.id).codec for r in s.read_manifest("b").item_map()["w"].chunks}
+    return s
+
+
+def test_reader_without_zigzag_delta_refuses_a_store_that_may_hold_zdelta_chunks(tmp_path, monkeypatch):
+    _zdelta_store(tmp_path / "s")
+    # A 0.2 reader from before the zigzag difference: the plane container and zero-sparse planes only.
+    monkeypatch.setattr(config_mod, "SUPPORTED_FEATURES",
+                        {k: v for k, v in config_mod.SUPPORTED_FEATURES.items() if k != "zigzag-delta"})
+    with pytest.raises(UnsupportedFormatError, match="zigzag-delta"):
+        Store.open(tmp_path / "s")
+
+
+def test_store_without_zigzag_delta_gains_it_before_the_first_pack_is_written():
+    """A store created by a writer that predates the feature lists it in its config before this code writes
+    any pack, so no reader lacking it ever meets a zdelta chunk."""
+    from deltackpt.store import MemoryBackend
+
+    backend = MemoryBackend()
+    puts = []
+    real_put = backend.put
+    backend.put = lambda key, data, *a, **k: (puts.append(key), real_put(key, data, *a, **k))[1]
+    store = _zdelta_store(backend)
+    first_pack = next(i for i, key in enumerate(puts) if key.startswith("packs/"))
+    assert "config" in puts[1:first_pack]  # puts[0]: the config Store.init wrote, without the feature
+    assert "zigzag-delta" in store.config.features
+    assert "zigzag-delta" in json.loads(backend.get("config"))["features"]
+    np.testing.assert_array_equal(Store.open(backend).load("b")["w"], _ulp_moves(2)[1])

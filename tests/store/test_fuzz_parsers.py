@@ -323,7 +323,7 @@ def _check_entries(entries: list[PackEntry], size: int):
         assert e.offset >= prev and e.offset + HEADER_SIZE + e.stored_len <= table_offset
         prev = e.offset + HEADER_SIZE + e.stored_len
         assert e.codec in codec.CODEC_NAMES and e.elem_size in codec.VALID_ELEM_SIZES
-        assert (e.codec == codec.DELTA) == (e.base_id is not None)
+        assert codec.is_delta(e.codec) == (e.base_id is not None)
 
 
 def _fix_table_hash(data: bytes) -> bytes:
@@ -426,7 +426,7 @@ def _check_record(e, cid, rec):
     assert e.chunk_id == cid and len(e.pack) == 32
     assert encode_record(e) == rec  # a record decodes to exactly what it says
     assert e.codec in codec.CODEC_NAMES and e.elem_size in codec.VALID_ELEM_SIZES
-    assert (e.codec == codec.DELTA) == (e.base_id is not None)
+    assert codec.is_delta(e.codec) == (e.base_id is not None)
 
 
 # -- store config -----------------------------------------------------------------------------------------------
@@ -497,10 +497,11 @@ _MOVED[::5] *= np.float32(1.001)
 SBASE = _MOVED.tobytes()
 SFRAME = bytes(codec.encode_delta(RAW, SBASE, 4, 1))  # every plane zero-sparse (4 of 5 values unchanged)
 assert list(SFRAME[4:24:5]) == [codec.SEG_SPARSE] * 4
+ZDFRAME = bytes(codec.encode_delta(RAW, SBASE, 4, 1, codec.ZDELTA))
 
 
 @FUZZ
-@given(st.sampled_from([codec.RAW, codec.ZSTD, codec.DELTA, 7]), st.binary(max_size=600), st.integers(0, 8192),
+@given(st.sampled_from([codec.RAW, codec.ZSTD, codec.DELTA, codec.ZDELTA, 7]), st.binary(max_size=600), st.integers(0, 8192),
        st.sampled_from([1, 2, 4, 8]))
 def test_codec_decode_random(cod, stored, raw_len, es):
     out = attempt(codec.decode, cod, stored, raw_len, es, bytes(raw_len), errors=ValueError)
@@ -509,12 +510,13 @@ def test_codec_decode_random(cod, stored, raw_len, es):
 
 
 @FUZZ
-@given(mutations, st.sampled_from(["zstd", "delta", "sparse"]), st.booleans())
+@given(mutations, st.sampled_from(["zstd", "delta", "sparse", "zdelta"]), st.booleans())
 def test_codec_decode_mutated_frames(ops, kind, header_too):
-    frame, base = {"zstd": (ZFRAME, None), "delta": (DFRAME, RAW[::-1]), "sparse": (SFRAME, SBASE)}[kind]
+    frame, base = {"zstd": (ZFRAME, None), "delta": (DFRAME, RAW[::-1]), "sparse": (SFRAME, SBASE),
+                   "zdelta": (ZDFRAME, SBASE)}[kind]
     damaged = mutate(frame, ops, lo=0 if header_too else _frame_header_len(frame))
-    out = attempt(codec.decode, codec.ZSTD if kind == "zstd" else codec.DELTA, damaged, len(RAW), 4, base,
-                  errors=ValueError)
+    cod = {"zstd": codec.ZSTD, "zdelta": codec.ZDELTA}.get(kind, codec.DELTA)
+    out = attempt(codec.decode, cod, damaged, len(RAW), 4, base, errors=ValueError)
     if out is not None:
         assert len(out) == len(RAW)
 

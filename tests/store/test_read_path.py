@@ -11,7 +11,7 @@ import pytest
 
 from deltackpt.errors import CorruptChunkError
 from deltackpt.store.backend import LocalFiles
-from deltackpt.store import LocalBackend, MemoryBackend, Store, codec
+from deltackpt.store import LocalBackend, MemoryBackend, Store, codec, deltapolicy
 from deltackpt.store.pack import HEADER_SIZE, pack_key
 from deltackpt.store.source import ChunkSource
 from deltackpt.store.threads import usable_cores
@@ -53,9 +53,16 @@ def _codecs(store: Store) -> Counter:
     return Counter(codec.CODEC_NAMES[e.codec] for e in store.index.iter_entries())
 
 
+@pytest.fixture(params=[codec.DELTA, codec.ZDELTA], ids=["xor", "zigzag"])
+def delta_kind(request, monkeypatch):
+    """The delta codec the writer picks for chunks too small to sample (all of ``delta_store``'s)."""
+    monkeypatch.setattr(deltapolicy, "DEFAULT_DELTA_CODEC", request.param)
+    return request.param
+
+
 @pytest.fixture(params=["memory", "local"])
-def delta_store(request, tmp_path):
-    """A store whose checkpoint "c1" holds raw, zstd and delta chunks (16 KiB chunks)."""
+def delta_store(request, tmp_path, delta_kind):
+    """A store whose checkpoint "c1" holds raw, zstd and delta chunks (16 KiB chunks) of codec ``delta_kind``."""
     backend = MemoryBackend() if request.param == "memory" else LocalBackend(tmp_path / "st", fsync=False)
     store = Store.init(backend, cache_dir=tmp_path / "cache", chunk_size_bytes=16384)
     rng = np.random.default_rng(5)
@@ -64,7 +71,7 @@ def delta_store(request, tmp_path):
     store.save("c0", items)
     items = dict(items, w=(w + rng.standard_normal(w.size).astype(np.float32) * 1e-6).astype(np.float32))
     store.save("c1", items)
-    assert {"raw", "zstd", "delta"} <= set(_codecs(store))
+    assert {"raw", "zstd", codec.CODEC_NAMES[delta_kind]} <= set(_codecs(store))
     return store, {k: np.ascontiguousarray(v).view(np.uint8).reshape(-1) for k, v in items.items()}
 
 
@@ -122,9 +129,9 @@ def _first_entry(store, codec_id, key):
 
 
 @pytest.mark.parametrize("victim", ["raw", "zstd", "delta", "delta-base"])
-def test_damage_on_each_lane_is_a_corrupt_chunk(delta_store, victim):
+def test_damage_on_each_lane_is_a_corrupt_chunk(delta_store, delta_kind, victim):
     store, raw = delta_store
-    key, cid = {"raw": ("noise", codec.RAW), "zstd": ("kept", codec.ZSTD)}.get(victim, ("w", codec.DELTA))
+    key, cid = {"raw": ("noise", codec.RAW), "zstd": ("kept", codec.ZSTD)}.get(victim, ("w", delta_kind))
     index, ref, entry = _first_entry(store, cid, key)
     damaged = store.index.lookup(entry.base_id) if victim == "delta-base" else entry
     # flip a bit in the middle of the payload (the base's payload for "delta-base")
@@ -192,10 +199,11 @@ def test_cold_probe_picks_more_read_threads(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("head_read_max", [ChunkSource._HEAD_READ_MAX, 0])  # probe read with the header / apart
-@pytest.mark.parametrize("key, codec_id", [("noise", codec.RAW), ("kept", codec.ZSTD), ("w", codec.DELTA)])
-def test_differs_judges_from_stored_planes_without_false_alarms(delta_store, key, codec_id, head_read_max,
+@pytest.mark.parametrize("key", ["noise", "kept", "w"])  # raw, zstd, delta (XOR or zigzag)
+def test_differs_judges_from_stored_planes_without_false_alarms(delta_store, delta_kind, key, head_read_max,
                                                                 monkeypatch):
     store, raw = delta_store
+    codec_id = {"noise": codec.RAW, "kept": codec.ZSTD, "w": delta_kind}[key]
     monkeypatch.setattr(ChunkSource, "_HEAD_READ_MAX", head_read_max)
     src = ChunkSource(store)
     judged = checked = 0
@@ -225,7 +233,7 @@ def test_differs_reads_each_entry_once(delta_store):
     real = store.backend.get_range_into
     store.backend.get_range_into = lambda key, off, bufs: reads.append(key) or real(key, off, bufs)
     ref = store.read_manifest("c1").item_map()["w"].chunks[0]
-    assert store.index.lookup(ref.id).codec == codec.DELTA
+    assert codec.is_delta(store.index.lookup(ref.id).codec)
     mine = raw["w"][:ref.length].copy()
     mine[:4] ^= 0xFF
     assert src.differs(ref.id, 0, mine) and len(reads) == 2

@@ -26,12 +26,17 @@ import logging
 import shutil
 import struct
 import time
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from . import lmdbenv
 from .backend import local_root
 from ..errors import ManifestFormatError
 from .codec import DELTA
+from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded, opened_here
 from .pack import PackEntry, _check_fields, pack_key, pack_name_from_key, read_pack_entries, walk_entries
 from .progress import Progress, phase
@@ -41,10 +46,21 @@ log = logging.getLogger("deltackpt.store")
 _RECORD = struct.Struct("<16sQQQBB16sH")
 _NO_BASE = bytes(16)
 INDEX_VERSION = b"2"
+_BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, bounded memory
 
 # Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
 GC_EPOCH_KEY = "gc-epoch"
 _envs, _close_env = lmdbenv._envs, close_env  # the registry, under the names the tests close it by
+
+
+@dataclass
+class Located:
+    """Where the index locates a batch of chunks (see :meth:`ChunkIndex.locate`), in arrays."""
+
+    packs: list[str]  # the packs named, numbered by position
+    pack_of: np.ndarray  # int32 per chunk: its pack's number, -1 when not indexed
+    delta_at: np.ndarray  # int64: positions of the chunks stored as deltas
+    delta_base: np.ndarray  # V16: the base of each of those deltas
 
 
 def encode_record(e: PackEntry) -> bytes:
@@ -110,10 +126,13 @@ class ChunkIndex(LmdbCache):
         return struct.unpack("<d", raw)[0] if raw is not None and len(raw) == 8 else 0.0
 
     @guarded(best_effort=True)
-    def mark_verified(self, pack: str, when: float | None = None) -> None:
+    def mark_verified(self, packs, when: float | None = None) -> None:
+        """Record ``packs`` (a name or names) as verified at ``when`` (default now), in one transaction."""
+        value = struct.pack("<d", time.time() if when is None else when)
         self.env
         with self.env.begin(write=True, db=self._db[b"verified"]) as txn:
-            txn.put(bytes.fromhex(pack), struct.pack("<d", time.time() if when is None else when))
+            for pack in [packs] if isinstance(packs, str) else packs:
+                txn.put(bytes.fromhex(pack), value)
 
     # -- checkpoint summaries (a cache of what ``ls`` needs, keyed by manifest name) ------------------------
     @guarded()
@@ -149,6 +168,31 @@ class ChunkIndex(LmdbCache):
                 if rec is not None:
                     out[cid] = decode_record(cid, rec)
         return out
+
+    @guarded()
+    def locate(self, ids: np.ndarray) -> Located:
+        """The pack and delta base of each of ``ids`` (an array of 16-byte ids), in one read transaction;
+        only the fields a structure check needs are read, no PackEntry is built."""
+        chunks, _, _ = self._dbs()
+        raw = np.ascontiguousarray(ids).tobytes()
+        names: dict[bytes, int] = {}
+        pack_of, delta_at, bases = array("i"), array("q"), bytearray()
+        with self.env.begin(db=chunks) as txn:
+            get = txn.get
+            for k in range(0, len(raw), 16):
+                rec = get(raw[k:k + 16])
+                if rec is None:
+                    pack_of.append(-1)
+                    continue
+                base = rec[42:58]  # see _RECORD: pack, 3 x u64, codec (byte 40), elem size, base
+                if len(rec) != _RECORD.size or (rec[40] == DELTA) != (base != _NO_BASE):
+                    raise ManifestFormatError(f"index record for chunk {raw[k:k + 16].hex()} is malformed")
+                pack_of.append(names.setdefault(rec[:16], len(names)))
+                if rec[40] == DELTA:
+                    delta_at.append(k // 16)
+                    bases += base
+        return Located([n.hex() for n in names], np.frombuffer(pack_of, dtype=np.int32),
+                       np.frombuffer(delta_at, dtype=np.int64), np.frombuffer(bytes(bases), dtype="V16"))
 
     @guarded()
     def check_records(self) -> int:
@@ -192,16 +236,19 @@ class ChunkIndex(LmdbCache):
     def add(self, entries, packs: dict[str, int], *, if_present: bool = False) -> None:
         """Record ``entries`` and mark ``packs`` (name -> size) as indexed, in one transaction.
 
-        An id already indexed keeps its first location, so repeated chunks never move. ``if_present``: record
-        nothing unless every pack still exists (checked inside the transaction, see delete_unindexed_packs).
+        An id already indexed keeps its first location, so repeated chunks never move. ``if_present``: skip
+        the packs (and their entries) that no longer exist, checked inside the transaction (see
+        delete_unindexed_packs).
         """
         self._add(list(entries), packs, if_present=if_present)
 
     def _add(self, entries, packs: dict[str, int], if_present: bool = False) -> None:
         chunks, packs_db, meta = self._dbs()
         with self.env.begin(write=True) as txn:
-            if if_present and not all(self.backend.exists(pack_key(name)) for name in packs):
-                return
+            gone = {n for n in packs if not self.backend.exists(pack_key(n))} if if_present else ()
+            if gone:
+                entries = [e for e in entries if e.pack not in gone]
+                packs = {n: size for n, size in packs.items() if n not in gone}
             if txn.get(b"store_id", db=meta) != self.store_id:
                 txn.put(b"store_id", self.store_id, db=meta)
                 txn.put(b"version", INDEX_VERSION, db=meta)
@@ -222,15 +269,16 @@ class ChunkIndex(LmdbCache):
 
     @guarded()
     def remove_packs(self, names) -> None:
-        """Forget ``names`` and every chunk located in them (used by gc after deleting packs)."""
-        names = set(names)
+        """Forget ``names`` and every chunk located in them (used by gc after deleting packs), in one
+        transaction; one pass over the records, holding only the ids it removes."""
         raw_names = {bytes.fromhex(n) for n in names}
+        if not raw_names:
+            return
         chunks, packs_db, _ = self._dbs()
         with self.env.begin(write=True) as txn:
-            cur = txn.cursor(db=chunks)
-            for k, v in list(cur):
-                if bytes(v[:16]) in raw_names:
-                    txn.delete(k, db=chunks)
+            doomed = [bytes(k) for k, v in txn.cursor(db=chunks) if bytes(v[:16]) in raw_names]
+            for k in doomed:
+                txn.delete(k, db=chunks)
             for rn in raw_names:
                 txn.delete(rn, db=packs_db)
 
@@ -300,8 +348,7 @@ class ChunkIndex(LmdbCache):
         if gone or self._is_foreign():
             return self._rebuild(present)
         new = [n for n in present if n not in known]
-        for name in new:
-            self._index_pack(name, present[name][0])
+        self._index_packs([(n, present[n][0]) for n in new])
         return len(new), 0
 
     @guarded()
@@ -335,26 +382,110 @@ class ChunkIndex(LmdbCache):
                 txn.drop(meta, delete=False)
                 txn.drop(self._db[b"ckpts"], delete=False)
             with phase(progress, "index rebuild", len(present), "pack") as bar:
-                for name in sorted(present, key=lambda n: (-present[n][1], n)):
-                    self._index_pack(name, present[name][0])
-                    bar.advance(1)
+                self._index_packs([(n, present[n][0]) for n in sorted(present, key=lambda n: (-present[n][1], n))],
+                                  bar)
             # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
             self._add([], {})
             self._trusted = True
             self._gen += 1
             return len(present), max(0, before - len(present))
 
-    def _index_pack(self, name: str, size: int) -> None:
-        try:
-            entries = read_pack_entries(self.backend, name, size)
-        except FileNotFoundError:
-            entries = []
-        except ManifestFormatError:
-            # Damaged table (e.g. a truncated pack): recover the intact entries from their headers.
-            # verify still reports the pack; its intact chunks stay readable meanwhile.
-            try:
-                entries = walk_entries(self.backend.get(pack_key(name)), name)
-            except FileNotFoundError:
-                entries = []
+    @guarded()
+    def reconcile(self, progress: Progress | None = None) -> int:
+        """Make the cache say what the pack tables say, in one transaction that writes only what differs.
+
+        verify's check of the cache: unlike :meth:`rebuild` it keeps the checkpoint summaries, and a cache
+        that was right is not written at all (a rebuild rewrites every record, and LMDB cannot reuse the
+        pages it frees at once, so the file grows). A record that matches a copy in some table stays; a
+        chunk none of whose copies matches gets the newest copy. Returns the records written or deleted."""
+        if self._is_foreign():
+            return self._rebuild(progress=progress)[0]
+        with self._repair_lock:
+            present = self._listed()
+            ids, recs, sizes = bytearray(), bytearray(), {}
+            with phase(progress, "index check", len(present), "pack") as bar:
+                for name in sorted(present, key=lambda n: (-present[n][1], n)):  # newest first
+                    entries = self._read_entries(name, present[name][0])
+                    bar.advance(1)
+                    if entries is not None:
+                        sizes[bytes.fromhex(name)] = struct.pack("<Q", present[name][0])
+                        for e in entries:
+                            ids += e.chunk_id
+                            recs += encode_record(e)
+            changed = self._reconcile(ids, bytes(recs), sizes)
+            self._trusted = True
+            self._gen += 1 if changed else 0
+            return changed
+
+    def _reconcile(self, ids: bytearray, recs: bytes, sizes: dict[bytes, bytes]) -> int:
+        size, ids = _RECORD.size, idset.from_ids(ids)
+        raw = ids.tobytes()
+        chunks, packs_db, _ = self._dbs()
+        changed = 0
+        with self.env.begin(write=True) as txn:
+            match = np.frombuffer(bytes(txn.get(raw[16 * k:16 * k + 16], db=chunks) == recs[size * k:size * (k + 1)]
+                                        for k in range(ids.size)), dtype=bool)
+            order = np.argsort(ids, kind="stable")  # the copies of a chunk stay newest first
+            ids_sorted = ids[order]
+            first = np.flatnonzero(np.r_[True, ids_sorted[1:] != ids_sorted[:-1]]) if ids.size else order
+            settled = np.logical_or.reduceat(match[order], first) if ids.size else match
+            for k in order[first[~settled]]:
+                txn.put(raw[16 * k:16 * k + 16], recs[size * k:size * (k + 1)], db=chunks)
+                changed += 1
+            # A record of a chunk in no table read is wrong, unless its pack was published since the listing.
+            known = {bytes(k): bytes(v) for k, v in txn.cursor(db=packs_db)}
+            alive = set(sizes) | {p for p in known if p not in sizes and self.backend.exists(pack_key(p.hex()))}
+            keys, doomed = bytearray(), []
+            for key, _ in txn.cursor(db=chunks):
+                if len(key) == 16:
+                    keys += key
+                else:
+                    doomed.append(bytes(key))
+            keys = idset.from_ids(keys)
+            for k in np.flatnonzero(~idset.isin(ids_sorted[first] if ids.size else ids, keys)):
+                key = keys[k].tobytes()
+                rec = txn.get(key, db=chunks)
+                if bytes(rec[:16]) in sizes or bytes(rec[:16]) not in alive:
+                    doomed.append(key)
+            for key in doomed:
+                txn.delete(key, db=chunks)
+            changed += len(doomed)
+            for p, value in sizes.items():
+                if known.get(p) != value:
+                    txn.put(p, value, db=packs_db)
+            for p in known.keys() - alive:
+                txn.delete(p, db=packs_db)
+            verified = self._db[b"verified"]  # verification times of packs gone (a cache that only grew)
+            for p in [bytes(p) for p, _ in txn.cursor(db=verified) if bytes(p) not in alive]:
+                txn.delete(p, db=verified)
+        return changed
+
+    def _index_packs(self, packs: list[tuple[str, int]], bar=None) -> None:
+        """Index ``packs`` ((name, size), in order: a chunk keeps the first location found), one transaction
+        per batch of entries (a commit per pack made a refresh of many small packs slow)."""
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
-        self._add(entries, {name: size}, if_present=local_root(self.backend) is not None)
+        if_present = local_root(self.backend) is not None
+        entries, sizes = [], {}
+        for name, size in packs:
+            entries += self._read_entries(name, size) or []
+            sizes[name] = size
+            if bar is not None:
+                bar.advance(1)
+            if len(entries) >= _BATCH_ENTRIES:
+                self._add(entries, sizes, if_present=if_present)
+                entries, sizes = [], {}
+        if sizes:
+            self._add(entries, sizes, if_present=if_present)
+
+    def _read_entries(self, name: str, size: int) -> list[PackEntry] | None:
+        """The entries of pack ``name``: its table, or when that is damaged (e.g. a truncated pack) the intact
+        entries found from their headers (verify still reports the pack); None when the pack is gone."""
+        try:
+            return read_pack_entries(self.backend, name, size)
+        except FileNotFoundError:
+            return None
+        except ManifestFormatError:
+            try:
+                return walk_entries(self.backend.get(pack_key(name)), name)
+            except FileNotFoundError:
+                return None

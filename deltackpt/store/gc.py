@@ -106,7 +106,6 @@ class GcPlan:
         t0 = time.monotonic()
         with store.lock(EXCLUSIVE, wait_s=wait_s):
             plan = self.revalidate()
-            moved, published = 0, set()
             # A new epoch before any pack goes: a process whose index cache is its own (another host) sees
             # it at its next save and refreshes, instead of deduplicating against a deleted pack.
             epoch = uuid.uuid4().hex.encode() if plan.delete_packs or plan.repack else None
@@ -119,12 +118,7 @@ class GcPlan:
                     bar.advance(1)
                 if not epoch_written:
                     _put_epoch(store, epoch, may_fail=False)
-                for old, entries in sorted(plan.repack.items()):
-                    n, names = _repack(store, old, entries)
-                    moved += n
-                    published |= names
-                    crash_point("gc:after-repack")
-                    bar.advance(1)
+                moved, published = _repack(store, plan.repack, bar)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
@@ -383,29 +377,35 @@ def _put_epoch(store, epoch: bytes, *, may_fail: bool) -> bool:
         return False
 
 
-def _repack(store, old: str, entries: list[PackEntry]) -> tuple[int, set[str]]:
-    """Copy ``entries`` of pack ``old`` into new packs and point the index at them.
+def _repack(store, repack: dict[str, list[PackEntry]], bar=None) -> tuple[int, set[str]]:
+    """Copy the live entries of the packs ``repack`` (name -> entries) into new packs of the target size,
+    shared by all of them (small packs merge), and point the index at them.
 
     Returns (entries moved, names of the packs published)."""
-    data = store.backend.get(pack_key(old))
     target = store.config.pack_target_bytes
-    builder = PackBuilder(spool_for(store.backend))
-    moved, names = [], set()
+    moved, names = 0, set()
 
-    def flush(b: PackBuilder):
+    def flush(b: PackBuilder) -> None:
+        nonlocal moved
         name, size, new_entries = b.publish(store.backend)
         store.index.relocate(new_entries, {name: size})
-        moved.extend(new_entries)
+        moved += len(new_entries)
         names.add(name)
+        crash_point("gc:after-repack")
 
-    for e in entries:
-        payload = memoryview(data)[e.offset + HEADER_SIZE : e.offset + HEADER_SIZE + e.stored_len]
-        builder.add(e.chunk_id, e.codec, e.elem_size, e.raw_len, payload, e.base_id, e.age)
-        if builder.size_bytes >= target:
-            flush(builder)
-            builder = PackBuilder(spool_for(store.backend))
+    builder = PackBuilder(spool_for(store.backend))
+    for old, entries in sorted(repack.items()):
+        data = store.backend.get(pack_key(old))
+        for e in entries:
+            payload = memoryview(data)[e.offset + HEADER_SIZE : e.offset + HEADER_SIZE + e.stored_len]
+            builder.add(e.chunk_id, e.codec, e.elem_size, e.raw_len, payload, e.base_id, e.age)
+            if builder.size_bytes >= target:
+                flush(builder)
+                builder = PackBuilder(spool_for(store.backend))
+        if bar is not None:
+            bar.advance(1)
     if len(builder):
         flush(builder)
     else:
         builder.discard()
-    return len(moved), names
+    return moved, names

@@ -55,7 +55,7 @@ class Collector:
     def add(self, ids: np.ndarray) -> None:
         self._waiting.append(ids)
         self._num_waiting += ids.size
-        if self._num_waiting > max(self._set.size, 1 << 16):
+        if self._num_waiting > max(self._set.size, 1 << 14):
             self._merge()
 
     def _merge(self) -> None:

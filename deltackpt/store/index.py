@@ -59,7 +59,7 @@ class Located:
 
     packs: list[str]  # the packs named, numbered by position
     pack_of: np.ndarray  # int32 per chunk: its pack's number, -1 when not indexed
-    delta_at: np.ndarray  # int64: positions of the chunks stored as deltas
+    delta_at: np.ndarray  # int32: positions of the chunks stored as deltas
     delta_base: np.ndarray  # V16: the base of each of those deltas
 
 
@@ -176,7 +176,7 @@ class ChunkIndex(LmdbCache):
         chunks, _, _ = self._dbs()
         raw = np.ascontiguousarray(ids).tobytes()
         names: dict[bytes, int] = {}
-        pack_of, delta_at, bases = array("i"), array("q"), bytearray()
+        pack_of, delta_at, bases = array("i"), array("i"), bytearray()
         with self.env.begin(db=chunks) as txn:
             get = txn.get
             for k in range(0, len(raw), 16):
@@ -192,7 +192,7 @@ class ChunkIndex(LmdbCache):
                     delta_at.append(k // 16)
                     bases += base
         return Located([n.hex() for n in names], np.frombuffer(pack_of, dtype=np.int32),
-                       np.frombuffer(delta_at, dtype=np.int64), np.frombuffer(bytes(bases), dtype="V16"))
+                       np.frombuffer(delta_at, dtype=np.int32), np.frombuffer(bytes(bases), dtype="V16"))
 
     @guarded()
     def check_records(self) -> int:

@@ -44,8 +44,9 @@ def contains(sorted_ids: np.ndarray, cid: bytes) -> bool:
 
 
 class Collector:
-    """Gathers ids into a sorted unique set, merging whenever the ids waiting outnumber it: memory O(unique
-    ids + one batch) however often an id repeats (each checkpoint of a history), time O(total log total)."""
+    """Gathers ids into a sorted unique set, merging whenever the ids waiting pass a quarter of it: memory
+    O(unique ids + one batch) however often an id repeats (each checkpoint of a history), time
+    O(total log total)."""
 
     def __init__(self) -> None:
         self._set = np.empty(0, dtype=ID)
@@ -55,12 +56,17 @@ class Collector:
     def add(self, ids: np.ndarray) -> None:
         self._waiting.append(ids)
         self._num_waiting += ids.size
-        if self._num_waiting > max(self._set.size, 1 << 14):
+        if self._num_waiting > max(self._set.size // 4, 1 << 14):
             self._merge()
 
     def _merge(self) -> None:
-        self._set = union(self._set, *self._waiting)
+        # The new ids are inserted at their places, not the whole set sorted again: a merge holds the set
+        # twice at most (a sort of set + new ids would hold it four times).
+        new = unique(np.concatenate(self._waiting)) if self._waiting else self._set[:0]
         self._waiting, self._num_waiting = [], 0
+        new = new[~isin(self._set, new)]
+        if new.size:
+            self._set = np.insert(self._set, np.searchsorted(self._set, new), new)
 
     def result(self) -> np.ndarray:
         self._merge()

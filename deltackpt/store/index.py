@@ -174,7 +174,7 @@ class ChunkIndex(LmdbCache):
         """The pack and delta base of each of ``ids`` (an array of 16-byte ids), in one read transaction;
         only the fields a structure check needs are read, no PackEntry is built."""
         chunks, _, _ = self._dbs()
-        raw = np.ascontiguousarray(ids).tobytes()
+        raw = memoryview(np.ascontiguousarray(ids).view(np.uint8))  # no copy of the ids
         names: dict[bytes, int] = {}
         pack_of, delta_at, bases = array("i"), array("i"), bytearray()
         with self.env.begin(db=chunks) as txn:

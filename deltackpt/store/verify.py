@@ -160,7 +160,7 @@ def _needed_chunks(store, names: list[str], found: _Findings, report: VerifyRepo
     with phase(progress, "verify manifests", len(names), "checkpoint") as bar:
         for name in names:
             try:
-                manifest = store.read_manifest(name)
+                refs = _refs_of(store, name)
             except (ManifestFormatError, DeltackptError) as e:
                 report.problems.append(Problem(ProblemKind.MANIFEST, str(e), checkpoints=[name]))
                 continue
@@ -168,8 +168,13 @@ def _needed_chunks(store, names: list[str], found: _Findings, report: VerifyRepo
                 bar.advance(1)
             report.num_checkpoints += 1
             found.names.append(name)
-            users.add(idset.from_ids([ref.id for item in manifest.items for ref in item.chunks]))
+            users.add(refs)
     found.users = users.result()
+
+
+def _refs_of(store, name: str) -> np.ndarray:
+    """The ids checkpoint ``name`` references (its decoded manifest is freed on return, before any merge)."""
+    return idset.from_ids([ref.id for item in store.read_manifest(name).items for ref in item.chunks])
 
 
 def _refresh_cache(store, users: np.ndarray, level: int, progress) -> tuple[dict[str, int], tuple]:

@@ -141,7 +141,8 @@ def bench_history(root: Path, history: int, refs: int, seed: int = 0) -> dict:
             "summaries_before_verify1": summaries, "summaries_after_verify1": kept,
             "forget_s": round(forget_s, 3), "forget_lmdb_commits": forget_commits,
             "gc_s": round(gplan_s + gexec_s, 3), "packs": packs,
-            "gc_deleted_packs": result.deleted_packs, "gc_repacked_packs": result.repacked_packs}
+            "gc_deleted_packs": result.deleted_packs, "gc_repacked_packs": result.repacked_packs,
+            "packs_after_gc": len(list(store.backend.list("packs/")))}
 
 
 def main(argv=None) -> None:

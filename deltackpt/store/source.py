@@ -144,7 +144,7 @@ class ChunkSource:
         ``n`` how many of the entry's bytes the read returned. A delta's base comes from the LRU, ``fetched``
         or its own read. Raises as :meth:`decode_entry` does."""
         base = None
-        if entry.codec == codec.DELTA:
+        if codec.is_delta(entry.codec):
             base = self._get_base(entry, checkpoint=checkpoint, item=item, fetched=fetched)
         self._check(entry, head, payload, n, base, out, checkpoint, item)
 

@@ -203,6 +203,9 @@ class _Tap:
             self.ckpts.append(flatten(ck.state, self.split))
             yield ck
 
+    def base_state(self):
+        return self.wl.base_state()
+
 
 def analyze(name: str, size: str, l19_every: int = 8, store: bool = True, chunk: int = CHUNK,
             log=lambda msg: None) -> dict:

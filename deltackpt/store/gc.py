@@ -1,6 +1,7 @@
 """gc: reclaim the space of chunks no checkpoint needs, as a plan first, then its execution.
 
-Mark: the live chunks are those the manifests reference plus the delta bases of those chunks. The set is
+Mark: the live chunks are those the manifests reference plus the delta bases of those chunks (down each
+chain: a base is live while any live delta needs it, :func:`with_chain_bases`). The set is
 a sorted numpy array of 16-byte ids (16 bytes a chunk, not a Python object each), so stores with millions
 of chunks stay within tens of MB. The index cache is not trusted for liveness: a live chunk whose cached
 location does not hold it keeps the copy gc finds, and the cache is corrected.
@@ -44,6 +45,7 @@ import numpy as np
 
 from .backend import LocalFiles, spool_for
 from . import codec
+from .config import chain_limit
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
 from ..errors import CheckpointNotFoundError, DiskFullError, ManifestFormatError
@@ -150,7 +152,7 @@ class GcPlan:
         listed = _list_packs(store)
         present = set(listed)
         # Packs published since the mark keep their deltas' bases (an aborted save's deltas stay restorable).
-        live = _union(live, _delta_bases(store, {n: listed[n] for n in present - self.packs}))
+        live = with_chain_bases(store, live, _delta_bases(store, {n: listed[n] for n in present - self.packs}))
         kept = {name: {e.chunk_id for e in keep} for name, keep in self.repack.items()}
         index = store.index
 
@@ -178,7 +180,7 @@ class GcPlan:
                     if e.base_id is not None and not _contains(live, e.base_id)}
             if not pins:
                 break
-            live = _union(live, pins)
+            live = with_chain_bases(store, live, pins)
         plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=self.max_unused, grace_s=self.grace_s,
                       kept_young=self.kept_young, live=live, manifests=manifests, packs=present)
         for name in delete:
@@ -227,15 +229,29 @@ def live_chunk_ids(store, names=None) -> np.ndarray:
         parts.append(_ids([ref.id for item in manifest.items for ref in item.chunks]))
     # (concatenate may turn the fields native-endian; astype restores the byte-order the ids are kept in)
     live = np.unique(np.concatenate(parts)).astype(ID_DTYPE) if parts else np.empty(0, dtype=ID_DTYPE)
-    bases = []
+    return with_chain_bases(store, live)
+
+
+def with_chain_bases(store, live: np.ndarray, ids=None) -> np.ndarray:
+    """``live`` with ``ids`` (default: those of ``live`` itself) and the delta bases they need added, down
+    each chain (a base is live while any live delta needs it); a base already live is not followed again."""
     index = store.index
-    raw = live.tobytes()
-    for k in range(live.size):
-        entry = index.lookup(raw[16 * k : 16 * k + 16])
-        if entry is not None and codec.is_delta(entry.codec):
-            bases.append(entry.base_id)
-    if bases:
-        live = np.unique(np.concatenate([live, _ids(bases)])).astype(ID_DTYPE)
+    if ids is None:
+        raw = live.tobytes()
+        frontier = [raw[16 * k : 16 * k + 16] for k in range(live.size)]
+    else:
+        frontier = list(ids)
+        live = _union(live, frontier)
+    for _ in range(chain_limit(store.config)):
+        bases = set()
+        for cid in frontier:
+            entry = index.lookup(cid)
+            if entry is not None and codec.is_delta(entry.codec):
+                bases.add(entry.base_id)
+        frontier = [b for b in bases if not _contains(live, b)]
+        if not frontier:
+            break
+        live = _union(live, frontier)
     return live
 
 
@@ -335,7 +351,7 @@ def _plan(store, *, max_unused: float, grace_s: float, progress: Progress | None
     young = {n: i for n, i in listed.items() if now - i.mtime_s < grace_s}
     plan.kept_young = len(young)
     # A young pack may be an in-flight save's: the bases of its deltas stay, whether or not it commits.
-    live = plan.live = _union(live, _delta_bases(store, young))
+    live = plan.live = with_chain_bases(store, live, _delta_bases(store, young))
     old = {n: i for n, i in listed.items() if n not in young}
     for name, entries in _read_tables(store, old, progress).items():
         size = old[name].size_bytes

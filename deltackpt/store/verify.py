@@ -3,7 +3,7 @@
 Levels (each includes the ones below):
 
 0. structure: every manifest parses; every chunk a manifest references is indexed and its pack exists;
-   every delta's base exists and is a keyframe.
+   every delta's chain of bases exists down to a keyframe, within the store's chain limit.
 1. packs: every pack's bytes hash to its name.
 2. data: every chunk is decoded (deltas through their bases) and re-hashed.
 
@@ -26,6 +26,7 @@ from enum import Enum
 
 from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError
 from . import codec
+from .config import chain_limit
 from .pack import PackEntry, pack_bytes_ok, walk_entries, pack_key, pack_name_from_key, read_pack_entries
 from .progress import Progress, phase
 from .source import ChunkSource
@@ -134,7 +135,7 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     found.users = _needed_chunks(store, names, report, progress)
     packs, last_seen = _refresh_cache(store, found.users, level, progress)
     report.num_packs = len(packs)
-    _check_structure(store.index, found, last_seen, packs, progress)
+    _check_structure(store.index, found, last_seen, packs, progress, chain_limit(store.config))
     report.orphan_packs = sorted(packs.keys() - found.live_packs) if checkpoints is None else []
     if level >= 1:
         deadline = None if max_duration_s is None else start + max_duration_s
@@ -194,9 +195,35 @@ def _refresh_cache(store, users, level: int, progress) -> tuple[dict[str, int], 
     return packs, last_seen
 
 
-def _check_structure(index, found: _Findings, last_seen, packs, progress) -> None:
-    """Level 0: every needed chunk is indexed, in an existing pack, with an intact base; and which packs
-    hold the needed chunks."""
+def _check_chain(index, entry: PackEntry, where: list[str], found: _Findings, packs, limit: int) -> Problem | None:
+    """Follow delta ``entry``'s chain to its keyframe, marking every base as needed by ``where``; the first
+    broken link (a base missing, a chain longer than ``limit`` deltas, a cycle) as a problem of ``entry``."""
+    tip, seen = entry, {entry.chunk_id}
+    for depth in range(1, limit + 1):
+        base_id = entry.base_id
+        found.needed.setdefault(base_id, []).extend(where)
+        base = index.lookup(base_id)
+        below = "" if depth == 1 else f" ({depth} deltas down its chain)"
+        if base is None or base.pack not in packs:
+            detail = f"base chunk {base_id.hex()} is missing{below}"
+        elif base_id in seen:
+            detail = f"delta chain meets itself at base chunk {base_id.hex()}"
+        elif not codec.is_delta(base.codec):
+            return None
+        elif depth == limit:
+            detail = (f"base chunk {base_id.hex()} is itself a delta" if limit == 1
+                      else f"delta chain holds more than {limit} deltas")
+        else:
+            seen.add(base_id)
+            entry = base
+            continue
+        return Problem(ProblemKind.BAD_BASE, detail, pack=tip.pack, chunk_id=tip.chunk_id.hex())
+    return None
+
+
+def _check_structure(index, found: _Findings, last_seen, packs, progress, limit: int = 1) -> None:
+    """Level 0: every needed chunk is indexed, in an existing pack, with an intact chain of bases (at most
+    ``limit`` deltas); and which packs hold the needed chunks."""
     found.needed = dict(found.users)
     bad = found.bad
     unreadable: set[str] = set()
@@ -221,14 +248,9 @@ def _check_structure(index, found: _Findings, last_seen, packs, progress) -> Non
                                    chunk_id=cid.hex())
                 continue
             if codec.is_delta(entry.codec):
-                base = index.lookup(entry.base_id)
-                found.needed.setdefault(entry.base_id, []).extend(where)
-                if base is None or base.pack not in packs:
-                    bad[cid] = Problem(ProblemKind.BAD_BASE, f"base chunk {entry.base_id.hex()} is missing",
-                                       pack=entry.pack, chunk_id=cid.hex())
-                elif codec.is_delta(base.codec):
-                    bad[cid] = Problem(ProblemKind.BAD_BASE, f"base chunk {entry.base_id.hex()} is itself a delta",
-                                       pack=entry.pack, chunk_id=cid.hex())
+                problem = _check_chain(index, entry, where, found, packs, limit)
+                if problem is not None:
+                    bad[cid] = problem
     found.live_packs = set(unreadable)
     for cid in found.needed:
         entry = index.lookup(cid)

@@ -1,8 +1,9 @@
 """Delta chains: the chunks a delta needs to be restored.
 
 A delta is coded against a base chunk; in a store with the feature ``delta-chains`` that base may itself be a
-delta, so restoring a chunk needs every chunk down its chain to a keyframe (at most ``config.chain_limit``
-deltas). Saves (what may be deduplicated against), commits (what must exist), copies (what to send), gc
+delta, so restoring a chunk needs every chunk down its chain to a keyframe (at most
+``config.chain_limit(cfg)`` deltas: ``MAX_CHAIN`` with the feature, else 1; a store's own writer stops at its
+``max_chain``). Saves (what may be deduplicated against), commits (what must exist), copies (what to send), gc
 (what stays live) and verify (what is needed) all ask the same question: :func:`chain_entries` answers it
 with one batched index look-up per level of the chains.
 """

@@ -46,6 +46,7 @@ class DeltaBase:
     last: int | None  # stored size of the parent's delta at this place (its history), None after a keyframe
     last_codec: int | None = None  # the delta codec of that delta
     depth: int = 0  # deltas in the base's own chain (0: a keyframe); a delta against it has depth + 1
+    keyframe_len: int | None = None  # stored size of the keyframe at the bottom of the chain (None: entry's)
 
 
 class Verdict(NamedTuple):
@@ -117,11 +118,12 @@ class DeltaPolicy:
             return None  # broken, or longer than this store's max_chain (copied in, or the setting lowered)
         depth = len(chain) - 1
         last, last_codec = (entry.stored_len, entry.codec) if codec.is_delta(entry.codec) else (None, None)
+        key_len = chain[-1].stored_len
         if depth < self.config.max_chain:
-            return DeltaBase(entry, 1, last, last_codec, depth)
+            return DeltaBase(entry, 1, last, last_codec, depth, key_len)
         age = entry.age + 1
-        return DeltaBase(chain[1], age, last, last_codec, depth - 1) if age <= self.config.keyframe_interval \
-            else None
+        return DeltaBase(chain[1], age, last, last_codec, depth - 1, key_len) \
+            if age <= self.config.keyframe_interval else None
 
     def _chain(self, entry: PackEntry, n: int) -> list[PackEntry] | None:
         """``entry`` and the bases down its chain to a keyframe (one index look-up per delta in it), or None
@@ -137,8 +139,10 @@ class DeltaPolicy:
         return chain
 
     def _key_limit(self, base: DeltaBase, n: int) -> float:
-        # The keyframe's own coded size stands in for this chunk's keyframe coding.
-        return (1.0 - self.config.delta_min_gain) * min(base.entry.stored_len, n)
+        # The keyframe's own coded size (the one down the chain, not a delta base's) stands in for this
+        # chunk's keyframe coding.
+        key_len = base.entry.stored_len if base.keyframe_len is None else base.keyframe_len
+        return (1.0 - self.config.delta_min_gain) * min(key_len, n)
 
     def verdict(self, view, elem_size: int, base: DeltaBase, base_raw) -> Verdict:
         """``pays`` True: code the delta (expected to pay); False: a keyframe (no delta coded); None: too close

@@ -219,3 +219,21 @@ def test_a_chain_longer_than_the_format_allows_is_damage(tmp_path, monkeypatch):
     with pytest.raises(CorruptChunkError, match="more than 3 deltas"):
         store.load("t")
     assert any("more than 3 deltas" in p.detail for p in verify_store(store, level=0).problems)
+
+
+def test_a_delta_against_a_chained_base_is_weighed_against_the_keyframe(tmp_path):
+    """A delta base's own stored size is a delta's; whether a new delta pays is judged against the keyframe
+    at the bottom of the chain (else every delta that outgrows one step's change became a keyframe)."""
+    from deltackpt.store.deltapolicy import DeltaPolicy
+
+    store, _ = _chained_store(tmp_path / "s", 2, 3)
+    ids = [_chunk_ids(store, f"c{i}")[0] for i in range(3)]
+    assert [_depth(store, c) for c in ids] == [0, 1, 2]
+    key, mid = store.index.lookup(ids[0]), store.index.lookup(ids[1])
+    policy = DeltaPolicy(store)
+    base = policy.base_for(ids[2], key.raw_len)
+    assert base.entry.chunk_id == ids[1] and base.depth == 1 and base.age == 2, "the chain is at its bound"
+    assert base.keyframe_len == key.stored_len
+    grown = 4 * mid.stored_len  # a delta covering several steps of change: far above the base's own size
+    assert grown < 0.5 * key.stored_len
+    assert policy.accepts(grown, base, key.raw_len)

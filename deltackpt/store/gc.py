@@ -2,9 +2,10 @@
 
 Mark: the live chunks are those the manifests reference plus the delta bases of those chunks (down each
 chain: a base is live while any live delta needs it, :func:`with_chain_bases`). The set is
-a sorted numpy array of 16-byte ids (16 bytes a chunk, not a Python object each), so stores with millions
-of chunks stay within tens of MB. The index cache is not trusted for liveness: a live chunk whose cached
-location does not hold it keeps the copy gc finds, and the cache is corrected.
+a sorted numpy array of 16-byte ids (:mod:`.idset`: 16 bytes a chunk, not a Python object each), so stores
+with millions of chunks stay within tens of MB, and every pack entry is tested against it in one vectorised
+pass: a plan costs O(live chunks + pack entries). The index cache is not trusted for liveness: a live chunk
+whose cached location does not hold it keeps the copy gc finds, and the cache is corrected.
 
 Sweep, per pack (read from its table, the truth): an entry is live if its chunk is live and the index
 locates that chunk in this pack (a copy elsewhere, left by an interrupted repack, is dead). A pack with no
@@ -20,6 +21,7 @@ Two phases, so that saves go on while gc works (see :mod:`.lock` for the waiting
 1. ``plan_gc`` marks and plans under a *shared* lock, like a save: saves run and commit meanwhile.
 2. ``GcPlan.execute`` takes the *exclusive* lock, which waits for running saves to finish and makes new
    ones wait; it re-checks the plan against the store as it is now, and deletes only what still holds.
+   When no manifest, pack or gc epoch changed since the mark, the plan holds as it is and is not re-checked.
    A save that committed since the mark may reference a chunk the plan meant to delete (it deduplicated
    against it): every manifest new or changed since the mark is read, its chunks and their delta bases join
    the live set, and a pack holding any of them, or a live duplicate the index no longer locates in a kept
@@ -44,11 +46,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import LocalFiles, spool_for
-from . import codec
 from .config import chain_limit
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
 from ..errors import CheckpointNotFoundError, DiskFullError, ManifestFormatError
+from . import idset
 from .index import GC_EPOCH_KEY
 from .pack import (
     FOOTER_SIZE,
@@ -85,6 +87,7 @@ class GcPlan:
     manifests: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)  # name -> (size, mtime)
     pack_entries: dict[str, list[PackEntry]] = field(default_factory=dict, repr=False)  # planned packs' tables
     packs: set[str] = field(default_factory=set, repr=False)  # every pack listed
+    epoch: bytes = field(default=b"", repr=False)  # the gc epoch when the store was listed
 
     @property
     def reclaim_bytes(self) -> int:
@@ -105,7 +108,6 @@ class GcPlan:
         t0 = time.monotonic()
         with store.lock(EXCLUSIVE, wait_s=wait_s):
             plan = self.revalidate()
-            moved, published = 0, set()
             # A new epoch before any pack goes: a process whose index cache is its own (another host) sees
             # it at its next save and refreshes, instead of deduplicating against a deleted pack.
             epoch = uuid.uuid4().hex.encode() if plan.delete_packs or plan.repack else None
@@ -118,12 +120,7 @@ class GcPlan:
                     bar.advance(1)
                 if not epoch_written:
                     _put_epoch(store, epoch, may_fail=False)
-                for old, entries in sorted(plan.repack.items()):
-                    n, names = _repack(store, old, entries)
-                    moved += n
-                    published |= names
-                    crash_point("gc:after-repack")
-                    bar.advance(1)
+                moved, published = _repack(store, plan.repack, bar)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
@@ -147,22 +144,26 @@ class GcPlan:
             return _plan(store, max_unused=self.max_unused, grace_s=self.grace_s)
         store.refresh_index()
         manifests = _list_manifests(store)
-        changed = [n for n, seen in manifests.items() if self.manifests.get(n) != seen]
-        live = _union(self.live, live_chunk_ids(store, changed)) if changed else self.live
         listed = _list_packs(store)
         present = set(listed)
+        planned = set(self.temp_files)
+        if manifests == self.manifests and present == self.packs and _read_epoch(store) == self.epoch:
+            # Nothing committed, published or collected since the mark: the plan holds as it is.
+            self.temp_files = [p for p in _removable_temp_files(store, self.grace_s) if p in planned]
+            return self
+        changed = [n for n, seen in manifests.items() if self.manifests.get(n) != seen]
+        live = idset.union(self.live, live_chunk_ids(store, changed)) if changed else self.live
         # Packs published since the mark keep their deltas' bases (an aborted save's deltas stay restorable).
         live = with_chain_bases(store, live, _delta_bases(store, {n: listed[n] for n in present - self.packs}))
         kept = {name: {e.chunk_id for e in keep} for name, keep in self.repack.items()}
         index = store.index
 
-        def still_dead(name: str, dropped) -> bool:
+        def still_dead(name: str, dropped: list[PackEntry]) -> bool:
             """Whether removing ``dropped`` (entries of pack ``name``) loses no live chunk."""
             if name not in present:
                 return False
-            for e in dropped:
-                if not _contains(live, e.chunk_id):
-                    continue
+            hit = idset.isin(live, idset.from_ids([e.chunk_id for e in dropped]))
+            for e in (dropped[i] for i in np.flatnonzero(hit)):
                 where = index.lookup(e.chunk_id)  # a live duplicate: its indexed copy must stay
                 if (where is None or where.pack == name or where.pack not in present
                         or where.pack in self.delete_packs
@@ -176,13 +177,14 @@ class GcPlan:
                       if still_dead(n, [e for e in self.pack_entries[n] if e.chunk_id not in kept[n]])]
             # A pack dropped from the plan keeps its dead deltas as they are: their bases must stay too.
             dropped = (set(self.delete_packs) - set(delete)) | (set(self.repack) - set(repack))
-            pins = {e.base_id for n in dropped for e in self.pack_entries[n]
-                    if e.base_id is not None and not _contains(live, e.base_id)}
-            if not pins:
+            bases = idset.from_ids([e.base_id for n in dropped for e in self.pack_entries[n] if e.base_id])
+            pins = bases[~idset.isin(live, bases)]
+            if not pins.size:
                 break
             live = with_chain_bases(store, live, pins)
         plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=self.max_unused, grace_s=self.grace_s,
-                      kept_young=self.kept_young, live=live, manifests=manifests, packs=present)
+                      kept_young=self.kept_young, live=live, manifests=manifests, packs=present,
+                      epoch=_read_epoch(store))
         for name in delete:
             plan.delete_packs[name] = self.delete_packs[name]
             plan.pack_entries[name] = self.pack_entries[name]
@@ -190,7 +192,6 @@ class GcPlan:
             plan.repack[name] = self.repack[name]
             plan.repack_sizes[name] = self.repack_sizes[name]
             plan.pack_entries[name] = self.pack_entries[name]
-        planned = set(self.temp_files)
         plan.temp_files = [p for p in _removable_temp_files(store, self.grace_s) if p in planned]
         return plan
 
@@ -208,51 +209,39 @@ class GcResult:
         return dict(self.__dict__)
 
 
-# Chunk ids as two big-endian u64 fields: sortable, searchable, and (unlike numpy's S16) never stripped of
-# trailing NUL bytes.
-ID_DTYPE = np.dtype([("hi", ">u8"), ("lo", ">u8")])
-
-
-def _ids(ids: list[bytes]) -> np.ndarray:
-    return np.frombuffer(b"".join(ids), dtype=ID_DTYPE) if ids else np.empty(0, dtype=ID_DTYPE)
-
-
 def live_chunk_ids(store, names=None) -> np.ndarray:
-    """Sorted unique ids (dtype ID_DTYPE, 16 bytes each) of every chunk a manifest references, plus their
+    """Sorted unique ids (dtype ``V16``, see :mod:`.idset`) of every chunk a manifest references, plus their
     delta bases; of the checkpoints ``names`` only, if given."""
-    parts = []
+    refs = idset.Collector()
     for name in store.checkpoint_names() if names is None else names:
         try:
             manifest = store.read_manifest(name)
         except CheckpointNotFoundError:
             continue  # forgotten since it was listed (forget takes no lock): it makes nothing live
-        parts.append(_ids([ref.id for item in manifest.items for ref in item.chunks]))
-    # (concatenate may turn the fields native-endian; astype restores the byte-order the ids are kept in)
-    live = np.unique(np.concatenate(parts)).astype(ID_DTYPE) if parts else np.empty(0, dtype=ID_DTYPE)
-    return with_chain_bases(store, live)
+        refs.add(idset.from_ids([ref.id for item in manifest.items for ref in item.chunks]))
+    return with_chain_bases(store, refs.result())
 
 
-def with_chain_bases(store, live: np.ndarray, ids=None) -> np.ndarray:
-    """``live`` with ``ids`` (default: those of ``live`` itself) and the delta bases they need added, down
-    each chain (a base is live while any live delta needs it); a base already live is not followed again."""
-    index = store.index
-    if ids is None:
-        raw = live.tobytes()
-        frontier = [raw[16 * k : 16 * k + 16] for k in range(live.size)]
-    else:
-        frontier = list(ids)
-        live = _union(live, frontier)
+def with_chain_bases(store, live: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """``live`` (sorted unique V16 ids) with ``ids`` (default: those of ``live`` itself) and the delta bases
+    they need added, down each chain (a base is live while any live delta needs it): one batched index
+    look-up per level, at most the store's chain limit (1 without the feature ``delta-chains``)."""
+    frontier = live if ids is None else idset.unique(ids)
+    live = live if ids is None else idset.union(live, frontier)
     for _ in range(chain_limit(store.config)):
-        bases = set()
-        for cid in frontier:
-            entry = index.lookup(cid)
-            if entry is not None and codec.is_delta(entry.codec):
-                bases.add(entry.base_id)
-        frontier = [b for b in bases if not _contains(live, b)]
-        if not frontier:
+        bases = idset.unique(store.index.locate(frontier).delta_base)
+        frontier = bases[~idset.isin(live, bases)]
+        if not frontier.size:
             break
-        live = _union(live, frontier)
+        live = idset.union(live, frontier)
     return live
+
+
+def _read_epoch(store) -> bytes:
+    try:
+        return bytes(store.backend.get(GC_EPOCH_KEY))
+    except FileNotFoundError:
+        return b""
 
 
 def _list_manifests(store) -> dict[str, tuple[int, float]]:
@@ -263,11 +252,6 @@ def _list_manifests(store) -> dict[str, tuple[int, float]]:
         if "/" not in name:
             out[name] = (info.size_bytes, info.mtime_s)
     return out
-
-
-def _union(live: np.ndarray, ids) -> np.ndarray:
-    ids = ids if isinstance(ids, np.ndarray) else _ids(list(ids))
-    return np.unique(np.concatenate([live, ids])).astype(ID_DTYPE) if ids.size else live
 
 
 def _list_packs(store) -> dict[str, object]:
@@ -292,9 +276,10 @@ def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[
     return tables
 
 
-def _delta_bases(store, listed: dict) -> set[bytes]:
-    """The delta bases the entries of the packs ``listed`` need."""
-    return {e.base_id for entries in _read_tables(store, listed).values() for e in entries if e.base_id}
+def _delta_bases(store, listed: dict) -> np.ndarray:
+    """The delta bases the entries of the packs ``listed`` need (V16 ids)."""
+    return idset.from_ids([e.base_id for entries in _read_tables(store, listed).values() for e in entries
+                           if e.base_id])
 
 
 def _removable_temp_files(store, grace_s: float) -> list[str]:
@@ -306,14 +291,6 @@ def _removable_temp_files(store, grace_s: float) -> list[str]:
     return [p for p, mtime in store.backend.list_temp()
             if now - mtime >= (max(grace_s, STALE_AFTER_S) if p.replace(os.sep, "/").startswith("locks/")
                                else grace_s)]
-
-
-def _contains(sorted_ids: np.ndarray, cid: bytes) -> bool:
-    # Searched as 16-byte voids (memcmp order = the big-endian (hi, lo) order they are sorted in): on the
-    # structured dtype each search costs O(n) (150 us at 200k ids, measured), on V16 O(log n) (2.6 us).
-    voids = sorted_ids.view("V16")
-    i = int(np.searchsorted(voids, np.frombuffer(cid, dtype="V16")[0]))
-    return i < voids.size and voids[i].tobytes() == cid
 
 
 def _indexed_copy_is_valid(store, where: PackEntry, present: set[str]) -> bool:
@@ -341,11 +318,11 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S,
 def _plan(store, *, max_unused: float, grace_s: float, progress: Progress | None = None) -> GcPlan:
     store.refresh_index()
     now = time.time()
+    epoch = _read_epoch(store)  # before the listings: a gc that runs meanwhile changes it
     manifests = _list_manifests(store)  # before the manifests are read: one written after counts as new
     live = live_chunk_ids(store, list(manifests))
     plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=max_unused, grace_s=grace_s,
-                  live=live, manifests=manifests)
-    index = store.index
+                  live=live, manifests=manifests, epoch=epoch)
     listed = _list_packs(store)
     plan.packs = set(listed)
     young = {n: i for n, i in listed.items() if now - i.mtime_s < grace_s}
@@ -353,34 +330,56 @@ def _plan(store, *, max_unused: float, grace_s: float, progress: Progress | None
     # A young pack may be an in-flight save's: the bases of its deltas stay, whether or not it commits.
     live = plan.live = with_chain_bases(store, live, _delta_bases(store, young))
     old = {n: i for n, i in listed.items() if n not in young}
-    for name, entries in _read_tables(store, old, progress).items():
-        size = old[name].size_bytes
-        keep, fixes = [], []
-        for e in entries:
-            if not _contains(live, e.chunk_id):
-                continue
-            where = index.lookup(e.chunk_id)
-            if where is not None and where.pack == name:
-                keep.append(e)
-            elif where is None or not _indexed_copy_is_valid(store, where, plan.packs):
-                keep.append(e)  # the only trustworthy copy: keep it, and point the index at it
-                fixes.append(e)
-            # else: a duplicate of a chunk that lives elsewhere (e.g. left by an interrupted repack)
-        if fixes:
-            index.relocate(fixes, {})
-        # The pack's fixed overhead (magic, table rows, footer) belongs to its live entries too.
-        live_bytes = sum(HEADER_SIZE + e.stored_len + ROW_SIZE for e in keep) + len(PACK_MAGIC) + FOOTER_SIZE
-        # A dead delta whose base is deleted could not be restored: its pack is repacked, never kept as is.
-        orphaned = any(e.base_id is not None and not _contains(live, e.base_id) for e in entries)
-        if not keep:
-            plan.delete_packs[name] = size
-            plan.pack_entries[name] = entries
-        elif orphaned or 1.0 - live_bytes / size > max_unused:
-            plan.repack[name] = keep
-            plan.repack_sizes[name] = size
-            plan.pack_entries[name] = entries
+    tables = _read_tables(store, old, progress)
+    names = list(tables)
+    sizes = np.array([old[n].size_bytes for n in names], dtype=np.int64)
+    owner = np.repeat(np.arange(len(names)), [len(tables[n]) for n in names])
+    entries = [e for n in names for e in tables[n]]
+    keep = _live_entries(store, plan, names, entries, owner, live)
+    # The pack's fixed overhead (magic, table rows, footer) belongs to its live entries too.
+    cost = np.fromiter((HEADER_SIZE + e.stored_len + ROW_SIZE for e in entries), dtype=np.int64, count=len(entries))
+    live_bytes = np.bincount(owner[keep], weights=cost[keep], minlength=len(names)) + len(PACK_MAGIC) + FOOTER_SIZE
+    num_kept = np.bincount(owner[keep], minlength=len(names))
+    # A dead delta whose base is deleted could not be restored: its pack is repacked, never kept as is.
+    with_base = np.flatnonzero(np.fromiter((e.base_id is not None for e in entries), dtype=bool, count=len(entries)))
+    lost = ~idset.isin(live, idset.from_ids([entries[i].base_id for i in with_base]))
+    orphaned = np.bincount(owner[with_base[lost]], minlength=len(names)) > 0
+    for i, name in enumerate(names):
+        if not num_kept[i]:
+            plan.delete_packs[name] = int(sizes[i])
+            plan.pack_entries[name] = tables[name]
+        elif orphaned[i] or 1.0 - live_bytes[i] / sizes[i] > max_unused:
+            plan.repack[name] = [entries[j] for j in np.flatnonzero(keep & (owner == i))]
+            plan.repack_sizes[name] = int(sizes[i])
+            plan.pack_entries[name] = tables[name]
     plan.temp_files = _removable_temp_files(store, grace_s)
     return plan
+
+
+def _live_entries(store, plan: GcPlan, names: list[str], entries: list[PackEntry], owner: np.ndarray,
+                  live: np.ndarray) -> np.ndarray:
+    """A bool per entry (of pack ``names[owner[i]]``): whether gc keeps it. An entry is kept if its chunk is
+    live and the index locates it in this pack, or nowhere valid (then the index is pointed at it)."""
+    keep = idset.isin(live, idset.from_ids([e.chunk_id for e in entries]))
+    at = np.flatnonzero(keep)
+    loc = store.index.locate(idset.from_ids([entries[i].chunk_id for i in at]))
+    number = {n: i for i, n in enumerate(names)}
+    # -1: not indexed; -2: indexed in a pack whose table was not read (young, unreadable or gone)
+    where = np.array([number.get(p, -2) for p in loc.packs] + [-1], dtype=np.int64)[loc.pack_of]
+    index, fixed = store.index, {}
+    for k in np.flatnonzero(where != owner[at]):  # live copies the index does not point at (rare)
+        e = entries[at[k]]
+        if e.chunk_id in fixed:
+            keep[at[k]] = False  # a second copy of a chunk whose first copy is kept
+            continue
+        located = index.lookup(e.chunk_id)
+        if located is None or not _indexed_copy_is_valid(store, located, plan.packs):
+            fixed[e.chunk_id] = e  # the only trustworthy copy: keep it, and point the index at it
+        else:
+            keep[at[k]] = False  # a duplicate of a chunk that lives elsewhere (e.g. left by an interrupted repack)
+    if fixed:
+        index.relocate(list(fixed.values()), {})
+    return keep
 
 
 def _put_epoch(store, epoch: bytes, *, may_fail: bool) -> bool:
@@ -394,29 +393,35 @@ def _put_epoch(store, epoch: bytes, *, may_fail: bool) -> bool:
         return False
 
 
-def _repack(store, old: str, entries: list[PackEntry]) -> tuple[int, set[str]]:
-    """Copy ``entries`` of pack ``old`` into new packs and point the index at them.
+def _repack(store, repack: dict[str, list[PackEntry]], bar=None) -> tuple[int, set[str]]:
+    """Copy the live entries of the packs ``repack`` (name -> entries) into new packs of the target size,
+    shared by all of them (small packs merge), and point the index at them.
 
     Returns (entries moved, names of the packs published)."""
-    data = store.backend.get(pack_key(old))
     target = store.config.pack_target_bytes
-    builder = PackBuilder(spool_for(store.backend))
-    moved, names = [], set()
+    moved, names = 0, set()
 
-    def flush(b: PackBuilder):
+    def flush(b: PackBuilder) -> None:
+        nonlocal moved
         name, size, new_entries = b.publish(store.backend)
         store.index.relocate(new_entries, {name: size})
-        moved.extend(new_entries)
+        moved += len(new_entries)
         names.add(name)
+        crash_point("gc:after-repack")
 
-    for e in entries:
-        payload = memoryview(data)[e.offset + HEADER_SIZE : e.offset + HEADER_SIZE + e.stored_len]
-        builder.add(e.chunk_id, e.codec, e.elem_size, e.raw_len, payload, e.base_id, e.age)
-        if builder.size_bytes >= target:
-            flush(builder)
-            builder = PackBuilder(spool_for(store.backend))
+    builder = PackBuilder(spool_for(store.backend))
+    for old, entries in sorted(repack.items()):
+        data = store.backend.get(pack_key(old))
+        for e in entries:
+            payload = memoryview(data)[e.offset + HEADER_SIZE : e.offset + HEADER_SIZE + e.stored_len]
+            builder.add(e.chunk_id, e.codec, e.elem_size, e.raw_len, payload, e.base_id, e.age)
+            if builder.size_bytes >= target:
+                flush(builder)
+                builder = PackBuilder(spool_for(store.backend))
+        if bar is not None:
+            bar.advance(1)
     if len(builder):
         flush(builder)
     else:
         builder.discard()
-    return len(moved), names
+    return moved, names

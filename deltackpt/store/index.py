@@ -17,28 +17,27 @@ A fault of the cache never makes the store unusable (each kind is logged once, a
   tables, except for records that are only nice to have (checkpoint summaries, verification times),
   which are skipped.
 
-LMDB allows one open environment per path per process, so environments are shared through a small
-process-level registry and never pickled or inherited across ``fork``.
+How the LMDB environment is opened, shared in the process, and repaired lives in :mod:`.lmdbenv`.
 """
 
 from __future__ import annotations
 
-import errno
-import functools
 import logging
-import os
 import shutil
 import struct
-import threading
 import time
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 
-import lmdb
+import numpy as np
 
+from . import lmdbenv
 from .backend import local_root
 from ..errors import ManifestFormatError
 from .codec import is_delta
-from .memenv import MemoryEnv
+from . import idset
+from .lmdbenv import LmdbCache, close_env, guarded, opened_here
 from .pack import PackEntry, _check_fields, pack_key, pack_name_from_key, read_pack_entries, walk_entries
 from .progress import Progress, phase
 
@@ -46,66 +45,22 @@ log = logging.getLogger("deltackpt.store")
 
 _RECORD = struct.Struct("<16sQQQBB16sH")
 _NO_BASE = bytes(16)
-_MAP_SIZE = 1 << 36  # virtual; the file grows as needed
 INDEX_VERSION = b"2"
+_BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, bounded memory
 
-# LMDB maps its lock file: touching a page of it on a full disk is SIGBUS, not an error Python can catch.
-_MIN_FREE_BYTES = 1 << 20
 # Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
 GC_EPOCH_KEY = "gc-epoch"
-_DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts", b"verified")
-_envs: dict[str, tuple] = {}
-_envs_lock = threading.Lock()
-
-# Errors that say the cache cannot be written at this place (permissions, space, I/O), not that it is damaged.
-_CANNOT_WRITE = (lmdb.ReadonlyError, lmdb.DiskError, lmdb.MapFullError, lmdb.MemoryError, lmdb.LockError,
-                 lmdb.ReadersFullError, lmdb.TlsFullError)
-_CANNOT_WRITE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EIO,
-                        errno.ENOMEM}
+_envs, _close_env = lmdbenv._envs, close_env  # the registry, under the names the tests close it by
 
 
-def _cannot_write(exc: BaseException) -> bool:
-    return (isinstance(exc, (OSError, *_CANNOT_WRITE))
-            or (isinstance(exc, lmdb.Error) and getattr(exc, "code", None) in _CANNOT_WRITE_ERRNOS))
+@dataclass
+class Located:
+    """Where the index locates a batch of chunks (see :meth:`ChunkIndex.locate`), in arrays."""
 
-
-def _open_env(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]]:
-    """The process's environment for ``path`` and its named databases, opened once."""
-    key = str(path.resolve())
-    with _envs_lock:
-        hit = _envs.get(key)
-        if hit is not None and hit[0] == os.getpid():
-            return hit[1], hit[2]
-        path.mkdir(parents=True, exist_ok=True)
-        free = os.statvfs(path)
-        if free.f_bavail * free.f_frsize < _MIN_FREE_BYTES:
-            raise OSError(errno.ENOSPC, "too little free space to open an LMDB cache", str(path))
-        env = lmdb.open(str(path), map_size=_MAP_SIZE, max_dbs=8, subdir=True, lock=True, readahead=False)
-        try:
-            _check_not_truncated(env, path)
-            dbs = {name: env.open_db(name) for name in _DB_NAMES}
-        except lmdb.Error:
-            env.close()
-            raise
-        _envs[key] = (os.getpid(), env, dbs)
-        return env, dbs
-
-
-def _check_not_truncated(env: lmdb.Environment, path: Path) -> None:
-    """A data file shorter than the pages its meta page says it has (a copy cut short, a full disk) would
-    crash the process with SIGBUS on the first read past its end: refuse it as a damaged cache instead."""
-    used = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    size = os.path.getsize(path / "data.mdb")
-    if size < used:
-        raise lmdb.CorruptedError(f"{path / 'data.mdb'} has {size} bytes, its pages need {used}")
-
-
-def _close_env(path: Path) -> None:
-    key = str(path.resolve())
-    with _envs_lock:
-        hit = _envs.pop(key, None)
-    if hit is not None and hit[0] == os.getpid():
-        hit[1].close()
+    packs: list[str]  # the packs named, numbered by position
+    pack_of: np.ndarray  # int32 per chunk: its pack's number, -1 when not indexed
+    delta_at: np.ndarray  # int32: positions of the chunks stored as deltas
+    delta_base: np.ndarray  # V16: the base of each of those deltas
 
 
 def encode_record(e: PackEntry) -> bytes:
@@ -123,51 +78,14 @@ def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
     return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base, age)
 
 
-def _guarded(best_effort: bool = False):
-    """Run an index operation so that a fault of the cache is repaired and the operation retried.
-
-    ``best_effort``: the operation only caches what can be had again (summaries, verification times), so
-    when the cache cannot be written it is skipped rather than moving the index into memory.
-    """
-
-    def wrap(op):
-        @functools.wraps(op)
-        def run(self, *args, **kwargs):
-            for attempt in range(3):
-                gen = self._gen
-                try:
-                    return op(self, *args, **kwargs)
-                except (lmdb.Error, ManifestFormatError) as exc:
-                    # A malformed record in a cache this process rebuilt from the packs is not the cache's fault.
-                    if attempt == 2 or (isinstance(exc, ManifestFormatError) and self._trusted):
-                        raise
-                    if best_effort and _cannot_write(exc):
-                        self._warn("skip", f"index cache {self.path} cannot be written ({exc}); not caching")
-                        return None
-                    self._recover(exc, gen)
-            raise AssertionError("unreachable")
-
-        return run
-
-    return wrap
-
-
-class ChunkIndex:
+class ChunkIndex(LmdbCache):
     """Chunk id -> PackEntry, cached in LMDB under the first of ``cache_dir``, ``*fallback_dirs`` that this
     process can write, else in memory."""
 
     def __init__(self, backend, cache_dir: Path, store_id: str, fallback_dirs=()) -> None:
+        super().__init__([Path(d) / "index.lmdb" for d in (cache_dir, *fallback_dirs)])
         self.backend = backend
-        self._candidates = [Path(d) / "index.lmdb" for d in (cache_dir, *fallback_dirs)]
-        self.path: Path | None = self._candidates[0]  # the LMDB in use; None while the index is in memory
         self.store_id = store_id.encode()
-        self._env = None
-        self._db: dict[bytes, object] = {}
-        self._pid = None
-        self._gen = 0  # bumped by every repair: an operation that failed before it just retries
-        self._trusted = False  # rebuilt from the packs by this process (or in memory)
-        self._repair_lock = threading.RLock()
-        self._warned: set[str] = set()
 
     def __getstate__(self):
         raise TypeError("ChunkIndex holds an LMDB environment and is not picklable; reopen the store")
@@ -180,79 +98,6 @@ class ChunkIndex:
     def generation(self) -> int:
         """Changes whenever the index is repaired or rebuilt (see :meth:`distrust`)."""
         return self._gen
-
-    @property
-    def env(self):
-        if self._env is None or (self.path is not None and self._pid != os.getpid()):
-            with self._repair_lock:
-                if self._env is None or (self.path is not None and self._pid != os.getpid()):
-                    self._open()
-        return self._env
-
-    def _open(self) -> None:
-        """Open the first candidate location this process can write; else keep the index in memory."""
-        for path in self._candidates:
-            opened = self._open_at(path)
-            if opened is not None:
-                self._env, self._db = opened
-                self.path, self._pid = path, os.getpid()
-                return
-        self._use_memory(f"no index cache location is writable ({', '.join(map(str, self._candidates))})")
-
-    def _open_at(self, path: Path):
-        try:
-            return _open_env(path)
-        except (lmdb.Error, OSError) as exc:
-            if _cannot_write(exc):
-                log.debug("index cache %s is not usable (%s); trying the next location", path, exc)
-                return None
-            # An unreadable cache is rebuilt, never trusted.
-            self._warn("damaged", f"index cache {path} is damaged ({exc}); rebuilding it from the pack tables")
-            _close_env(path)
-            shutil.rmtree(path, ignore_errors=True)
-            try:
-                return _open_env(path)
-            except (lmdb.Error, OSError):
-                return None
-
-    def _use_memory(self, why: str) -> None:
-        self._warn("memory", f"{why}; keeping the chunk index in memory (rebuilt from the pack tables)")
-        self._env = MemoryEnv(_DB_NAMES)
-        self._db = self._env.dbs
-        self.path = None
-
-    def _warn(self, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            log.warning(message)
-
-    def _recover(self, exc: BaseException, gen: int) -> None:
-        """Make the index usable again after ``exc`` (seen by an operation started at generation ``gen``)."""
-        with self._repair_lock:
-            if gen != self._gen:
-                return  # another thread repaired it meanwhile
-            self._gen += 1
-            path = self.path
-            if path is not None:
-                hit = _envs.get(str(path.resolve()))
-                if hit is not None and hit[0] == os.getpid() and hit[1] is not self._env:
-                    self._env, self._db = hit[1], hit[2]  # another index of this process already reopened it
-                    return
-            if path is not None and not _cannot_write(exc):
-                self._warn("damaged", f"index cache {path} is damaged ({exc}); rebuilding it from the pack tables")
-                _close_env(path)
-                shutil.rmtree(path, ignore_errors=True)
-                try:
-                    self._env, self._db = _open_env(path)
-                    self._pid = os.getpid()
-                    self._rebuild()
-                    return
-                except (lmdb.Error, OSError) as again:
-                    exc = again
-            if path is not None:
-                _close_env(path)
-            self._use_memory(f"index cache {path} cannot be written ({exc})")
-            self._rebuild()
 
     def distrust(self, gen: int) -> bool:
         """A caller found a record of the index wrong (its pack is missing, its bytes are not that chunk):
@@ -273,27 +118,30 @@ class ChunkIndex:
         return self._db[b"chunks"], self._db[b"packs"], self._db[b"meta"]
 
     # -- verification times (which packs verify checked last, so partial runs rotate) -------------------------
-    @_guarded()
+    @guarded()
     def last_verified(self, pack: str) -> float:
         self.env
         with self.env.begin(db=self._db[b"verified"]) as txn:
             raw = txn.get(bytes.fromhex(pack))
         return struct.unpack("<d", raw)[0] if raw is not None and len(raw) == 8 else 0.0
 
-    @_guarded(best_effort=True)
-    def mark_verified(self, pack: str, when: float | None = None) -> None:
+    @guarded(best_effort=True)
+    def mark_verified(self, packs, when: float | None = None) -> None:
+        """Record ``packs`` (a name or names) as verified at ``when`` (default now), in one transaction."""
+        value = struct.pack("<d", time.time() if when is None else when)
         self.env
         with self.env.begin(write=True, db=self._db[b"verified"]) as txn:
-            txn.put(bytes.fromhex(pack), struct.pack("<d", time.time() if when is None else when))
+            for pack in [packs] if isinstance(packs, str) else packs:
+                txn.put(bytes.fromhex(pack), value)
 
     # -- checkpoint summaries (a cache of what ``ls`` needs, keyed by manifest name) ------------------------
-    @_guarded()
+    @guarded()
     def get_summaries(self) -> dict[str, bytes]:
         self.env
         with self.env.begin(db=self._db[b"ckpts"]) as txn:
             return {bytes(k).decode(): bytes(v) for k, v in txn.cursor()}
 
-    @_guarded(best_effort=True)
+    @guarded(best_effort=True)
     def put_summaries(self, summaries: dict[str, bytes], drop=()) -> None:
         self.env
         with self.env.begin(write=True, db=self._db[b"ckpts"]) as txn:
@@ -303,14 +151,14 @@ class ChunkIndex:
                 txn.put(name.encode(), value)
 
     # -- reads -------------------------------------------------------------------------------------------
-    @_guarded()
+    @guarded()
     def lookup(self, chunk_id: bytes) -> PackEntry | None:
         chunks, _, _ = self._dbs()
         with self.env.begin(db=chunks) as txn:
             rec = txn.get(chunk_id)
         return None if rec is None else decode_record(chunk_id, rec)
 
-    @_guarded()
+    @guarded()
     def lookup_many(self, chunk_ids) -> dict[bytes, PackEntry]:
         chunks, _, _ = self._dbs()
         out = {}
@@ -321,7 +169,32 @@ class ChunkIndex:
                     out[cid] = decode_record(cid, rec)
         return out
 
-    @_guarded()
+    @guarded()
+    def locate(self, ids: np.ndarray) -> Located:
+        """The pack and delta base of each of ``ids`` (an array of 16-byte ids), in one read transaction;
+        only the fields a structure check needs are read, no PackEntry is built."""
+        chunks, _, _ = self._dbs()
+        raw = memoryview(np.ascontiguousarray(ids).view(np.uint8))  # no copy of the ids
+        names: dict[bytes, int] = {}
+        pack_of, delta_at, bases = array("i"), array("i"), bytearray()
+        with self.env.begin(db=chunks) as txn:
+            get = txn.get
+            for k in range(0, len(raw), 16):
+                rec = get(raw[k:k + 16])
+                if rec is None:
+                    pack_of.append(-1)
+                    continue
+                base = rec[42:58]  # see _RECORD: pack, 3 x u64, codec (byte 40), elem size, base
+                if len(rec) != _RECORD.size or is_delta(rec[40]) != (base != _NO_BASE):
+                    raise ManifestFormatError(f"index record for chunk {raw[k:k + 16].hex()} is malformed")
+                pack_of.append(names.setdefault(rec[:16], len(names)))
+                if is_delta(rec[40]):
+                    delta_at.append(k // 16)
+                    bases += base
+        return Located([n.hex() for n in names], np.frombuffer(pack_of, dtype=np.int32),
+                       np.frombuffer(delta_at, dtype=np.int32), np.frombuffer(bytes(bases), dtype="V16"))
+
+    @guarded()
     def check_records(self) -> int:
         """Number of malformed records in the cache (a damaged cache is rebuilt, never trusted)."""
         chunks, _, _ = self._dbs()
@@ -336,7 +209,7 @@ class ChunkIndex:
                     bad += 1
         return bad
 
-    @_guarded()
+    @guarded()
     def known_packs(self) -> set[str]:
         return self._known_packs()
 
@@ -345,13 +218,13 @@ class ChunkIndex:
         with self.env.begin(db=packs) as txn:
             return {bytes(k).hex() for k, _ in txn.cursor()}
 
-    @_guarded()
+    @guarded()
     def num_chunks(self) -> int:
         chunks, _, _ = self._dbs()
         with self.env.begin(db=chunks) as txn:
             return txn.stat(chunks)["entries"]
 
-    @_guarded()
+    @guarded()
     def iter_entries(self):
         """Every indexed entry (read at once, so a repair never leaves a half-consumed iterator)."""
         chunks, _, _ = self._dbs()
@@ -359,20 +232,23 @@ class ChunkIndex:
             return iter([decode_record(bytes(k), bytes(v)) for k, v in txn.cursor()])
 
     # -- writes ------------------------------------------------------------------------------------------
-    @_guarded()
+    @guarded()
     def add(self, entries, packs: dict[str, int], *, if_present: bool = False) -> None:
         """Record ``entries`` and mark ``packs`` (name -> size) as indexed, in one transaction.
 
-        An id already indexed keeps its first location, so repeated chunks never move. ``if_present``: record
-        nothing unless every pack still exists (checked inside the transaction, see delete_unindexed_packs).
+        An id already indexed keeps its first location, so repeated chunks never move. ``if_present``: skip
+        the packs (and their entries) that no longer exist, checked inside the transaction (see
+        delete_unindexed_packs).
         """
         self._add(list(entries), packs, if_present=if_present)
 
     def _add(self, entries, packs: dict[str, int], if_present: bool = False) -> None:
         chunks, packs_db, meta = self._dbs()
         with self.env.begin(write=True) as txn:
-            if if_present and not all(self.backend.exists(pack_key(name)) for name in packs):
-                return
+            gone = {n for n in packs if not self.backend.exists(pack_key(n))} if if_present else ()
+            if gone:
+                entries = [e for e in entries if e.pack not in gone]
+                packs = {n: size for n, size in packs.items() if n not in gone}
             if txn.get(b"store_id", db=meta) != self.store_id:
                 txn.put(b"store_id", self.store_id, db=meta)
                 txn.put(b"version", INDEX_VERSION, db=meta)
@@ -381,7 +257,7 @@ class ChunkIndex:
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
 
-    @_guarded()
+    @guarded()
     def relocate(self, entries, packs: dict[str, int]) -> None:
         """Point ``entries``' chunks at their new location (repack), in one transaction."""
         chunks, packs_db, _ = self._dbs()
@@ -391,17 +267,18 @@ class ChunkIndex:
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
 
-    @_guarded()
+    @guarded()
     def remove_packs(self, names) -> None:
-        """Forget ``names`` and every chunk located in them (used by gc after deleting packs)."""
-        names = set(names)
+        """Forget ``names`` and every chunk located in them (used by gc after deleting packs), in one
+        transaction; one pass over the records, holding only the ids it removes."""
         raw_names = {bytes.fromhex(n) for n in names}
+        if not raw_names:
+            return
         chunks, packs_db, _ = self._dbs()
         with self.env.begin(write=True) as txn:
-            cur = txn.cursor(db=chunks)
-            for k, v in list(cur):
-                if bytes(v[:16]) in raw_names:
-                    txn.delete(k, db=chunks)
+            doomed = [bytes(k) for k, v in txn.cursor(db=chunks) if bytes(v[:16]) in raw_names]
+            for k in doomed:
+                txn.delete(k, db=chunks)
             for rn in raw_names:
                 txn.delete(rn, db=packs_db)
 
@@ -422,14 +299,14 @@ class ChunkIndex:
         finally:
             txn.abort()  # nothing to write (and on a full disk a commit could fail)
 
-    @_guarded()
+    @guarded()
     def get_meta(self, key: bytes) -> bytes | None:
         _, _, meta = self._dbs()
         with self.env.begin(db=meta) as txn:
             value = txn.get(key)
         return None if value is None else bytes(value)
 
-    @_guarded(best_effort=True)
+    @guarded(best_effort=True)
     def set_meta(self, key: bytes, value: bytes) -> None:
         _, _, meta = self._dbs()
         with self.env.begin(write=True, db=meta) as txn:
@@ -461,7 +338,7 @@ class ChunkIndex:
                 out[name] = (info.size_bytes, info.mtime_s)
         return out
 
-    @_guarded()
+    @guarded()
     def refresh(self) -> tuple[int, int]:
         """Bring the cache in line with the packs in the backend. Returns (packs added, packs removed)."""
         # Known before listed: a pack a concurrent commit indexes in between must not look gone (a rebuild).
@@ -471,11 +348,10 @@ class ChunkIndex:
         if gone or self._is_foreign():
             return self._rebuild(present)
         new = [n for n in present if n not in known]
-        for name in new:
-            self._index_pack(name, present[name][0])
+        self._index_packs([(n, present[n][0]) for n in new])
         return len(new), 0
 
-    @_guarded()
+    @guarded()
     def rebuild(self, present: dict[str, tuple[int, float]] | None = None,
                 progress: Progress | None = None) -> tuple[int, int]:
         """Drop the cache and index every pack again. Returns (packs indexed, packs dropped).
@@ -488,8 +364,7 @@ class ChunkIndex:
             # Never opened here: delete the files unread (LMDB has no page checksums, and a damaged page
             # pointer can crash the process before any error is raised).
             for path in self._candidates:
-                hit = _envs.get(str(path.resolve()))
-                if hit is None or hit[0] != os.getpid():  # one this process has open is readable
+                if opened_here(path) is None:  # one this process has open is readable
                     shutil.rmtree(path, ignore_errors=True)
         return self._rebuild(present, progress)
 
@@ -507,26 +382,110 @@ class ChunkIndex:
                 txn.drop(meta, delete=False)
                 txn.drop(self._db[b"ckpts"], delete=False)
             with phase(progress, "index rebuild", len(present), "pack") as bar:
-                for name in sorted(present, key=lambda n: (-present[n][1], n)):
-                    self._index_pack(name, present[name][0])
-                    bar.advance(1)
+                self._index_packs([(n, present[n][0]) for n in sorted(present, key=lambda n: (-present[n][1], n))],
+                                  bar)
             # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
             self._add([], {})
             self._trusted = True
             self._gen += 1
             return len(present), max(0, before - len(present))
 
-    def _index_pack(self, name: str, size: int) -> None:
-        try:
-            entries = read_pack_entries(self.backend, name, size)
-        except FileNotFoundError:
-            entries = []
-        except ManifestFormatError:
-            # Damaged table (e.g. a truncated pack): recover the intact entries from their headers.
-            # verify still reports the pack; its intact chunks stay readable meanwhile.
-            try:
-                entries = walk_entries(self.backend.get(pack_key(name)), name)
-            except FileNotFoundError:
-                entries = []
+    @guarded()
+    def reconcile(self, progress: Progress | None = None) -> int:
+        """Make the cache say what the pack tables say, in one transaction that writes only what differs.
+
+        verify's check of the cache: unlike :meth:`rebuild` it keeps the checkpoint summaries, and a cache
+        that was right is not written at all (a rebuild rewrites every record, and LMDB cannot reuse the
+        pages it frees at once, so the file grows). A record that matches a copy in some table stays; a
+        chunk none of whose copies matches gets the newest copy. Returns the records written or deleted."""
+        if self._is_foreign():
+            return self._rebuild(progress=progress)[0]
+        with self._repair_lock:
+            present = self._listed()
+            ids, recs, sizes = bytearray(), bytearray(), {}
+            with phase(progress, "index check", len(present), "pack") as bar:
+                for name in sorted(present, key=lambda n: (-present[n][1], n)):  # newest first
+                    entries = self._read_entries(name, present[name][0])
+                    bar.advance(1)
+                    if entries is not None:
+                        sizes[bytes.fromhex(name)] = struct.pack("<Q", present[name][0])
+                        for e in entries:
+                            ids += e.chunk_id
+                            recs += encode_record(e)
+            changed = self._reconcile(ids, bytes(recs), sizes)
+            self._trusted = True
+            self._gen += 1 if changed else 0
+            return changed
+
+    def _reconcile(self, ids: bytearray, recs: bytes, sizes: dict[bytes, bytes]) -> int:
+        size, ids = _RECORD.size, idset.from_ids(ids)
+        raw = ids.tobytes()
+        chunks, packs_db, _ = self._dbs()
+        changed = 0
+        with self.env.begin(write=True) as txn:
+            match = np.frombuffer(bytes(txn.get(raw[16 * k:16 * k + 16], db=chunks) == recs[size * k:size * (k + 1)]
+                                        for k in range(ids.size)), dtype=bool)
+            order = np.argsort(ids, kind="stable")  # the copies of a chunk stay newest first
+            ids_sorted = ids[order]
+            first = np.flatnonzero(np.r_[True, ids_sorted[1:] != ids_sorted[:-1]]) if ids.size else order
+            settled = np.logical_or.reduceat(match[order], first) if ids.size else match
+            for k in order[first[~settled]]:
+                txn.put(raw[16 * k:16 * k + 16], recs[size * k:size * (k + 1)], db=chunks)
+                changed += 1
+            # A record of a chunk in no table read is wrong, unless its pack was published since the listing.
+            known = {bytes(k): bytes(v) for k, v in txn.cursor(db=packs_db)}
+            alive = set(sizes) | {p for p in known if p not in sizes and self.backend.exists(pack_key(p.hex()))}
+            keys, doomed = bytearray(), []
+            for key, _ in txn.cursor(db=chunks):
+                if len(key) == 16:
+                    keys += key
+                else:
+                    doomed.append(bytes(key))
+            keys = idset.from_ids(keys)
+            for k in np.flatnonzero(~idset.isin(ids_sorted[first] if ids.size else ids, keys)):
+                key = keys[k].tobytes()
+                rec = txn.get(key, db=chunks)
+                if bytes(rec[:16]) in sizes or bytes(rec[:16]) not in alive:
+                    doomed.append(key)
+            for key in doomed:
+                txn.delete(key, db=chunks)
+            changed += len(doomed)
+            for p, value in sizes.items():
+                if known.get(p) != value:
+                    txn.put(p, value, db=packs_db)
+            for p in known.keys() - alive:
+                txn.delete(p, db=packs_db)
+            verified = self._db[b"verified"]  # verification times of packs gone (a cache that only grew)
+            for p in [bytes(p) for p, _ in txn.cursor(db=verified) if bytes(p) not in alive]:
+                txn.delete(p, db=verified)
+        return changed
+
+    def _index_packs(self, packs: list[tuple[str, int]], bar=None) -> None:
+        """Index ``packs`` ((name, size), in order: a chunk keeps the first location found), one transaction
+        per batch of entries (a commit per pack made a refresh of many small packs slow)."""
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
-        self._add(entries, {name: size}, if_present=local_root(self.backend) is not None)
+        if_present = local_root(self.backend) is not None
+        entries, sizes = [], {}
+        for name, size in packs:
+            entries += self._read_entries(name, size) or []
+            sizes[name] = size
+            if bar is not None:
+                bar.advance(1)
+            if len(entries) >= _BATCH_ENTRIES:
+                self._add(entries, sizes, if_present=if_present)
+                entries, sizes = [], {}
+        if sizes:
+            self._add(entries, sizes, if_present=if_present)
+
+    def _read_entries(self, name: str, size: int) -> list[PackEntry] | None:
+        """The entries of pack ``name``: its table, or when that is damaged (e.g. a truncated pack) the intact
+        entries found from their headers (verify still reports the pack); None when the pack is gone."""
+        try:
+            return read_pack_entries(self.backend, name, size)
+        except FileNotFoundError:
+            return None
+        except ManifestFormatError:
+            try:
+                return walk_entries(self.backend.get(pack_key(name)), name)
+            except FileNotFoundError:
+                return None

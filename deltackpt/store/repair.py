@@ -171,7 +171,7 @@ def _rebuild_damaged_packs(store: Store, report: RepairReport, progress: Progres
                 continue
             # Set aside first, never deleted: it may hold bytes past the damage that a person can still recover.
             backend.put(info.key + DAMAGED_SUFFIX, data)
-            _moved, names = _repack(store, name, good)
+            _moved, names = _repack(store, {name: good})
             if name not in names:  # (every entry intact: the rebuilt pack is the original, under its own name)
                 backend.delete(info.key)
             report.rebuilt_packs[name] = sorted(names)

@@ -3,7 +3,8 @@
 Levels (each includes the ones below):
 
 0. structure: every manifest parses; every chunk a manifest references is indexed and its pack exists;
-   every delta's chain of bases exists down to a keyframe, within the store's chain limit.
+   every delta's chain of bases exists down to a keyframe, within the store's chain limit (a delta's base
+   is a keyframe unless the store has the feature ``delta-chains``).
 1. packs: every pack's bytes hash to its name.
 2. data: every chunk is decoded (deltas through their bases) and re-hashed.
 
@@ -24,8 +25,10 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError
-from . import codec
+from . import idset
 from .config import chain_limit
 from .pack import PackEntry, pack_bytes_ok, walk_entries, pack_key, pack_name_from_key, read_pack_entries
 from .progress import Progress, phase
@@ -108,15 +111,26 @@ class VerifyReport:
 
 @dataclass
 class _Findings:
-    """What the phases learn and hand on to the next ones."""
+    """What the phases learn and hand on to the next ones. Chunk ids are sorted 16-byte arrays
+    (:mod:`.idset`), never a Python object per chunk or per reference: memory O(unique chunks)."""
 
-    users: dict[bytes, list[str]] = field(default_factory=dict)  # chunk id -> "ckpt:item" that reference it
-    needed: dict[bytes, list[str]] = field(default_factory=dict)  # users, plus the delta bases they read
+    names: list[str] = field(default_factory=list)  # checkpoints whose manifest reads
+    users: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # chunks the manifests reference
+    extra_bases: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # other bases of their deltas
+    delta_at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))  # users[delta_at] are deltas
+    delta_base: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # ... with these bases
+    # Deltas among extra_bases (inner links of chains: only in a store with delta chains), sorted, and theirs.
+    link_delta: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))
+    link_base: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))
     bad: dict[bytes, Problem] = field(default_factory=dict)  # the first problem found with each chunk
     live_packs: set[str] = field(default_factory=set)  # packs holding a needed chunk, or unreadable
     chunks_in: dict[str, int] = field(default_factory=dict)  # pack -> needed chunks it holds
     # Packs whose hash or table is bad: their problem, and the entries found in them.
     damaged_packs: dict[str, tuple[Problem, list[PackEntry]]] = field(default_factory=dict)
+
+    def needed(self, ids: np.ndarray) -> np.ndarray:
+        """A bool per id: whether a checkpoint needs it (references it, or a delta it references has it as base)."""
+        return idset.isin(self.users, ids) | idset.isin(self.extra_bases, ids)
 
 
 def verify_store(store, *, level: int = 1, sample: float | None = None, max_duration_s: float | None = None,
@@ -132,131 +146,193 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     report = VerifyReport(level=level)
     found = _Findings()
     names = checkpoints if checkpoints is not None else store.checkpoint_names()
-    found.users = _needed_chunks(store, names, report, progress)
+    _needed_chunks(store, names, found, report, progress)
     packs, last_seen = _refresh_cache(store, found.users, level, progress)
     report.num_packs = len(packs)
-    _check_structure(store.index, found, last_seen, packs, progress, chain_limit(store.config))
+    _check_structure(store, found, last_seen, packs, level, progress)
     report.orphan_packs = sorted(packs.keys() - found.live_packs) if checkpoints is None else []
     if level >= 1:
         deadline = None if max_duration_s is None else start + max_duration_s
         _check_packs(store, found, packs, level, sample, deadline, report, progress)
-    _attribute(found, report)
+    _attribute(store, found, report)
     report.duration_s = time.monotonic() - start
     return report
 
 
-def _needed_chunks(store, names: list[str], report: VerifyReport, progress) -> dict[bytes, list[str]]:
-    """Which chunks each checkpoint item references (a manifest that does not read is a problem)."""
-    users: dict[bytes, list[str]] = {}
+def _needed_chunks(store, names: list[str], found: _Findings, report: VerifyReport, progress) -> None:
+    """Which chunks the checkpoints reference (a manifest that does not read is a problem)."""
+    users = idset.Collector()
     with phase(progress, "verify manifests", len(names), "checkpoint") as bar:
         for name in names:
             try:
-                manifest = store.read_manifest(name)
+                refs = _refs_of(store, name)
             except (ManifestFormatError, DeltackptError) as e:
                 report.problems.append(Problem(ProblemKind.MANIFEST, str(e), checkpoints=[name]))
                 continue
             finally:
                 bar.advance(1)
             report.num_checkpoints += 1
-            for item in manifest.items:
-                for ref in item.chunks:
-                    users.setdefault(ref.id, []).append(f"{name}:{item.key}")
-    return users
+            found.names.append(name)
+            users.add(refs)
+    found.users = users.result()
 
 
-def _refresh_cache(store, users, level: int, progress) -> tuple[dict[str, int], dict[bytes, str]]:
-    """Bring the index cache in line with the packs; returns (pack name -> size, chunk -> pack the cache
-    located it in before the refresh)."""
+def _refs_of(store, name: str) -> np.ndarray:
+    """The ids checkpoint ``name`` references (its decoded manifest is freed on return, before any merge)."""
+    return idset.from_ids([ref.id for item in store.read_manifest(name).items for ref in item.chunks])
+
+
+def _refresh_cache(store, users: np.ndarray, level: int, progress) -> tuple[dict[str, int], tuple]:
+    """Bring the index cache in line with the packs; returns (pack name -> size, where the cache located each
+    of ``users`` before: (pack names, pack number per chunk or -1))."""
     # Where the cache last saw each chunk, before refreshing it: a pack that vanished since is then
     # reported by name, not just as chunks that are nowhere.
     index = store.index
-    last_seen = {}
-    for cid in users:
-        try:
-            entry = index.lookup(cid)
-        except ManifestFormatError:
-            entry = None
-        if entry is not None:
-            last_seen[cid] = entry.pack
+    try:
+        before = index.locate(users)
+        last_seen = (before.packs, before.pack_of)
+    except ManifestFormatError:
+        last_seen = ([], np.full(users.size, -1, dtype=np.int32))
     if level >= 1 or index.check_records():
-        # Levels 1-2 read every pack anyway, so rebuilding the cache from the pack tables costs little and
+        # Levels 1-2 read every pack anyway, so checking the cache against the pack tables costs little and
         # means no damage to the cache (a malformed or a well-formed but wrong record) is mistaken for
         # damage to the store.
-        store.rebuild_index(progress=progress)
+        index.reconcile(progress=progress)
     else:
         store.refresh_index()
     packs = {pack_name_from_key(i.key): i.size_bytes for i in store.backend.list("packs/")}
     packs.pop(None, None)
-    # After a refresh the cache knows exactly the packs present; a record pointing elsewhere, or missing,
-    # may mean the cache itself is damaged (a record well-formed but wrong, or under a wrong key), which is
-    # not damage to the store: rebuild and look again.
-    if level == 0 and any((e := index.lookup(cid)) is None or e.pack not in packs for cid in users):
-        store.rebuild_index(progress=progress)
     return packs, last_seen
 
 
-def _check_chain(index, entry: PackEntry, where: list[str], found: _Findings, packs, limit: int) -> Problem | None:
-    """Follow delta ``entry``'s chain to its keyframe, marking every base as needed by ``where``; the first
-    broken link (a base missing, a chain longer than ``limit`` deltas, a cycle) as a problem of ``entry``."""
-    tip, seen = entry, {entry.chunk_id}
-    for depth in range(1, limit + 1):
-        base_id = entry.base_id
-        found.needed.setdefault(base_id, []).extend(where)
-        base = index.lookup(base_id)
-        below = "" if depth == 1 else f" ({depth} deltas down its chain)"
-        if base is None or base.pack not in packs:
-            detail = f"base chunk {base_id.hex()} is missing{below}"
-        elif base_id in seen:
-            detail = f"delta chain meets itself at base chunk {base_id.hex()}"
-        elif not codec.is_delta(base.codec):
-            return None
-        elif depth == limit:
-            detail = (f"base chunk {base_id.hex()} is itself a delta" if limit == 1
-                      else f"delta chain holds more than {limit} deltas")
-        else:
-            seen.add(base_id)
-            entry = base
+def _check_structure(store, found: _Findings, last_seen, packs, level: int, progress) -> None:
+    """Level 0: every needed chunk is indexed, in an existing pack, with an intact base; and which packs
+    hold the needed chunks."""
+    index, users, bad = store.index, found.users, found.bad
+    with phase(progress, "verify structure", users.size, "chunk") as bar:
+        loc = index.locate(users)
+        present = _in_packs(loc, packs)
+        if level == 0 and not present.all():
+            # After a refresh the cache knows exactly the packs present; a record missing or pointing elsewhere
+            # may mean the cache itself is damaged (a record well-formed but wrong, or under a wrong key),
+            # which is not damage to the store: check it against the pack tables and look again.
+            index.reconcile(progress=progress)
+            loc = index.locate(users)
+            present = _in_packs(loc, packs)
+        bar.advance(users.size)
+    unreadable: set[str] = set()
+    seen_packs, seen_at = last_seen
+    for i in np.flatnonzero(~present):
+        cid = users[i].tobytes()
+        if loc.pack_of[i] >= 0:
+            bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing",
+                               pack=loc.packs[loc.pack_of[i]], chunk_id=cid.hex())
             continue
-        return Problem(ProblemKind.BAD_BASE, detail, pack=tip.pack, chunk_id=tip.chunk_id.hex())
+        gone = seen_packs[seen_at[i]] if seen_at[i] >= 0 else None
+        if gone is not None and gone not in packs:
+            bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=gone,
+                               chunk_id=cid.hex())
+        elif gone is not None:
+            bad[cid] = Problem(ProblemKind.BAD_CHUNK, "its pack's table is unreadable", pack=gone,
+                               chunk_id=cid.hex())
+            unreadable.add(gone)
+        else:
+            bad[cid] = Problem(ProblemKind.MISSING_CHUNK, "chunk is not in any pack", chunk_id=cid.hex())
+    # Deltas in a pack present: their bases are needed too, and must be keyframes in a pack present.
+    ok = present[loc.delta_at]
+    found.delta_at, found.delta_base = loc.delta_at[ok], loc.delta_base[ok]
+    found.extra_bases = idset.unique(found.delta_base[~idset.isin(users, found.delta_base)])
+    extra = index.locate(found.extra_bases)
+    limit = chain_limit(store.config)
+    if limit > 1 and extra.delta_at.size:
+        _follow_chains(index, found, users, extra, limit)
+        extra = index.locate(found.extra_bases)
+    _check_bases(found, users, loc, present, extra, packs, limit)
+    found.live_packs = set(unreadable)
+    for where in (loc, extra):
+        counts = np.bincount(where.pack_of[where.pack_of >= 0], minlength=len(where.packs))
+        for name, n in zip(where.packs, counts.tolist()):
+            if n:
+                found.live_packs.add(name)
+                found.chunks_in[name] = found.chunks_in.get(name, 0) + n
+
+
+def _in_packs(loc, packs) -> np.ndarray:
+    """A bool per located chunk: whether it is indexed in a pack that exists."""
+    return np.array([p in packs for p in loc.packs] + [False], dtype=bool)[loc.pack_of]
+
+
+def _follow_chains(index, found: _Findings, users: np.ndarray, extra, limit: int) -> None:
+    """Add the inner links of the referenced deltas' chains to ``found.extra_bases``, down to the keyframes
+    (``limit`` levels at most), and record which of them are deltas and their bases (``found.link_*``)."""
+    deltas, bases = [], []
+    frontier, where = found.extra_bases, extra
+    for _ in range(limit):
+        d, b = frontier[where.delta_at], where.delta_base
+        if not d.size:
+            break
+        deltas.append(d)
+        bases.append(b)
+        new = idset.unique(b[~(idset.isin(users, b) | idset.isin(found.extra_bases, b))])
+        if not new.size:
+            break
+        found.extra_bases = idset.union(found.extra_bases, new)
+        frontier, where = new, index.locate(new)
+    d, b = np.concatenate(deltas), np.concatenate(bases)
+    order = np.argsort(d, kind="stable")
+    found.link_delta, found.link_base = d[order], b[order]
+
+
+def _base_of(found: _Findings, cid: np.ndarray):
+    """The base of needed chunk ``cid`` (a V16 scalar) when it is a delta found in a pack present, else None."""
+    for ids, bases, at in ((found.users, found.delta_base, found.delta_at), (found.link_delta, found.link_base, None)):
+        i = int(np.searchsorted(ids, cid))
+        if i < ids.size and ids[i] == cid:
+            if at is None:
+                return bases[i]
+            j = int(np.searchsorted(at, i))
+            if j < at.size and at[j] == i:
+                return bases[j]
     return None
 
 
-def _check_structure(index, found: _Findings, last_seen, packs, progress, limit: int = 1) -> None:
-    """Level 0: every needed chunk is indexed, in an existing pack, with an intact chain of bases (at most
-    ``limit`` deltas); and which packs hold the needed chunks."""
-    found.needed = dict(found.users)
-    bad = found.bad
-    unreadable: set[str] = set()
-    with phase(progress, "verify structure", len(found.users), "chunk") as bar:
-        for cid, where in found.users.items():
-            bar.advance(1)
-            entry = index.lookup(cid)
-            if entry is None:
-                gone = last_seen.get(cid)
-                if gone is not None and gone not in packs:
-                    bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=gone,
-                                       chunk_id=cid.hex())
-                elif gone is not None:
-                    bad[cid] = Problem(ProblemKind.BAD_CHUNK, "its pack's table is unreadable", pack=gone,
-                                       chunk_id=cid.hex())
-                    unreadable.add(gone)
-                else:
-                    bad[cid] = Problem(ProblemKind.MISSING_CHUNK, "chunk is not in any pack", chunk_id=cid.hex())
+def _check_bases(found: _Findings, users: np.ndarray, loc, present: np.ndarray, extra, packs,
+                 limit: int = 1) -> None:
+    """A delta's base must be indexed, in a pack present, and a keyframe; in a store with delta chains, a
+    delta whose own chain (at most ``limit`` deltas in all, no cycle) ends in one."""
+    is_delta = np.zeros(users.size, dtype=bool)
+    is_delta[loc.delta_at] = True
+    extra_delta = np.zeros(found.extra_bases.size, dtype=bool)
+    extra_delta[extra.delta_at] = True
+    extra_present = _in_packs(extra, packs)
+    for d, base in zip(found.delta_at.tolist(), found.delta_base):
+        cid = users[d].tobytes()
+        seen, depth = {cid}, 1
+        while True:
+            i = int(np.searchsorted(users, base))
+            if i < users.size and users[i] == base:
+                base_ok, base_delta = present[i], is_delta[i]
+            else:
+                j = int(np.searchsorted(found.extra_bases, base))
+                base_ok, base_delta = extra_present[j], extra_delta[j]
+            below = "" if depth == 1 else f" ({depth} deltas down its chain)"
+            if not base_ok:
+                detail = f"base chunk {base.tobytes().hex()} is missing{below}"
+            elif not base_delta:
+                break
+            elif depth >= limit:
+                detail = (f"base chunk {base.tobytes().hex()} is itself a delta" if limit == 1
+                          else f"delta chain holds more than {limit} deltas")
+            elif base.tobytes() in seen:
+                detail = f"delta chain meets itself at base chunk {base.tobytes().hex()}"
+            else:
+                seen.add(base.tobytes())
+                base, depth = _base_of(found, base), depth + 1
+                if base is None:
+                    break  # a link not followed: nothing more to tell here
                 continue
-            if entry.pack not in packs:
-                bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=entry.pack,
-                                   chunk_id=cid.hex())
-                continue
-            if codec.is_delta(entry.codec):
-                problem = _check_chain(index, entry, where, found, packs, limit)
-                if problem is not None:
-                    bad[cid] = problem
-    found.live_packs = set(unreadable)
-    for cid in found.needed:
-        entry = index.lookup(cid)
-        if entry is not None:
-            found.live_packs.add(entry.pack)
-            found.chunks_in[entry.pack] = found.chunks_in.get(entry.pack, 0) + 1
+            found.bad[cid] = Problem(ProblemKind.BAD_BASE, detail, pack=loc.packs[loc.pack_of[d]], chunk_id=cid.hex())
+            break
 
 
 def _check_packs(store, found: _Findings, packs: dict[str, int], level: int, sample, deadline, report,
@@ -271,24 +347,28 @@ def _check_packs(store, found: _Findings, packs: dict[str, int], level: int, sam
         order, skipped = order[:keep], order[keep:]
         report.skipped_by = "sample" if skipped else None
     source = ChunkSource(store, cache_bytes=0)
-    with phase(progress, f"verify level {level}", sum(packs[p] for p in order), "B") as bar:
-        for i, name in enumerate(order):
-            if deadline is not None and time.monotonic() > deadline:
-                skipped += order[i:]
-                report.skipped_by = "max_duration"
-                break
-            try:
-                data = store.backend.get(pack_key(name))
-            except FileNotFoundError:
-                data = None  # reported at level 0 for every chunk it held
-            if data is not None:
-                report.packs_checked += 1
-                report.bytes_checked += len(data)
-                entries, hash_ok = _check_pack_hash(name, data, found, report)
-                if level >= 2 or not hash_ok:
-                    _decode_chunks(source, name, entries, found, report)
-            index.mark_verified(name)
-            bar.advance(packs[name])
+    done: list[str] = []
+    try:
+        with phase(progress, f"verify level {level}", sum(packs[p] for p in order), "B") as bar:
+            for i, name in enumerate(order):
+                if deadline is not None and time.monotonic() > deadline:
+                    skipped += order[i:]
+                    report.skipped_by = "max_duration"
+                    break
+                try:
+                    data = store.backend.get(pack_key(name))
+                except FileNotFoundError:
+                    data = None  # reported at level 0 for every chunk it held
+                if data is not None:
+                    report.packs_checked += 1
+                    report.bytes_checked += len(data)
+                    entries, hash_ok = _check_pack_hash(name, data, found, report)
+                    if level >= 2 or not hash_ok:
+                        _decode_chunks(source, name, entries, found, report)
+                done.append(name)
+                bar.advance(packs[name])
+    finally:
+        index.mark_verified(done)  # one transaction for the run (also when it is interrupted)
     report.complete = not skipped
     report.packs_skipped = len(skipped)
     report.chunks_skipped = sum(found.chunks_in.get(p, 0) for p in skipped)
@@ -317,9 +397,8 @@ def _check_pack_hash(name: str, data: bytes, found: _Findings, report) -> tuple[
 
 def _decode_chunks(source, name: str, entries: list[PackEntry], found: _Findings, report) -> None:
     """Decode the needed chunks of pack ``name`` (deltas through their bases) and re-hash them."""
-    for e in entries:
-        if e.chunk_id not in found.needed:
-            continue
+    needed = found.needed(idset.from_ids([e.chunk_id for e in entries]))
+    for e in (entries[i] for i in np.flatnonzero(needed)):
         report.chunks_checked += 1
         try:
             # Decode this pack's copy, as its table describes it, not whatever the cache points at.
@@ -330,18 +409,51 @@ def _decode_chunks(source, name: str, entries: list[PackEntry], found: _Findings
                                                 chunk_id=e.chunk_id.hex())
 
 
-def _attribute(found: _Findings, report: VerifyReport) -> None:
+def _attribute(store, found: _Findings, report: VerifyReport) -> None:
     """Map damage upward: a chunk is damaged if it or its base is; report who needs it."""
     bad = found.bad
-    for name, (problem, entries) in found.damaged_packs.items():
-        if not any(bad.get(e.chunk_id) and bad[e.chunk_id].pack == name for e in entries):
-            # Damage no chunk accounts for (the table, the footer, a truncated tail): everything that keeps
-            # chunks in this pack is at risk, even though those chunks still decode.
-            _set_dependents(problem, {d for e in entries for d in found.needed.get(e.chunk_id, ())})
+    whole = {name: (problem, entries) for name, (problem, entries) in found.damaged_packs.items()
+             if not any(bad.get(e.chunk_id) and bad[e.chunk_id].pack == name for e in entries)}
+    targets = set(bad) | {e.chunk_id for _, entries in whole.values() for e in entries}
+    dependents = _dependents(store, found, targets) if targets else {}
+    for name, (problem, entries) in whole.items():
+        # Damage no chunk accounts for (the table, the footer, a truncated tail): everything that keeps
+        # chunks in this pack is at risk, even though those chunks still decode.
+        _set_dependents(problem, {d for e in entries for d in dependents.get(e.chunk_id, ())})
     for cid, problem in bad.items():
-        _set_dependents(problem, set(found.needed.get(cid, ())))
+        _set_dependents(problem, dependents.get(cid, set()))
         report.problems.append(problem)
     report.problems.sort(key=lambda p: (p.kind.value, p.pack or "", p.chunk_id or ""))
+
+
+def _dependents(store, found: _Findings, targets: set[bytes]) -> dict[bytes, set[str]]:
+    """"checkpoint:item" of every item that reads one of ``targets``, directly or as the base of a delta it
+    references: the manifests are read again, so that no attribution is held per reference meanwhile."""
+    via: dict[bytes, list[bytes]] = {}  # a referenced delta -> the targets that are its base (down its chain)
+    wanted = idset.unique(idset.from_ids(list(targets)))
+    limit = chain_limit(store.config)
+    if limit > 1:  # chains: a target anywhere down a referenced delta's chain
+        for d, base in zip(found.delta_at.tolist(), found.delta_base):
+            for _ in range(limit):
+                if base is None:
+                    break
+                if base.tobytes() in targets:
+                    via.setdefault(found.users[d].tobytes(), []).append(base.tobytes())
+                base = _base_of(found, base)
+    else:
+        for j in np.flatnonzero(idset.isin(wanted, found.delta_base)).tolist():
+            via.setdefault(found.users[found.delta_at[j]].tobytes(), []).append(found.delta_base[j].tobytes())
+    out: dict[bytes, set[str]] = {}
+    for name in found.names:
+        try:
+            manifest = store.read_manifest(name)
+        except (ManifestFormatError, DeltackptError):
+            continue  # forgotten or damaged since the first read
+        for item in manifest.items:
+            for ref in item.chunks:
+                for cid in ([ref.id] if ref.id in targets else []) + via.get(ref.id, []):
+                    out.setdefault(cid, set()).add(f"{name}:{item.key}")
+    return out
 
 
 def _set_dependents(problem: Problem, dependents: set[str]) -> None:

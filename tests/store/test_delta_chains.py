@@ -129,6 +129,8 @@ def test_verify_finds_a_missing_mid_chain_base(tmp_path):
     assert ids[1].hex() in by_chunk[ids[3].hex()].detail and "down its chain" in by_chunk[ids[3].hex()].detail
     assert {"c1", "c2", "c3"} <= {c for p in report.problems for c in p.checkpoints}
     assert "c0" not in {c for p in report.problems for c in p.checkpoints}
+    # The lost chunk's own problem names every checkpoint whose chain runs through it.
+    assert by_chunk[ids[1].hex()].checkpoints == ["c1", "c2", "c3"]
     with pytest.raises(CorruptChunkError) as ei:
         Store.open(tmp_path / "s").load("c3")
     assert ei.value.chunk_id == ids[3].hex()

@@ -539,3 +539,83 @@ def test_gc_never_drops_a_live_chunk_because_of_a_bad_cache_record(local_store, 
     plan_gc(store, grace_s=0).execute()
     store.rebuild_index()
     assert_items_equal(items, store.load("a"))
+
+
+# -- cost: one plan, packs merged, linear passes ------------------------------------------------------------------
+
+
+def test_execute_reuses_the_plan_when_nothing_changed(store, rng, monkeypatch):
+    store.save("a", {"x": _arr(rng, 3000)})
+    store.save("b", {"y": _arr(rng, 3000)})
+    store.forget("a")
+    plan = plan_gc(store, grace_s=0)
+    reads = []
+    real = type(store).read_manifest
+    monkeypatch.setattr(type(store), "read_manifest", lambda self, name: reads.append(name) or real(self, name))
+    assert plan.revalidate() is plan  # nothing committed, published or collected since the mark
+    result = plan.execute()
+    assert reads == [] and result.deleted_packs == len(plan.delete_packs) > 0
+
+
+def test_execute_rechecks_the_plan_when_a_checkpoint_was_committed(store, rng):
+    x = _arr(rng, 3000)
+    store.save("a", {"x": x})
+    store.forget("a")
+    plan = plan_gc(store, grace_s=0)
+    assert plan.delete_packs
+    store.save("c", {"x": x})  # deduplicates against the chunks the plan meant to delete
+    again = plan.revalidate()
+    assert again is not plan and not again.delete_packs
+    plan.execute()
+    _check_clean(store, {"c": {"x": x}})
+
+
+def test_repacks_merge_into_packs_of_the_target_size(make_store, rng):
+    """Many small mixed packs (one per save) are rewritten into few packs, not one new pack each."""
+    store = make_store("memory", pack_target_bytes=1 << 20)
+    kept = {}
+    for i in range(12):
+        kept[f"k{i}"] = {"k": _arr(rng, 1024)}
+        store.save(f"s{i}", {"k": kept[f"k{i}"]["k"], "dead": _arr(rng, 4096)})
+    for i in range(12):
+        store.save(f"k{i}", kept[f"k{i}"])  # the same bytes: deduplicated, so the live chunks stay in s{i}'s pack
+        store.forget(f"s{i}")
+    before = pack_names(store)
+    plan = plan_gc(store, grace_s=0)
+    assert len(plan.repack) == 12
+    plan.execute()
+    assert len(pack_names(store) - before) == 1  # 12 packs' live chunks fit one pack of the target size
+    _check_clean(store, kept)
+
+
+def test_forget_of_many_checkpoints_is_one_index_transaction(local_store, rng):
+    from deltackpt.store.retention import plan_forget
+    x = _arr(rng, 2000)
+    for i in range(6):
+        local_store.save(f"c{i}", {"x": x})
+    local_store.list_checkpoints()  # caches the summaries forget drops
+    plan = plan_forget(local_store, keep_last=1)
+    writes = _count_index_writes(local_store, plan.execute)
+    assert writes == 1 and local_store.checkpoint_names() == ["c5"]
+    assert set(local_store.index.get_summaries()) == {"c5"}
+
+
+def _count_index_writes(store, fn) -> int:
+    """How many LMDB write transactions the index opens while ``fn`` runs."""
+    index, env = store.index, store.index.env
+    count = [0]
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(env, name)
+
+        def begin(self, *args, **kwargs):
+            count[0] += bool(kwargs.get("write"))
+            return env.begin(*args, **kwargs)
+
+    index._env = Counting()
+    try:
+        fn()
+    finally:
+        index._env = env
+    return count[0]

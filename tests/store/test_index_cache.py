@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -166,3 +167,66 @@ def test_cache_dir_override_and_env(tmp_path, monkeypatch, rng):
     assert (tmp_path / "envcache" / s.config.store_id / "index.lmdb").is_dir()
     close_index(s)
     close_index(s2)
+
+
+# -- many chunks at once: locate, reconcile, batched indexing --------------------------------------------------
+
+
+def _history(store, rng, n=3):
+    w = random_array(rng, "float32", (20_000,))
+    for i in range(n):
+        w = w.copy()
+        w[:: 97 + i] += 1.0  # some chunks change, coded as deltas against the first save
+        store.save(f"c{i}", {"w": w})
+
+
+def test_locate_says_what_lookup_says(store, rng):
+    from deltackpt.store import idset
+    _history(store, rng)
+    ids = [e.chunk_id for e in store.index.iter_entries()] + [bytes(16), b"\xff" * 16]
+    loc = store.index.locate(idset.from_ids(ids))
+    deltas = dict(zip(loc.delta_at.tolist(), (b.tobytes() for b in loc.delta_base)))
+    assert deltas, "the fixture must hold deltas"
+    for k, cid in enumerate(ids):
+        e = store.index.lookup(cid)
+        assert (loc.packs[loc.pack_of[k]] if loc.pack_of[k] >= 0 else None) == (e and e.pack)
+        assert deltas.get(k) == (e and e.base_id)
+
+
+def test_reconcile_writes_nothing_when_the_cache_is_right_and_fixes_what_is_wrong(local_store, rng):
+    _history(local_store, rng)
+    local_store.list_checkpoints()
+    index = local_store.index
+    truth = {e.chunk_id: e for e in index.iter_entries()}
+    assert index.reconcile() == 0
+    wrong, lost = list(truth.values())[:2]
+    index.relocate([dataclasses.replace(wrong, offset=wrong.offset + 3)], {})  # well-formed but wrong
+    with index.env.begin(write=True, db=index._db[b"chunks"]) as txn:
+        txn.delete(lost.chunk_id)
+        txn.put(b"\x01" * 16, txn.get(wrong.chunk_id))  # a record of a chunk no pack holds
+    assert index.reconcile() == 3
+    assert {e.chunk_id: e for e in index.iter_entries()} == truth
+    assert set(index.get_summaries()) == {"c0", "c1", "c2"}  # what ``ls`` caches stays
+
+
+def test_refresh_indexes_many_new_packs_in_one_transaction(local_store, rng):
+    _history(local_store, rng, n=6)
+    fresh = Store.open(local_store.backend.root, cache_dir=local_store.cache_dir)
+    close_index(local_store)
+    shutil.rmtree(Path(local_store.cache_dir) / "index.lmdb")
+    index = fresh._new_index()
+    env, count = index.env, [0]
+
+    class Counting:  # the environment, counting the write transactions begun
+        def __getattr__(self, name):
+            return getattr(env, name)
+
+        def begin(self, *args, **kwargs):
+            count[0] += bool(kwargs.get("write"))
+            return env.begin(*args, **kwargs)
+
+    index._env = Counting()
+    added, _ = index.refresh()
+    index._env = env
+    assert added == len(pack_names(local_store)) > 3 and count[0] <= 2  # the packs, and nothing else
+    assert index.num_chunks() == local_store.index.num_chunks()

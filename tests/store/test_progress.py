@@ -75,7 +75,7 @@ def test_verify_reports_manifests_chunks_and_pack_bytes(store, rng, level):
     assert report.clean
     expected = ["verify manifests", "verify structure"]
     if level >= 1:
-        expected = ["verify manifests", "index rebuild", "verify structure", f"verify level {level}"]
+        expected = ["verify manifests", "index check", "verify structure", f"verify level {level}"]
     assert rec.labels() == expected
     assert rec.all_done_and_full()
     assert rec.one("verify manifests")["total"] == len(names)
@@ -83,7 +83,7 @@ def test_verify_reports_manifests_chunks_and_pack_bytes(store, rng, level):
     assert rec.one("verify structure") == {"label": "verify structure", "total": len(referenced),
                                            "unit": "chunk", "advanced": len(referenced), "done": True}
     if level >= 1:
-        assert rec.one("index rebuild")["total"] == len(pack_names(store)) == report.num_packs
+        assert rec.one("index check")["total"] == len(pack_names(store)) == report.num_packs
         packs = rec.one(f"verify level {level}")
         assert packs["unit"] == "B" and packs["total"] == report.bytes_checked > 0
 

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import shutil
 import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -458,3 +459,59 @@ def test_chunk_frame_with_forged_content_size_is_reported_not_raised(populated):
     assert _items(r) == ["a:w", "b:w"]
     with pytest.raises(CorruptChunkError):
         store.load("a")
+
+
+# -- cost: the cache is checked, not rebuilt; memory per unique chunk ------------------------------------------
+
+
+def test_damaged_base_no_checkpoint_references_maps_to_its_deltas(populated):
+    store, saved = populated
+    delta, base = _delta_and_base(store)
+    store.forget("a")  # the base stays (b's deltas need it), referenced by no manifest
+    _flip_payload(store, base)
+    r = verify_store(store, level=2)
+    assert r.damaged_checkpoints == ["b"]
+    by_chunk = {p.chunk_id: p for p in r.problems if p.kind == "bad-chunk"}
+    assert by_chunk[base.chunk_id.hex()].items == ["b:w"] and by_chunk[base.chunk_id.hex()].checkpoints == ["b"]
+    assert_items_equal(saved["c"], store.load("c"))
+
+
+def test_level_1_keeps_the_ls_summaries_and_does_not_grow_the_cache(populated):
+    store, _ = populated
+    store.list_checkpoints()  # caches what ``ls`` shows
+    summaries = store.index.get_summaries()
+    assert set(summaries) == {"a", "b", "c"}
+    data = Path(store.cache_dir) / "index.lmdb" / "data.mdb"
+    size = data.stat().st_size
+    for _ in range(3):
+        assert verify_store(store, level=1).clean
+    assert store.index.get_summaries() == summaries
+    assert data.stat().st_size == size
+
+
+def test_level_1_still_repairs_a_wrong_record(populated):
+    store, saved = populated
+    e = _entry(store, "c", "z")
+    store.index.relocate([dataclasses.replace(e, offset=e.offset + 1)], {})  # well-formed but wrong
+    assert verify_store(store, level=1).clean
+    assert store.index.lookup(e.chunk_id) == e
+    assert_items_equal(saved["c"], store.load("c"))
+
+
+def test_level_0_memory_grows_with_unique_chunks_not_with_references(mem_store, rng):
+    """A history that references the same chunks over and over costs verify no memory per reference."""
+    w = random_array(rng, "float32", (2000 * 1024,))  # 2000 chunks
+    peaks = {}
+    for n in (10, 100):
+        while len(mem_store.checkpoint_names()) < n:
+            mem_store.save(f"c{len(mem_store.checkpoint_names()):03d}", {"w": w})
+        verify_store(mem_store, level=0)  # warm (the index, imports)
+        tracemalloc.start()
+        try:
+            assert verify_store(mem_store, level=0).clean
+            peaks[n] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    extra_refs = 90 * 2000
+    # A "checkpoint:item" string per reference cost ~70 bytes each; an id array 16 bytes per unique chunk.
+    assert peaks[100] - peaks[10] < 10 * extra_refs, peaks

@@ -126,3 +126,12 @@ def test_frozen_with_its_base_saved_first_adds_about_the_adapters(tmp_path):
     assert w["info"]["stored_vs_adapter_only"]["deltackpt"] == pytest.approx(dk["stored_bytes"] / ideal)
     assert dk["load_bit_exact"] and dcp["load_bit_exact"]
     assert "the base model was saved first as checkpoint `base`" in (tmp_path / "results.md").read_text()
+
+
+def test_checkpoint_count_override(tmp_path):
+    from deltackpt.bench.workloads import workload_config
+
+    assert workload_config("sparse", "quick", 50)["num_checkpoints"] == 50
+    assert workload_config("sparse", "quick")["num_checkpoints"] == 10
+    with pytest.raises(ValueError, match="num_checkpoints"):
+        run_bench(tmp_path, ["sparse"], size="tiny", systems=["dcp"], num_checkpoints=0)

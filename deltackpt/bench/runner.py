@@ -221,9 +221,9 @@ def with_ratios(entry: dict) -> dict:
 def run_workload(name: str, size: str, systems: list[str], work: Path, opts: dict, log) -> dict:
     t0 = time.perf_counter()
     if name == "reshard":
-        res, info = run_reshard(workload_config(name, size), systems, work, opts, log)
+        res, info = run_reshard(workload_config(name, size, opts.get("num_checkpoints")), systems, work, opts, log)
     else:
-        wl = make_workload(name, size)
+        wl = make_workload(name, size, opts.get("num_checkpoints"))
         runner = run_isolated if opts.get("isolate", True) else run_inprocess
         res = runner(wl, systems, work, opts, log)
         info = wl.info
@@ -235,11 +235,11 @@ def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "qui
               systems: list[str] | tuple = SYSTEMS, isolate: bool = True, store_config: dict | None = None,
               restic_compression: str = "auto", page_cache: str = "warm", keep: bool = False,
               train_threads: int = 1, variants: dict[str, dict] | None = None,
-              log: Callable[[str], None] | None = None) -> dict:
+              num_checkpoints: int | None = None, log: Callable[[str], None] | None = None) -> dict:
     """Run ``workloads`` at ``size`` on ``systems``; write results.json, results.md, cumulative_bytes.png.
 
     ``variants``: {label: StoreConfig overrides}; each adds a system ``deltackpt-LABEL`` that sees the same
-    checkpoints (to tune deltackpt on one training run).
+    checkpoints (to tune deltackpt on one training run). ``num_checkpoints`` replaces each workload's count.
 
     Training runs with ``train_threads`` torch threads (1 by default: on a shared 2-core machine two
     threads were up to 4x slower and far noisier); the systems' workers use torch's default.
@@ -258,6 +258,8 @@ def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "qui
                          f"systems: {', '.join(SYSTEMS)}")
     if size not in ("tiny", "quick", "full"):
         raise ValueError(f"size must be tiny, quick or full, got {size!r}")
+    if num_checkpoints is not None and num_checkpoints < 1:
+        raise ValueError(f"num_checkpoints must be >= 1, got {num_checkpoints}")
     for overrides in [store_config or {}, *variants.values()]:
         try:
             new_config(**overrides)
@@ -270,7 +272,7 @@ def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "qui
     for n, why in skipped.items():
         log(f"skipping {n}: {why}")
     opts = {"isolate": isolate, "store_config": store_config or {}, "restic_compression": restic_compression,
-            "page_cache": page_cache, "variants": variants}
+            "page_cache": page_cache, "variants": variants, "num_checkpoints": num_checkpoints}
     tmp = Path(tempfile.mkdtemp(prefix="work-", dir=out))
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
@@ -278,7 +280,8 @@ def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "qui
     results = {"workloads": {}, "machine": machine_info(),
                "config": {"size": size, "systems": list(systems), "isolate": isolate,
                           "store_config": store_config or {}, "restic_compression": restic_compression,
-                          "page_cache": page_cache, "train_threads": train_threads, "variants": variants},
+                          "page_cache": page_cache, "train_threads": train_threads, "variants": variants,
+                          "num_checkpoints": num_checkpoints},
                "skipped_systems": skipped}
     try:
         for name in workloads:

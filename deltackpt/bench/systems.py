@@ -145,7 +145,8 @@ class DeltackptSystem(System):
                 "new_bytes_per_checkpoint": [i.stored_bytes + i.manifest_bytes for i in infos],
                 "store_config": {"chunk_size_bytes": cfg.chunk_size_bytes, "zstd_level": cfg.zstd_level,
                                  "delta": cfg.delta, "keyframe_interval": cfg.keyframe_interval,
-                                 "delta_min_gain": cfg.delta_min_gain, "min_gain": cfg.min_gain}}
+                                 "delta_min_gain": cfg.delta_min_gain, "min_gain": cfg.min_gain,
+                                 "max_chain": cfg.max_chain}}
 
 
 class ZipnnSystem(System):

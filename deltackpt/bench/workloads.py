@@ -37,9 +37,10 @@ REC_SIZES = {
 }
 
 
-def workload_config(name: str, size: str) -> dict:
-    """The configuration of workload ``name`` at ``size`` (tiny, quick, full)."""
-    n_ckpt = {"tiny": 4, "quick": 10, "full": 10}[size]
+def workload_config(name: str, size: str, num_checkpoints: int | None = None) -> dict:
+    """The configuration of workload ``name`` at ``size`` (tiny, quick, full); ``num_checkpoints`` replaces
+    the size's count (4 tiny, else 10)."""
+    n_ckpt = num_checkpoints or {"tiny": 4, "quick": 10, "full": 10}[size]
     every = {"tiny": 2, "quick": 10, "full": 10}[size]
     gpt = dict(GPT_SIZES[size])
     if name == "dense":
@@ -245,10 +246,10 @@ QUICK_WORKLOADS = ("dense", "frozen", "sparse")
 FULL_WORKLOADS = ("dense", "dense100", "frozen", "sparse", "bf16", "reshard")
 
 
-def make_workload(name: str, size: str) -> Workload:
+def make_workload(name: str, size: str, num_checkpoints: int | None = None) -> Workload:
     cls = WORKLOADS.get(name)
     if cls is None:
         raise ValueError(f"no single-process workload {name!r}")
-    wl = cls(workload_config(name, size))
+    wl = cls(workload_config(name, size, num_checkpoints))
     wl.name = name
     return wl

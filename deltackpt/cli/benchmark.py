@@ -22,6 +22,8 @@ def register(add) -> None:
     sp.add_argument("--page-cache", default="warm", choices=["warm", "drop"],
                     help="before each load: read the files once (warm) or drop the page cache (root)")
     sp.add_argument("--keep", action="store_true", help="keep the checkpoints written under --out")
+    sp.add_argument("--checkpoints", type=int, metavar="N",
+                    help="checkpoints per workload (default 10; 4 with tiny sizes)")
 
 
 def cmd_bench(args) -> int:
@@ -36,7 +38,8 @@ def cmd_bench(args) -> int:
     results = run_bench(args.out, [n.strip() for n in names if n.strip()], size="quick" if args.quick else "full",
                         systems=args.systems.split(",") if args.systems else ("dcp", "deltackpt", "zipnn", "restic"),
                         store_config=parse_pairs(args.store_config, "--store-config"), variants=variants,
-                        restic_compression=args.restic_compression, page_cache=args.page_cache, keep=args.keep)
+                        restic_compression=args.restic_compression, page_cache=args.page_cache, keep=args.keep,
+                        num_checkpoints=args.checkpoints)
     emit(args, results, lambda: markdown(results) + f"\nwritten: {args.out}/results.json, results.md, "
                                                     "cumulative_bytes.png")
     bad = [f"{w}/{s}" for w, e in results["workloads"].items() for s, r in e["systems"].items()

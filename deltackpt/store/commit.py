@@ -15,6 +15,8 @@ import time
 from typing import Any, Iterable, Mapping
 
 from ..errors import MissingChunkError
+from .chains import chain_entries, needed_ids, restorable
+from .config import chain_limit
 from .crashpoints import crash_point
 from .manifest import Item, Manifest, Stats
 from .pack import PackEntry, pack_key, read_pack_entries
@@ -79,11 +81,9 @@ def build_manifest(store, name: str, items: list[Item], *, entries: list[PackEnt
 def _missing_chunks(store, wanted: set[bytes], present: set[str]) -> set[bytes]:
     """Which of ``wanted`` or their delta bases are not indexed in an existing pack (``present``: packs
     known to exist, e.g. the ones this save just wrote and indexed)."""
-    found = store.index.lookup_many(wanted)
-    # Delta bases must survive too; and every pack we point into must still exist (gc elsewhere).
-    bases = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
-    found.update(store.index.lookup_many(bases))
-    missing = (wanted | bases) - found.keys()
+    # Delta bases (down each chain) must survive too; and every pack we point into must still exist.
+    found = chain_entries(store.index, wanted, chain_limit(store.config))
+    missing = (wanted | needed_ids(found)) - found.keys()
     if not missing:
         gone = {p for p in {e.pack for e in found.values()} - present if not store.backend.exists(pack_key(p))}
         missing = {cid for cid, e in found.items() if e.pack in gone}
@@ -95,8 +95,12 @@ def _index_rewritten_chunks(store, entries: list[PackEntry]) -> None:
     wrote it again because it was a delta whose base is gone."""
     index = store.index
     indexed = index.lookup_many({e.chunk_id for e in entries})
-    bases = index.lookup_many({e.base_id for e in indexed.values() if e.base_id is not None})
-    own = [e for e in entries if (old := indexed.get(e.chunk_id)) is not None and old != e
-           and old.base_id is not None and old.base_id not in bases]
+    others = [e for e in entries if (old := indexed.get(e.chunk_id)) is not None and old != e
+              and old.base_id is not None]  # another copy, a delta: is its chain whole?
+    if not others:
+        return
+    limit = chain_limit(store.config)
+    found = chain_entries(index, {e.chunk_id for e in others}, limit)
+    own = [e for e in others if not restorable(e.chunk_id, found, limit)]
     if own:
         index.relocate(own, {})

@@ -22,15 +22,22 @@ from ..errors import ManifestFormatError, UnsupportedFormatError
 
 FORMAT_VERSION = 2
 CONFIG_KEY = "config"
+# The longest chain of deltas any reader follows (feature "delta-chains"); max_chain may not exceed it.
+MAX_CHAIN = 64
 
 # Optional encodings this code reads: name -> what a reader must understand (docs/format.md).
 SUPPORTED_FEATURES = {
     "plane-container": "codec payloads in a DCPL plane container (per-plane raw / zstd segments)",
     "zero-sparse-planes": "plane segments of mode 2: a bitmap of nonzero bytes plus those bytes",
     "zigzag-delta": "chunks of codec 3 (zdelta): byte planes of the zigzag integer difference with the base",
+    "delta-chains": f"a delta's base may itself be a delta, at most {MAX_CHAIN} deltas deep",
 }
-# What this code's writer may produce in any store it writes to.
+# What this code's writer may produce in any store it writes to (and "delta-chains" where max_chain > 1).
 WRITER_FEATURES = ("plane-container", "zero-sparse-planes", "zigzag-delta")
+CHAINS_FEATURE = "delta-chains"
+# Fields added since format 2 was first written, left out of the config at their default so that an older
+# reader (which refuses unknown fields) still opens a store that does not use them.
+_OMITTED_AT_DEFAULT = {"max_chain": 1}
 
 MiB = 1 << 20
 
@@ -59,6 +66,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     delta_min_gain: float = 0.1
     # A keyframe serves as base for at most this many checkpoints before it is refreshed.
     keyframe_interval: int = 10
+    # A delta's base may be a delta this many deltas deep: restoring a chunk reads at most max_chain + 1
+    # stored chunks. 1: the base is always a keyframe. Above 1 the store gains the feature "delta-chains".
+    max_chain: int = 1
 
     def validate(self) -> "StoreConfig":
         def bad(msg: str):
@@ -78,6 +88,8 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             bad("min_gain and delta_min_gain must be in [0, 1)")
         if not (1 <= self.keyframe_interval <= 65535):
             bad("keyframe_interval must be in [1, 65535]")
+        if not (1 <= self.max_chain <= MAX_CHAIN):
+            bad(f"max_chain must be in [1, {MAX_CHAIN}]")
         if list(self.features) != sorted(set(self.features)):
             bad("features must be sorted and unique")
         if self.features and self.format_version < 2:
@@ -92,9 +104,20 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         return msgspec.structs.replace(self, features=features, format_version=max(2, self.format_version))
 
 
+def writer_features(cfg: StoreConfig) -> tuple[str, ...]:
+    """The features this code's writer may produce in a store of config ``cfg``."""
+    return tuple(sorted(WRITER_FEATURES + ((CHAINS_FEATURE,) if cfg.max_chain > 1 else ())))
+
+
+def chain_limit(cfg: StoreConfig) -> int:
+    """The most deltas a chain may hold in a store of config ``cfg`` (1: a delta's base is a keyframe)."""
+    return MAX_CHAIN if CHAINS_FEATURE in cfg.features else 1
+
+
 def new_config(**overrides) -> StoreConfig:
-    overrides.setdefault("features", WRITER_FEATURES)
-    return StoreConfig(store_id=uuid.uuid4().hex, **overrides).validate()
+    cfg = StoreConfig(store_id=uuid.uuid4().hex, **{k: v for k, v in overrides.items() if k != "features"})
+    features = overrides.get("features", writer_features(cfg))
+    return msgspec.structs.replace(cfg, features=tuple(features)).validate()
 
 
 def encode_config(cfg: StoreConfig) -> bytes:
@@ -103,7 +126,11 @@ def encode_config(cfg: StoreConfig) -> bytes:
         raw = msgspec.to_builtins(cfg)
         del raw["features"]
         return msgspec.json.format(msgspec.json.encode(raw), indent=2) + b"\n"
-    return msgspec.json.format(msgspec.json.encode(cfg), indent=2) + b"\n"
+    raw = msgspec.to_builtins(cfg)
+    for key, default in _OMITTED_AT_DEFAULT.items():
+        if raw.get(key) == default:
+            del raw[key]
+    return msgspec.json.format(msgspec.json.encode(raw), indent=2) + b"\n"
 
 
 def decode_config(data: bytes) -> StoreConfig:

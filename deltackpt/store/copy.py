@@ -20,6 +20,8 @@ from typing import Iterable
 
 import msgspec
 
+from .chains import chain_entries, needed_ids
+from .config import chain_limit
 from ..errors import CheckpointExistsError, CorruptChunkError, MissingChunkError
 from .lock import SHARED
 from .manifest import Manifest, Stats, encode_manifest
@@ -70,12 +72,10 @@ def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite:
 
 
 def _needed_entries(src, manifest: Manifest) -> dict[bytes, PackEntry]:
-    """Every chunk the checkpoint reads, with the keyframes its deltas are coded against."""
+    """Every chunk the checkpoint reads, with the bases its deltas are coded against (down each chain)."""
     ids = {ref.id for it in manifest.items for ref in it.chunks}
-    found = src.index.lookup_many(ids)
-    bases = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
-    found.update(src.index.lookup_many(bases))
-    missing = (ids | bases) - found.keys()
+    found = chain_entries(src.index, ids, chain_limit(src.config))
+    missing = (ids | needed_ids(found)) - found.keys()
     if missing:
         raise MissingChunkError(next(iter(missing)).hex(), checkpoint=manifest.name)
     return found

@@ -1,12 +1,13 @@
-"""The delta decision: whether a changed chunk is stored as a delta, and against which keyframe.
+"""The delta decision: whether a changed chunk is stored as a delta, and against which base.
 
 A :class:`DeltaPolicy` answers the writer's questions about one chunk: may it be a delta at all (size,
-the store's ``delta`` switch), which keyframe it would be coded against (:meth:`DeltaPolicy.base_for`: the
-keyframe behind the parent's chunk at the same place, retired after ``keyframe_interval`` checkpoints),
-whether the delta is expected to pay and in which delta codec (:meth:`DeltaPolicy.verdict`: this place's
-history, else a sample), and whether a coded delta is small enough to keep (:meth:`DeltaPolicy.accepts`).
-The writer codes accordingly. A delta's base is always a keyframe, so restoring any chunk reads at most two;
-chained deltas would change this module.
+the store's ``delta`` switch), which base it would be coded against (:meth:`DeltaPolicy.base_for`: the
+parent's chunk at the same place while its chain is shorter than ``max_chain``, else that chunk's own base;
+a base is retired after serving ``keyframe_interval`` checkpoints), whether the delta is expected to pay and
+in which delta codec (:meth:`DeltaPolicy.verdict`: this place's history, else a sample), and whether a coded
+delta is small enough to keep (:meth:`DeltaPolicy.accepts`). The writer codes accordingly. A chain holds at
+most ``max_chain`` deltas, so restoring any chunk reads at most ``max_chain + 1`` (with the default 1, a
+delta's base is always a keyframe).
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ DEFAULT_DELTA_CODEC = codec.ZDELTA
 
 @dataclass(frozen=True)
 class DeltaBase:
-    """The keyframe a changed chunk may be coded against."""
+    """The base (a keyframe, or a delta of a chain) a changed chunk may be coded against."""
 
-    entry: PackEntry  # the keyframe's
-    age: int  # checkpoints the keyframe will have served, this one included
+    entry: PackEntry  # the base's
+    age: int  # checkpoints the base will have served, this one included
     last: int | None  # stored size of the parent's delta at this place (its history), None after a keyframe
     last_codec: int | None = None  # the delta codec of that delta
+    depth: int = 0  # deltas in the base's own chain (0: a keyframe); a delta against it has depth + 1
+    keyframe_len: int | None = None  # stored size of the keyframe at the bottom of the chain (None: entry's)
 
 
 class Verdict(NamedTuple):
@@ -99,30 +102,47 @@ class DeltaPolicy:
         return self.config.delta and is_array and n >= self.min_bytes
 
     def base_for(self, parent_chunk: bytes, n: int, entry: PackEntry | None = None) -> DeltaBase | None:
-        """The keyframe to code a changed chunk of ``n`` bytes against, or None for a new keyframe.
+        """The base to code a changed chunk of ``n`` bytes against, or None for a new keyframe.
 
-        The base is the keyframe behind the parent's chunk at the same place (the parent chunk itself, or
-        its base when it is a delta), so restoring any chunk reads at most two. A keyframe that has served
-        ``keyframe_interval`` checkpoints is retired. The parent's delta size is this place's history: a
-        delta that paid off well last time is likely to again.
+        The base is the parent's chunk at the same place while its chain holds fewer than ``max_chain``
+        deltas, else that chunk's own base (with ``max_chain`` 1: the keyframe behind the parent's chunk),
+        so restoring any chunk reads at most ``max_chain + 1``. A base that has served ``keyframe_interval``
+        checkpoints is retired. The parent's delta size is this place's history: a delta that paid off well
+        last time is likely to again.
         """
-        index = self.store.index
-        entry = entry or index.lookup(parent_chunk)  # the caller may have looked it up already
+        entry = entry or self.store.index.lookup(parent_chunk)  # the caller may have looked it up already
         if entry is None or entry.raw_len != n:
             return None
-        last_codec = None
-        if codec.is_delta(entry.codec):
-            age, last, last_codec = entry.age + 1, entry.stored_len, entry.codec
-            entry = index.lookup(entry.base_id)
-            if entry is None or codec.is_delta(entry.codec) or entry.raw_len != n:
+        chain = self._chain(entry, n)
+        if chain is None:
+            return None  # broken, or longer than this store's max_chain (copied in, or the setting lowered)
+        depth = len(chain) - 1
+        last, last_codec = (entry.stored_len, entry.codec) if codec.is_delta(entry.codec) else (None, None)
+        key_len = chain[-1].stored_len
+        if depth < self.config.max_chain:
+            return DeltaBase(entry, 1, last, last_codec, depth, key_len)
+        age = entry.age + 1
+        return DeltaBase(chain[1], age, last, last_codec, depth - 1, key_len) \
+            if age <= self.config.keyframe_interval else None
+
+    def _chain(self, entry: PackEntry, n: int) -> list[PackEntry] | None:
+        """``entry`` and the bases down its chain to a keyframe (one index look-up per delta in it), or None
+        when a link is missing or of another size, or the chain holds more than max_chain deltas."""
+        chain = [entry]
+        while codec.is_delta(entry.codec):
+            if len(chain) > self.config.max_chain:
                 return None
-        else:
-            age, last = 1, None
-        return DeltaBase(entry, age, last, last_codec) if age <= self.config.keyframe_interval else None
+            entry = self.store.index.lookup(entry.base_id)
+            if entry is None or entry.raw_len != n:
+                return None
+            chain.append(entry)
+        return chain
 
     def _key_limit(self, base: DeltaBase, n: int) -> float:
-        # The keyframe's own coded size stands in for this chunk's keyframe coding.
-        return (1.0 - self.config.delta_min_gain) * min(base.entry.stored_len, n)
+        # The keyframe's own coded size (the one down the chain, not a delta base's) stands in for this
+        # chunk's keyframe coding.
+        key_len = base.entry.stored_len if base.keyframe_len is None else base.keyframe_len
+        return (1.0 - self.config.delta_min_gain) * min(key_len, n)
 
     def verdict(self, view, elem_size: int, base: DeltaBase, base_raw) -> Verdict:
         """``pays`` True: code the delta (expected to pay); False: a keyframe (no delta coded); None: too close

@@ -1,6 +1,7 @@
 """gc: reclaim the space of chunks no checkpoint needs, as a plan first, then its execution.
 
-Mark: the live chunks are those the manifests reference plus the delta bases of those chunks. The set is
+Mark: the live chunks are those the manifests reference plus the delta bases of those chunks (down each
+chain: a base is live while any live delta needs it, :func:`with_chain_bases`). The set is
 a sorted numpy array of 16-byte ids (:mod:`.idset`: 16 bytes a chunk, not a Python object each), so stores
 with millions of chunks stay within tens of MB, and every pack entry is tested against it in one vectorised
 pass: a plan costs O(live chunks + pack entries). The index cache is not trusted for liveness: a live chunk
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import LocalFiles, spool_for
+from .config import chain_limit
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
 from ..errors import CheckpointNotFoundError, DiskFullError, ManifestFormatError
@@ -152,7 +154,7 @@ class GcPlan:
         changed = [n for n, seen in manifests.items() if self.manifests.get(n) != seen]
         live = idset.union(self.live, live_chunk_ids(store, changed)) if changed else self.live
         # Packs published since the mark keep their deltas' bases (an aborted save's deltas stay restorable).
-        live = idset.union(live, _delta_bases(store, {n: listed[n] for n in present - self.packs}))
+        live = with_chain_bases(store, live, _delta_bases(store, {n: listed[n] for n in present - self.packs}))
         kept = {name: {e.chunk_id for e in keep} for name, keep in self.repack.items()}
         index = store.index
 
@@ -179,7 +181,7 @@ class GcPlan:
             pins = bases[~idset.isin(live, bases)]
             if not pins.size:
                 break
-            live = idset.union(live, pins)
+            live = with_chain_bases(store, live, pins)
         plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=self.max_unused, grace_s=self.grace_s,
                       kept_young=self.kept_young, live=live, manifests=manifests, packs=present,
                       epoch=_read_epoch(store))
@@ -217,8 +219,22 @@ def live_chunk_ids(store, names=None) -> np.ndarray:
         except CheckpointNotFoundError:
             continue  # forgotten since it was listed (forget takes no lock): it makes nothing live
         refs.add(idset.from_ids([ref.id for item in manifest.items for ref in item.chunks]))
-    live = refs.result()
-    return idset.union(live, store.index.locate(live).delta_base)
+    return with_chain_bases(store, refs.result())
+
+
+def with_chain_bases(store, live: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """``live`` (sorted unique V16 ids) with ``ids`` (default: those of ``live`` itself) and the delta bases
+    they need added, down each chain (a base is live while any live delta needs it): one batched index
+    look-up per level, at most the store's chain limit (1 without the feature ``delta-chains``)."""
+    frontier = live if ids is None else idset.unique(ids)
+    live = live if ids is None else idset.union(live, frontier)
+    for _ in range(chain_limit(store.config)):
+        bases = idset.unique(store.index.locate(frontier).delta_base)
+        frontier = bases[~idset.isin(live, bases)]
+        if not frontier.size:
+            break
+        live = idset.union(live, frontier)
+    return live
 
 
 def _read_epoch(store) -> bytes:
@@ -312,7 +328,7 @@ def _plan(store, *, max_unused: float, grace_s: float, progress: Progress | None
     young = {n: i for n, i in listed.items() if now - i.mtime_s < grace_s}
     plan.kept_young = len(young)
     # A young pack may be an in-flight save's: the bases of its deltas stay, whether or not it commits.
-    live = plan.live = idset.union(live, _delta_bases(store, young))
+    live = plan.live = with_chain_bases(store, live, _delta_bases(store, young))
     old = {n: i for n, i in listed.items() if n not in young}
     tables = _read_tables(store, old, progress)
     names = list(tables)

@@ -34,7 +34,7 @@ from .basecache import BaseCache
 from .cachedir import default_cache_dir, user_cache_dirs
 from .commit import build_manifest, check_chunks, index_new_packs
 from .location import open_backend
-from .config import CONFIG_KEY, WRITER_FEATURES, StoreConfig, decode_config, encode_config, new_config
+from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config, writer_features
 from .index import ChunkIndex
 from .manifest import LATEST, Item, Manifest, decode_manifest, encode_manifest, manifest_key, validate_name
 from .crashpoints import crash_point
@@ -154,12 +154,15 @@ class Store:
             pass
         return cls.init(backend, cache_dir=cache_dir, exist_ok=True, **config)
 
-    def ensure_features(self, names=WRITER_FEATURES) -> None:
-        """Record ``names`` in the store's config before data that needs them is written (the format gate).
+    def ensure_features(self, names=None) -> None:
+        """Record ``names`` (default: what this code's writer may produce under the store's config) in the
+        store's config before data that needs them is written (the format gate).
 
         A store written by an older deltackpt gains the features (and format version 2) on its first write by
         this code, so from then on a reader that lacks one refuses the store instead of misreading its data.
         """
+        if names is None:
+            names = writer_features(self.config)
         if set(names) <= set(self.config.features):
             return
         current = decode_config(self.backend.get(CONFIG_KEY))

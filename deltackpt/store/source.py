@@ -2,7 +2,8 @@
 
 Every chunk read is verified: its decoded bytes must hash to its id, else :class:`CorruptChunkError`
 names the chunk, its pack and (when known) the checkpoint and item. A delta chunk is decoded through its
-base, which must itself be a keyframe; damage in the base is reported with both ids. Used by the read path
+base (and a chained base through the chunks down its chain, at most ``config.chain_limit(cfg)`` deltas,
+to a keyframe); damage in the chain is reported with the delta's and its base's ids. Used by the read path
 (:mod:`.reader`), the write path (slices of the parent, delta bases), ``verify`` and ``repair``.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
 from . import codec
 from .chunking import chunk_id_of
+from .config import chain_limit
 from .pack import HEADER_SIZE, PackEntry, decode_header, encode_header, pack_key
 
 MiB = 1 << 20
@@ -114,8 +116,10 @@ class ChunkSource:
         return codec.scratch_array(self._scratch, name, n, min_size=4 * MiB, keep_max=self.SCRATCH_MAX)
 
     def _get_base(self, entry: PackEntry, *, checkpoint, item, fetched=None):
-        """The verified base of delta ``entry``: from the LRU, else decoded into this thread's scratch (valid
-        until this thread decodes the next base)."""
+        """The verified base of delta ``entry``: from the LRU, else decoded (with the bases down its chain,
+        until a keyframe or a chunk the LRU holds) into this thread's scratch (valid until this thread
+        decodes the next base). A chain longer than the store allows (``config.chain_limit``), or one that
+        meets itself, is damage."""
         base_hex = entry.base_id.hex() if entry.base_id else None
         if entry.base_id is None:
             raise CorruptChunkError("delta chunk has no base", chunk_id=entry.chunk_id.hex(), pack=entry.pack,
@@ -124,18 +128,43 @@ class ChunkSource:
             base = self._from_cache(entry.base_id)
             if base is not None:
                 return base
-            base_entry = self.entry(entry.base_id, checkpoint=checkpoint, item=item)
-            if codec.is_delta(base_entry.codec):
-                raise CorruptChunkError("delta base is itself a delta", chunk_id=base_hex, pack=base_entry.pack)
-            # Not cached: a base serves the one delta at its place, and a load touches it once.
-            base = self._buffer("base", base_entry.raw_len)
-            self._decode(base_entry, None, base, checkpoint=checkpoint, item=item,
-                         stored=_stored(fetched, base_entry))
-            return base
+            chain, below = self._chain_below(entry, checkpoint=checkpoint, item=item)
+            # Not cached: a base serves the one delta at its place, and a load touches it once. The links
+            # are decoded from the bottom up, alternating two scratch buffers.
+            for i, link in enumerate(reversed(chain)):
+                out = self._buffer("base" if (len(chain) - i) % 2 else "base2", link.raw_len)
+                self._decode(link, below, out, checkpoint=checkpoint, item=item, stored=_stored(fetched, link))
+                below = out
+            return below
         except (CorruptChunkError, MissingChunkError) as e:
             raise CorruptChunkError(f"base of delta chunk is unreadable ({e})", chunk_id=entry.chunk_id.hex(),
                                     base_chunk_id=base_hex, pack=entry.pack, checkpoint=checkpoint,
                                     item=item) from e
+
+    def _chain_below(self, entry: PackEntry, *, checkpoint, item) -> tuple[list[PackEntry], object]:
+        """The entries down delta ``entry``'s chain to decode for its base (its base first), and the decoded
+        bytes the last of them builds on: None when it is a keyframe, else a chunk from the LRU."""
+        limit = chain_limit(self.store.config)
+        chain, seen, below = [], {entry.chunk_id}, None
+        cid = entry.base_id
+        while True:
+            if cid in seen:
+                raise CorruptChunkError("delta chain meets itself (a cycle)", chunk_id=cid.hex())
+            seen.add(cid)
+            link = self.entry(cid, checkpoint=checkpoint, item=item)
+            chain.append(link)
+            if not codec.is_delta(link.codec):
+                return chain, None
+            if len(chain) >= limit:
+                raise CorruptChunkError(f"delta chain holds more than {limit} delta{'s' if limit > 1 else ''}"
+                                        + ("" if limit > 1 else " (delta base is itself a delta)"),
+                                        chunk_id=cid.hex(), pack=link.pack)
+            if link.base_id is None:
+                raise _damage("delta chunk has no base", link, checkpoint, item)
+            below = self._from_cache(link.base_id)
+            if below is not None:
+                return chain, below
+            cid = link.base_id
 
     def decode_read(self, entry: PackEntry, head, payload, n: int, out: np.ndarray, *, checkpoint=None, item=None,
                     fetched=None) -> None:

@@ -3,7 +3,8 @@
 Levels (each includes the ones below):
 
 0. structure: every manifest parses; every chunk a manifest references is indexed and its pack exists;
-   every delta's base exists and is a keyframe.
+   every delta's chain of bases exists down to a keyframe, within the store's chain limit (a delta's base
+   is a keyframe unless the store has the feature ``delta-chains``).
 1. packs: every pack's bytes hash to its name.
 2. data: every chunk is decoded (deltas through their bases) and re-hashed.
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError
 from . import idset
+from .config import chain_limit
 from .pack import PackEntry, pack_bytes_ok, walk_entries, pack_key, pack_name_from_key, read_pack_entries
 from .progress import Progress, phase
 from .source import ChunkSource
@@ -117,6 +119,9 @@ class _Findings:
     extra_bases: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # other bases of their deltas
     delta_at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))  # users[delta_at] are deltas
     delta_base: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # ... with these bases
+    # Deltas among extra_bases (inner links of chains: only in a store with delta chains), sorted, and theirs.
+    link_delta: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))
+    link_base: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))
     bad: dict[bytes, Problem] = field(default_factory=dict)  # the first problem found with each chunk
     live_packs: set[str] = field(default_factory=set)  # packs holding a needed chunk, or unreadable
     chunks_in: dict[str, int] = field(default_factory=dict)  # pack -> needed chunks it holds
@@ -238,7 +243,11 @@ def _check_structure(store, found: _Findings, last_seen, packs, level: int, prog
     found.delta_at, found.delta_base = loc.delta_at[ok], loc.delta_base[ok]
     found.extra_bases = idset.unique(found.delta_base[~idset.isin(users, found.delta_base)])
     extra = index.locate(found.extra_bases)
-    _check_bases(found, users, loc, present, extra, packs)
+    limit = chain_limit(store.config)
+    if limit > 1 and extra.delta_at.size:
+        _follow_chains(index, found, users, extra, limit)
+        extra = index.locate(found.extra_bases)
+    _check_bases(found, users, loc, present, extra, packs, limit)
     found.live_packs = set(unreadable)
     for where in (loc, extra):
         counts = np.bincount(where.pack_of[where.pack_of >= 0], minlength=len(where.packs))
@@ -253,28 +262,77 @@ def _in_packs(loc, packs) -> np.ndarray:
     return np.array([p in packs for p in loc.packs] + [False], dtype=bool)[loc.pack_of]
 
 
-def _check_bases(found: _Findings, users: np.ndarray, loc, present: np.ndarray, extra, packs) -> None:
-    """A delta's base must be indexed, in a pack present, and a keyframe."""
+def _follow_chains(index, found: _Findings, users: np.ndarray, extra, limit: int) -> None:
+    """Add the inner links of the referenced deltas' chains to ``found.extra_bases``, down to the keyframes
+    (``limit`` levels at most), and record which of them are deltas and their bases (``found.link_*``)."""
+    deltas, bases = [], []
+    frontier, where = found.extra_bases, extra
+    for _ in range(limit):
+        d, b = frontier[where.delta_at], where.delta_base
+        if not d.size:
+            break
+        deltas.append(d)
+        bases.append(b)
+        new = idset.unique(b[~(idset.isin(users, b) | idset.isin(found.extra_bases, b))])
+        if not new.size:
+            break
+        found.extra_bases = idset.union(found.extra_bases, new)
+        frontier, where = new, index.locate(new)
+    d, b = np.concatenate(deltas), np.concatenate(bases)
+    order = np.argsort(d, kind="stable")
+    found.link_delta, found.link_base = d[order], b[order]
+
+
+def _base_of(found: _Findings, cid: np.ndarray):
+    """The base of needed chunk ``cid`` (a V16 scalar) when it is a delta found in a pack present, else None."""
+    for ids, bases, at in ((found.users, found.delta_base, found.delta_at), (found.link_delta, found.link_base, None)):
+        i = int(np.searchsorted(ids, cid))
+        if i < ids.size and ids[i] == cid:
+            if at is None:
+                return bases[i]
+            j = int(np.searchsorted(at, i))
+            if j < at.size and at[j] == i:
+                return bases[j]
+    return None
+
+
+def _check_bases(found: _Findings, users: np.ndarray, loc, present: np.ndarray, extra, packs,
+                 limit: int = 1) -> None:
+    """A delta's base must be indexed, in a pack present, and a keyframe; in a store with delta chains, a
+    delta whose own chain (at most ``limit`` deltas in all, no cycle) ends in one."""
     is_delta = np.zeros(users.size, dtype=bool)
     is_delta[loc.delta_at] = True
     extra_delta = np.zeros(found.extra_bases.size, dtype=bool)
     extra_delta[extra.delta_at] = True
     extra_present = _in_packs(extra, packs)
     for d, base in zip(found.delta_at.tolist(), found.delta_base):
-        i = int(np.searchsorted(users, base))
-        if i < users.size and users[i] == base:
-            base_ok, base_delta = present[i], is_delta[i]
-        else:
-            j = int(np.searchsorted(found.extra_bases, base))
-            base_ok, base_delta = extra_present[j], extra_delta[j]
-        cid, base = users[d].tobytes(), base.tobytes()
-        where = loc.packs[loc.pack_of[d]]
-        if not base_ok:
-            found.bad[cid] = Problem(ProblemKind.BAD_BASE, f"base chunk {base.hex()} is missing", pack=where,
-                                     chunk_id=cid.hex())
-        elif base_delta:
-            found.bad[cid] = Problem(ProblemKind.BAD_BASE, f"base chunk {base.hex()} is itself a delta",
-                                     pack=where, chunk_id=cid.hex())
+        cid = users[d].tobytes()
+        seen, depth = {cid}, 1
+        while True:
+            i = int(np.searchsorted(users, base))
+            if i < users.size and users[i] == base:
+                base_ok, base_delta = present[i], is_delta[i]
+            else:
+                j = int(np.searchsorted(found.extra_bases, base))
+                base_ok, base_delta = extra_present[j], extra_delta[j]
+            below = "" if depth == 1 else f" ({depth} deltas down its chain)"
+            if not base_ok:
+                detail = f"base chunk {base.tobytes().hex()} is missing{below}"
+            elif not base_delta:
+                break
+            elif depth >= limit:
+                detail = (f"base chunk {base.tobytes().hex()} is itself a delta" if limit == 1
+                          else f"delta chain holds more than {limit} deltas")
+            elif base.tobytes() in seen:
+                detail = f"delta chain meets itself at base chunk {base.tobytes().hex()}"
+            else:
+                seen.add(base.tobytes())
+                base, depth = _base_of(found, base), depth + 1
+                if base is None:
+                    break  # a link not followed: nothing more to tell here
+                continue
+            found.bad[cid] = Problem(ProblemKind.BAD_BASE, detail, pack=loc.packs[loc.pack_of[d]], chunk_id=cid.hex())
+            break
 
 
 def _check_packs(store, found: _Findings, packs: dict[str, int], level: int, sample, deadline, report,
@@ -371,10 +429,20 @@ def _attribute(store, found: _Findings, report: VerifyReport) -> None:
 def _dependents(store, found: _Findings, targets: set[bytes]) -> dict[bytes, set[str]]:
     """"checkpoint:item" of every item that reads one of ``targets``, directly or as the base of a delta it
     references: the manifests are read again, so that no attribution is held per reference meanwhile."""
-    via: dict[bytes, list[bytes]] = {}  # a referenced delta -> the targets that are its base
-    hit = np.flatnonzero(idset.isin(idset.unique(idset.from_ids(list(targets))), found.delta_base))
-    for j in hit.tolist():
-        via.setdefault(found.users[found.delta_at[j]].tobytes(), []).append(found.delta_base[j].tobytes())
+    via: dict[bytes, list[bytes]] = {}  # a referenced delta -> the targets that are its base (down its chain)
+    wanted = idset.unique(idset.from_ids(list(targets)))
+    limit = chain_limit(store.config)
+    if limit > 1:  # chains: a target anywhere down a referenced delta's chain
+        for d, base in zip(found.delta_at.tolist(), found.delta_base):
+            for _ in range(limit):
+                if base is None:
+                    break
+                if base.tobytes() in targets:
+                    via.setdefault(found.users[d].tobytes(), []).append(base.tobytes())
+                base = _base_of(found, base)
+    else:
+        for j in np.flatnonzero(idset.isin(wanted, found.delta_base)).tolist():
+            via.setdefault(found.users[found.delta_at[j]].tobytes(), []).append(found.delta_base[j].tobytes())
     out: dict[bytes, set[str]] = {}
     for name in found.names:
         try:

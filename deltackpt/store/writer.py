@@ -24,7 +24,9 @@ import numpy as np
 
 from ..errors import DeltackptError
 from . import codec
+from .chains import chain_entries, restorable
 from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
+from .config import chain_limit
 from .deltapolicy import DeltaBase, DeltaPolicy
 from .manifest import ChunkRef, Item, Manifest
 from .pack import PackEntry
@@ -76,6 +78,7 @@ class ChunkWriter:
         self._cache = store.base_cache
         self._cache.new_generation()
         self._policy = DeltaPolicy(store)
+        self._chain_limit = chain_limit(store.config)
         self._cache.note_use()
         self.num_threads = num_threads or default_write_threads()
         self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
@@ -259,21 +262,20 @@ class ChunkWriter:
 
     def _reusable(self, ids) -> set[bytes]:
         """Which of ``ids`` the store holds a restorable copy of to deduplicate against (a claim, which gc
-        spares while this save holds its shared lock): indexed, and if a delta, its base indexed too (a delta
-        whose base is gone, e.g. with a lost pack, is written again rather than claimed). Their packs join
-        :attr:`WriteSummary.reused_packs`: this look-up is the only one per chunk, the commit trusts it."""
-        index = self.store.index
-        found = index.lookup_many(set(ids))
-        wanted = {e.base_id for e in found.values() if e.base_id is not None} - found.keys()
-        bases = index.lookup_many(wanted) if wanted else {}
+        spares while this save holds its shared lock): indexed, and if a delta, every base down its chain
+        indexed too (a delta whose base is gone, e.g. with a lost pack, is written again rather than
+        claimed). Their packs join :attr:`WriteSummary.reused_packs`: this look-up is the only one per
+        chunk, the commit trusts it."""
+        found = chain_entries(self.store.index, ids, self._chain_limit)
         ok, packs = set(), set()
-        for cid, entry in found.items():
-            base = None if entry.base_id is None else found.get(entry.base_id) or bases.get(entry.base_id)
-            if entry.base_id is None or base is not None:
+        for cid in set(ids) & found.keys():
+            if restorable(cid, found, self._chain_limit):
                 ok.add(cid)
+                entry = found[cid]
                 packs.add(entry.pack)
-                if base is not None:
-                    packs.add(base.pack)
+                while entry.base_id is not None:
+                    entry = found[entry.base_id]
+                    packs.add(entry.pack)
         self._note_reused(packs)
         return ok
 
@@ -338,6 +340,7 @@ class ChunkWriter:
                     self._note_reused((base.entry.pack,))
         if cod is None:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
-        if not codec.is_delta(cod) and self._policy.keeps_as_base(n, is_array):
-            self._cache.put(cid, view)  # the next save's base
+        depth = base.depth + 1 if codec.is_delta(cod) else 0
+        if depth < c.max_chain and self._policy.keeps_as_base(n, is_array):
+            self._cache.put(cid, view)  # the next save's base: a keyframe, or a delta a chain may grow from
         self._sink.add(cid, cod, elem_size, n, stored, base_id, age)

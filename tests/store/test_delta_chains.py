@@ -1,0 +1,241 @@
+"""Bounded delta chains (``max_chain``): a delta's base may be a delta; every path that follows bases follows
+the whole chain (read, save, commit, gc, verify, copy) and never one longer than the store allows."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from deltackpt.errors import CorruptChunkError, UnsupportedFormatError
+from deltackpt.store import MemoryBackend, Store, codec
+from deltackpt.store import config as config_mod
+from deltackpt.store.chunking import chunk_id_of
+from deltackpt.store.copy import copy_checkpoints
+from deltackpt.store.gc import plan_gc
+from deltackpt.store.manifest import ChunkRef, Item, Manifest, Stats, encode_manifest
+from deltackpt.store.pack import PackBuilder, pack_key
+from deltackpt.store.verify import verify_store
+
+CHUNK = 16384
+
+
+def _sparse_steps(seed: int, count: int, n: int = 16_384) -> list[np.ndarray]:
+    """``count`` states of a float32 vector of ``n`` elements where each step nudges a few elements by one
+    ulp (a sparse update: the delta against the previous state is tiny, against an older one it grows)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(n) * 0.05).astype(np.float32)
+    out = [w.copy()]
+    for _ in range(count - 1):
+        bits = w.view(np.uint32)
+        bits[rng.integers(0, n, 40)] += np.uint32(1)
+        out.append(w.copy())
+    return out
+
+
+def _depth(store: Store, cid: bytes) -> int:
+    """Deltas down chunk ``cid``'s chain (0 for a keyframe)."""
+    depth, entry = 0, store.index.lookup(cid)
+    while codec.is_delta(entry.codec):
+        depth, entry = depth + 1, store.index.lookup(entry.base_id)
+    return depth
+
+
+def _chunk_ids(store: Store, name: str) -> list[bytes]:
+    return [r.id for it in store.read_manifest(name).items for r in it.chunks]
+
+
+def _chained_store(location, max_chain: int, count: int, *, reopen: bool = False, **config):
+    store = Store.init(location, chunk_size_bytes=CHUNK, max_chain=max_chain, **config)
+    states = _sparse_steps(max_chain, count)
+    for i, w in enumerate(states):
+        if reopen:  # a new Store object per save: every base is read back from the store, none cached
+            store = Store.open(location)
+        store.save(f"c{i}", {"w": w})
+    return store, states
+
+
+@pytest.mark.parametrize("max_chain,reopen", [(1, False), (2, False), (4, False), (4, True), (8, False)])
+def test_chains_restore_bit_exact_and_never_exceed_max_chain(tmp_path, max_chain, reopen):
+    store, states = _chained_store(tmp_path / "s", max_chain, 12, reopen=reopen)
+    depths = [_depth(store, cid) for i in range(len(states)) for cid in _chunk_ids(store, f"c{i}")]
+    assert max(depths) == max_chain, "chains grow to the bound and no further"
+    reopened = Store.open(tmp_path / "s")
+    for i, w in enumerate(states):
+        np.testing.assert_array_equal(reopened.load(f"c{i}")["w"], w)
+    assert ("delta-chains" in reopened.config.features) == (max_chain > 1)
+    assert verify_store(reopened, level=2).clean
+
+
+def test_a_save_reads_nothing_from_the_store_with_chains(tmp_path):
+    backend = MemoryBackend()
+    store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=CHUNK, max_chain=4)
+    store.base_cache.reserve(64 << 20)  # a training loop's store (a one-off first save keeps no copies)
+    states = _sparse_steps(5, 8)
+    store.save("c0", {"w": states[0]})
+    reads = []
+    real = backend.get_range_into
+    backend.get_range_into = lambda key, *a, **k: (reads.append(key), real(key, *a, **k))[1]
+    for i, w in enumerate(states[1:], 1):
+        store.save(f"c{i}", {"w": w})
+    assert not [k for k in reads if k.startswith("packs/")], "bases came from the keyframe cache"
+    assert max(_depth(store, cid) for cid in _chunk_ids(store, "c7")) >= 2
+
+
+def test_chains_make_sparse_updates_smaller_than_keyframe_bases(tmp_path):
+    sizes = {}
+    for max_chain in (1, 4):
+        store, _ = _chained_store(tmp_path / f"s{max_chain}", max_chain, 10)
+        sizes[max_chain] = store.usage().pack_bytes
+    assert sizes[4] < sizes[1]
+
+
+def test_gc_keeps_the_bases_of_a_live_tip_and_drops_them_once_unneeded(tmp_path):
+    store, states = _chained_store(tmp_path / "s", 4, 5)
+    tip = _chunk_ids(store, "c4")
+    chain = set()
+    for cid in tip:
+        entry = store.index.lookup(cid)
+        while entry.base_id is not None:
+            chain.add(entry.base_id)
+            entry = store.index.lookup(entry.base_id)
+    assert chain - set(tip), "the tip is coded against older checkpoints' chunks"
+    store.forget([f"c{i}" for i in range(4)])
+    plan_gc(store, grace_s=0).execute()
+    reopened = Store.open(tmp_path / "s")
+    np.testing.assert_array_equal(reopened.load("c4")["w"], states[4])
+    assert all(reopened.index.lookup(c) is not None for c in chain)
+    assert verify_store(reopened, level=2).clean
+    # Once nothing needs the chain (the tip is forgotten too), gc removes all of it.
+    reopened.save("other", {"w": np.arange(16_384, dtype=np.float32)})
+    reopened.forget(["c4"])
+    plan_gc(reopened, grace_s=0).execute()
+    again = Store.open(tmp_path / "s")
+    assert all(again.index.lookup(c) is None for c in chain | set(tip))
+    np.testing.assert_array_equal(again.load("other")["w"], np.arange(16_384, dtype=np.float32))
+
+
+def test_verify_finds_a_missing_mid_chain_base(tmp_path):
+    # One chunk per checkpoint, each save its own pack: deleting c1's pack removes the middle of c3's chain.
+    store, _ = _chained_store(tmp_path / "s", 4, 4)
+    ids = [_chunk_ids(store, f"c{i}")[0] for i in range(4)]
+    assert [_depth(store, c) for c in ids] == [0, 1, 2, 3]
+    mid = store.index.lookup(ids[1])
+    store.backend.delete(pack_key(mid.pack))
+    report = verify_store(Store.open(tmp_path / "s"), level=0)
+    by_chunk = {p.chunk_id: p for p in report.problems}
+    assert by_chunk[ids[3].hex()].kind == "bad-base"
+    assert ids[1].hex() in by_chunk[ids[3].hex()].detail and "down its chain" in by_chunk[ids[3].hex()].detail
+    assert {"c1", "c2", "c3"} <= {c for p in report.problems for c in p.checkpoints}
+    assert "c0" not in {c for p in report.problems for c in p.checkpoints}
+    # The lost chunk's own problem names every checkpoint whose chain runs through it.
+    assert by_chunk[ids[1].hex()].checkpoints == ["c1", "c2", "c3"]
+    with pytest.raises(CorruptChunkError) as ei:
+        Store.open(tmp_path / "s").load("c3")
+    assert ei.value.chunk_id == ids[3].hex()
+
+
+def test_copy_of_a_chain_tip_to_an_empty_store_loads(tmp_path):
+    src, states = _chained_store(tmp_path / "src", 4, 6)
+    assert max(_depth(src, c) for c in _chunk_ids(src, "c5")) >= 2
+    dst = Store.init(tmp_path / "dst")  # max_chain 1 here: the copied chains are still readable
+    copy_checkpoints(src, dst, ["c5"])
+    reopened = Store.open(tmp_path / "dst")
+    assert "delta-chains" in reopened.config.features
+    np.testing.assert_array_equal(reopened.load("c5")["w"], states[5])
+    assert verify_store(reopened, level=2).clean
+
+
+def test_format_gate_names_delta_chains(tmp_path, monkeypatch):
+    _chained_store(tmp_path / "s", 2, 3)
+    raw = json.loads((tmp_path / "s" / "config").read_bytes())
+    assert raw["max_chain"] == 2 and "delta-chains" in raw["features"]
+    # A reader from before chains: it knows every other feature, and refuses by name, not as damage.
+    monkeypatch.setattr(config_mod, "SUPPORTED_FEATURES",
+                        {k: v for k, v in config_mod.SUPPORTED_FEATURES.items() if k != "delta-chains"})
+    with pytest.raises(UnsupportedFormatError, match="delta-chains"):
+        Store.open(tmp_path / "s")
+
+
+def test_a_default_store_config_reads_as_before_chains(tmp_path):
+    Store.init(tmp_path / "s")
+    raw = json.loads((tmp_path / "s" / "config").read_bytes())
+    # An older reader refuses unknown fields: the default is left out, and no feature is added.
+    assert "max_chain" not in raw and "delta-chains" not in raw["features"]
+    assert Store.open(tmp_path / "s").config.max_chain == 1
+
+
+@pytest.mark.parametrize("bad", [0, config_mod.MAX_CHAIN + 1])
+def test_max_chain_out_of_range_is_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match="max_chain"):
+        Store.init(tmp_path / "s", max_chain=bad)
+
+
+def _write_raw_checkpoint(store: Store, entries_spec, tip: bytes, n: int) -> None:
+    """Put one pack built from ``entries_spec`` ((id, codec, payload, base_id)) and a manifest reading ``tip``
+    past the commit's checks (which would refuse a broken chain)."""
+    pb = PackBuilder()
+    for cid, cod, payload, base_id in entries_spec:
+        pb.add(cid, cod, 4, n, payload, base_id)
+    name, data, entries = pb.seal()
+    store.backend.put(pack_key(name), data)
+    store.index.add(entries, {name: len(data)})
+    item = Item(key="t", kind="array", nbytes=n, chunks=[ChunkRef(tip, n)], dtype="<f4", elem_size=4,
+                shape=[n // 4])
+    manifest = Manifest(name="t", store_id=store.config.store_id, created_ns=1, items=[item], stats=Stats())
+    store.backend.put("manifests/t", encode_manifest(manifest))
+
+
+def test_a_cycle_of_deltas_is_damage_not_a_hang(tmp_path):
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "c", max_chain=4)
+    store.ensure_features()
+    rng = np.random.default_rng(9)
+    n = 4096
+    a, b = rng.bytes(n), rng.bytes(n)
+    ida, idb = chunk_id_of(a), chunk_id_of(b)
+    _write_raw_checkpoint(store, [(ida, codec.DELTA, codec.encode_delta(a, b, 4, 1), idb),
+                                  (idb, codec.DELTA, codec.encode_delta(b, a, 4, 1), ida)], ida, n)
+    with pytest.raises(CorruptChunkError, match="cycle") as ei:
+        store.load("t")
+    assert ei.value.chunk_id == ida.hex()
+    assert any("meets itself" in p.detail for p in verify_store(store, level=0).problems)
+
+
+def test_a_chain_longer_than_the_format_allows_is_damage(tmp_path, monkeypatch):
+    monkeypatch.setattr(config_mod, "MAX_CHAIN", 3)
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "c", max_chain=3)
+    store.ensure_features()
+    rng = np.random.default_rng(10)
+    n = 4096
+    states = [rng.bytes(n)]
+    for i in range(4):
+        nxt = bytearray(states[-1])
+        nxt[i] ^= 1
+        states.append(bytes(nxt))
+    ids = [chunk_id_of(s) for s in states]
+    spec = [(ids[0], codec.RAW, states[0], None)]
+    spec += [(ids[i], codec.DELTA, codec.encode_delta(states[i], states[i - 1], 4, 1), ids[i - 1])
+             for i in range(1, 5)]  # four deltas deep: one more than allowed
+    _write_raw_checkpoint(store, spec, ids[4], n)
+    with pytest.raises(CorruptChunkError, match="more than 3 deltas"):
+        store.load("t")
+    assert any("more than 3 deltas" in p.detail for p in verify_store(store, level=0).problems)
+
+
+def test_a_delta_against_a_chained_base_is_weighed_against_the_keyframe(tmp_path):
+    """A delta base's own stored size is a delta's; whether a new delta pays is judged against the keyframe
+    at the bottom of the chain (else every delta that outgrows one step's change became a keyframe)."""
+    from deltackpt.store.deltapolicy import DeltaPolicy
+
+    store, _ = _chained_store(tmp_path / "s", 2, 3)
+    ids = [_chunk_ids(store, f"c{i}")[0] for i in range(3)]
+    assert [_depth(store, c) for c in ids] == [0, 1, 2]
+    key, mid = store.index.lookup(ids[0]), store.index.lookup(ids[1])
+    policy = DeltaPolicy(store)
+    base = policy.base_for(ids[2], key.raw_len)
+    assert base.entry.chunk_id == ids[1] and base.depth == 1 and base.age == 2, "the chain is at its bound"
+    assert base.keyframe_len == key.stored_len
+    grown = 4 * mid.stored_len  # a delta covering several steps of change: far above the base's own size
+    assert grown < 0.5 * key.stored_len
+    assert policy.accepts(grown, base, key.raw_len)

@@ -33,7 +33,7 @@ from deltackpt.store.pack import (
     parse_table,
     read_pack_entries,
 )
-from deltackpt.store.writer import chunk_id_of
+from deltackpt.store.chunking import chunk_id_of
 
 from store_helpers import assert_items_equal, flip_bit, mutate_object, packs_of_checkpoint, random_array
 

@@ -18,16 +18,9 @@ def grid_spans(global_offset: int, nbytes: int, chunk_size: int) -> list[tuple[i
     """Item-relative (start, end) spans cut where ``global_offset + pos`` is a multiple of ``chunk_size``."""
     if nbytes == 0:
         return []
-    spans = []
-    pos = 0
-    first_end = chunk_size - (global_offset % chunk_size)
-    end = min(first_end, nbytes)
-    while True:
-        spans.append((pos, end))
-        if end >= nbytes:
-            return spans
-        pos = end
-        end = min(pos + chunk_size, nbytes)
+    first_end = min(chunk_size - (global_offset % chunk_size), nbytes)
+    cuts = [0, *range(first_end, nbytes, chunk_size), nbytes]
+    return list(zip(cuts, cuts[1:]))
 
 
 def cdc_spans(data, min_size: int, avg_size: int, max_size: int) -> list[tuple[int, int]]:
@@ -42,6 +35,12 @@ def cdc_spans(data, min_size: int, avg_size: int, max_size: int) -> list[tuple[i
 def chunk_id_of(view) -> bytes:
     """A chunk's id: the xxh3-128 digest (16 bytes) of its raw bytes."""
     return xxhash.xxh3_128_digest(view)
+
+
+def chunk_ids_of(view, spans) -> list[bytes]:
+    """The ids of ``view``'s (start, end) spans, as :func:`chunk_id_of` (one call for a batch of spans)."""
+    digest = xxhash.xxh3_128_digest
+    return [digest(view[s:e]) for s, e in spans]
 
 
 def as_byte_view(data) -> memoryview:

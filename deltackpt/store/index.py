@@ -35,7 +35,7 @@ import numpy as np
 from . import lmdbenv
 from .backend import local_root
 from ..errors import ManifestFormatError
-from .codec import is_delta
+from .codec import DELTA_CODECS, is_delta
 from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded, opened_here
 from .pack import PackEntry, _check_fields, pack_key, pack_name_from_key, read_pack_entries, walk_entries
@@ -45,6 +45,11 @@ log = logging.getLogger("deltackpt.store")
 
 _RECORD = struct.Struct("<16sQQQBB16sH")
 _NO_BASE = bytes(16)
+# _RECORD's layout, to decode many records in one pass (see decode_records)
+RECORD_DTYPE = np.dtype([("pack", "V16"), ("offset", "<u8"), ("stored_len", "<u8"), ("raw_len", "<u8"),
+                         ("codec", "u1"), ("elem_size", "u1"), ("base", "V16"), ("age", "<u2")])
+NO_BASE_VOID = np.void(_NO_BASE)
+_MAP_SIZE = 1 << 36  # virtual; the file grows as needed
 INDEX_VERSION = b"2"
 _BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, bounded memory
 
@@ -76,6 +81,26 @@ def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
     if is_delta(codec) != (base != _NO_BASE):
         raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} is malformed")
     return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base, age)
+
+
+def decode_records(chunk_ids: list[bytes], recs: list[bytes]) -> np.ndarray:
+    """The records of ``chunk_ids`` as one RECORD_DTYPE array, held to decode_record's rules: each distinct
+    (codec, element size) pair is checked once with the longest lengths, a malformed record is named."""
+    try:
+        if set(map(len, recs)) - {_RECORD.size}:
+            raise ManifestFormatError("an index record has the wrong size")
+        arr = np.frombuffer(b"".join(recs), RECORD_DTYPE)
+        if len(arr):
+            raw, stored = int(arr["raw_len"].max()), int(arr["stored_len"].max())
+            for kind in np.unique(arr["codec"].astype(np.uint16) << 8 | arr["elem_size"]).tolist():
+                _check_fields(kind >> 8, kind & 0xFF, raw, stored, "index record")
+            if (np.isin(arr["codec"], DELTA_CODECS) != (arr["base"] != NO_BASE_VOID)).any():
+                raise ManifestFormatError("a delta without a base or a base without a delta")
+    except ManifestFormatError:
+        for cid, rec in zip(chunk_ids, recs):
+            decode_record(cid, rec)  # raises, naming the first malformed record
+        raise
+    return arr
 
 
 class ChunkIndex(LmdbCache):
@@ -168,6 +193,19 @@ class ChunkIndex(LmdbCache):
                 if rec is not None:
                     out[cid] = decode_record(cid, rec)
         return out
+
+    @guarded()
+    def lookup_records(self, chunk_ids) -> tuple[list[bytes], np.ndarray]:
+        """The indexed ones of ``chunk_ids`` and their records (RECORD_DTYPE), decoded in bulk: a save looks
+        up every chunk it reuses, so a PackEntry each (1.5 us) was most of a 1 % save."""
+        chunks, _, _ = self._dbs()
+        chunk_ids = list(chunk_ids)
+        with self.env.begin(db=chunks) as txn:
+            get = txn.get
+            recs = [get(cid) for cid in chunk_ids]
+        found = [cid for cid, rec in zip(chunk_ids, recs) if rec is not None]
+        recs = [rec for rec in recs if rec is not None]
+        return found, decode_records(found, recs)
 
     @guarded()
     def locate(self, ids: np.ndarray) -> Located:

@@ -17,17 +17,19 @@ by the hash of its bytes.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import compress
 
 import numpy as np
 
 from ..errors import DeltackptError
 from . import codec
-from .chains import chain_entries, restorable
-from .chunking import as_byte_view, cdc_spans, chunk_id_of, grid_spans
+from .chunking import as_byte_view, cdc_spans, chunk_ids_of, grid_spans
 from .config import chain_limit
 from .deltapolicy import DeltaBase, DeltaPolicy
+from .index import NO_BASE_VOID
 from .manifest import ChunkRef, Item, Manifest
 from .pack import PackEntry
 from .packsink import PackSink
@@ -93,13 +95,13 @@ class ChunkWriter:
         self._sink = PackSink(store, on_error=self._note_failure)
         self._inflight = 0
         self._cond = threading.Condition()
-        # (item skeleton, a slot per span: [batch future -> list of refs per span, index]). The tasks'
-        # memoryviews keep each source buffer alive only until its chunks are coded, so a GPU->CPU copy is
-        # freed as soon as it is written.
+        # (item skeleton, a slot per piece: [batch future -> list of refs per piece, index]); a piece is a run
+        # of one item's spans in one batch. The tasks' memoryviews keep each source buffer alive only until
+        # its chunks are coded, so a GPU->CPU copy is freed as soon as it is written.
         self._pending: list[tuple[Item, list[list]]] = []
         # Spans are submitted in batches of about BATCH_BYTES: a large span alone, a model's many small ones
         # (biases, norms) together rather than one pool hand-off each.
-        self._batch: list[tuple[memoryview, int, str | None, int]] = []
+        self._batch: list[tuple[memoryview, list[tuple[int, int]], int, str | None, int]] = []
         self._batch_bytes = 0
         self._batch_slots: list[list] = []
         self._finished = False
@@ -137,7 +139,7 @@ class ChunkWriter:
         try:
             self._submit_batch()
             items = []
-            batches: dict[Future, list] = {}  # a batch's result, fetched once for all its spans
+            batches: dict[Future, list] = {}  # a batch's result, fetched once for all its pieces
             for item, slots in self._pending:
                 item.chunks = []
                 for f, i in slots:
@@ -173,17 +175,22 @@ class ChunkWriter:
             raise RuntimeError("ChunkWriter is finished")
         slots: list[list] = []
         self._pending.append((item, slots))
-        for s, e in spans:
+        ends = [e for _s, e in spans]
+        i = 0
+        while i < len(spans):
             if self._failed is not None:
                 raise self._failed  # e.g. a full disk: coding the rest of the checkpoint would be wasted
-            n = e - s
-            slot = [None, len(self._batch)]  # [the batch's future, this span's index in it]
-            self._batch.append((view[s:e], elem_size, group, global_offset + s))
+            start = spans[i][0]
+            # The spans that fill this batch up to BATCH_BYTES (a large span alone), or the rest of the item.
+            j = bisect_left(ends, start + BATCH_BYTES - self._batch_bytes, i) + 1
+            slot = [None, len(self._batch)]  # [the batch's future, this piece's index in it]
+            self._batch.append((view, spans[i:j], elem_size, group, global_offset))
             self._batch_slots.append(slot)
             slots.append(slot)
-            self._batch_bytes += n
-            if self._batch_bytes >= BATCH_BYTES:  # a large span goes at once, small ones gather
+            self._batch_bytes += ends[min(j, len(spans)) - 1] - start
+            if self._batch_bytes >= BATCH_BYTES:
                 self._submit_batch()
+            i = j
 
     def _submit_batch(self) -> None:
         """Submit the spans gathered so far as one job; their slots learn its future."""
@@ -224,17 +231,28 @@ class ChunkWriter:
             self._failed = error
 
     def _write_batch(self, batch) -> list[list[ChunkRef]]:
-        """Refs for each span of a batch, with one index look-up for all of them."""
-        ids = [chunk_id_of(span[0]) for span in batch]
-        reusable = self._reusable(ids)
-        return [self._write_span(*span, cid, cid in reusable) for span, cid in zip(batch, ids)]
+        """Refs for each piece of a batch, with one index look-up for all its spans."""
+        ids = [chunk_ids_of(view, spans) for view, spans, *_ in batch]
+        reusable = self._reusable({cid for piece in ids for cid in piece})
+        out = []
+        for (view, spans, elem_size, group, goff), piece in zip(batch, ids):
+            if reusable.issuperset(piece):  # an unchanged stretch: a ref each, nothing else
+                out.append([ChunkRef(cid, e - s) for (s, e), cid in zip(spans, piece)])
+                continue
+            refs = []
+            for (s, e), cid in zip(spans, piece):
+                if cid in reusable:
+                    refs.append(ChunkRef(cid, e - s))
+                else:
+                    refs.extend(self._write_span(view[s:e], elem_size, group, goff + s, cid))
+            out.append(refs)
+        return out
 
-    def _write_span(self, view: memoryview, elem_size: int, group: str | None, gstart: int, cid: bytes,
-                    reusable: bool) -> list[ChunkRef]:
-        """Refs for one grid span: an existing chunk, slices of the parent's chunks, or a new chunk."""
+    def _write_span(self, view: memoryview, elem_size: int, group: str | None, gstart: int,
+                    cid: bytes) -> list[ChunkRef]:
+        """Refs for one span the index has no restorable copy of: a chunk another span of this save claimed,
+        slices of the parent's chunks, or a new chunk."""
         n = len(view)
-        if reusable:
-            return [ChunkRef(cid, n)]
         with self._lock:
             if cid in self._claimed:
                 return [ChunkRef(cid, n)]
@@ -263,21 +281,32 @@ class ChunkWriter:
     def _reusable(self, ids) -> set[bytes]:
         """Which of ``ids`` the store holds a restorable copy of to deduplicate against (a claim, which gc
         spares while this save holds its shared lock): indexed, and if a delta, every base down its chain
-        indexed too (a delta whose base is gone, e.g. with a lost pack, is written again rather than
-        claimed). Their packs join :attr:`WriteSummary.reused_packs`: this look-up is the only one per
-        chunk, the commit trusts it."""
-        found = chain_entries(self.store.index, ids, self._chain_limit)
-        ok, packs = set(), set()
-        for cid in set(ids) & found.keys():
-            if restorable(cid, found, self._chain_limit):
-                ok.add(cid)
-                entry = found[cid]
-                packs.add(entry.pack)
-                while entry.base_id is not None:
-                    entry = found[entry.base_id]
-                    packs.add(entry.pack)
-        self._note_reused(packs)
-        return ok
+        indexed too, within the store's chain limit (a delta whose base is gone, e.g. with a lost pack, is
+        written again rather than claimed). Bulk look-ups, one per chain level. Their packs join
+        :attr:`WriteSummary.reused_packs`: this look-up is the only one per chunk, the commit trusts it."""
+        index = self.store.index
+        found, recs = index.lookup_records(ids)
+        ok = np.ones(len(found), bool)
+        packs = [recs["pack"]]
+        pending = np.flatnonzero(recs["base"] != NO_BASE_VOID)  # chunks whose chain is not yet followed
+        bases = recs["base"][pending]
+        for _ in range(self._chain_limit):
+            if not len(pending):
+                break
+            raw = bases.tobytes()
+            base_of = [raw[k:k + 16] for k in range(0, len(raw), 16)]
+            have, base_recs = index.lookup_records(set(base_of))
+            at = {cid: i for i, cid in enumerate(have)}
+            where = np.array([at.get(b, -1) for b in base_of], dtype=np.int64)
+            ok[pending[where < 0]] = False
+            pending, where = pending[where >= 0], where[where >= 0]
+            packs.append(base_recs["pack"][where])
+            bases = base_recs["base"][where]
+            more = bases != NO_BASE_VOID
+            pending, bases = pending[more], bases[more]
+        ok[pending] = False  # a chain longer than the store allows: not restorable here
+        self._note_reused({p.tobytes().hex() for p in np.unique(np.concatenate(packs))})
+        return set(found) if ok.all() else set(compress(found, ok))
 
     def _note_reused(self, packs) -> None:
         with self._lock:

@@ -52,7 +52,7 @@ class CountingBackend(LocalBackend):
 def lookups(monkeypatch):
     """Chunk ids looked up in the index, per ChunkIndex object (each simulated rank's store has its own)."""
     counts: Counter = Counter()
-    real_lookup, real_many = ChunkIndex.lookup, ChunkIndex.lookup_many
+    real_lookup, real_many, real_records = ChunkIndex.lookup, ChunkIndex.lookup_many, ChunkIndex.lookup_records
 
     def lookup(self, cid):
         counts[id(self)] += 1
@@ -63,8 +63,14 @@ def lookups(monkeypatch):
         counts[id(self)] += len(ids)
         return real_many(self, ids)
 
+    def lookup_records(self, ids):
+        ids = list(ids)
+        counts[id(self)] += len(ids)
+        return real_records(self, ids)
+
     monkeypatch.setattr(ChunkIndex, "lookup", lookup)
     monkeypatch.setattr(ChunkIndex, "lookup_many", lookup_many)
+    monkeypatch.setattr(ChunkIndex, "lookup_records", lookup_records)
     return counts
 
 

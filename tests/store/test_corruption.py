@@ -33,7 +33,7 @@ from deltackpt.store.pack import (
     parse_table,
     read_pack_entries,
 )
-from deltackpt.store.writer import chunk_id_of
+from deltackpt.store.chunking import chunk_id_of
 
 from store_helpers import assert_items_equal, flip_bit, mutate_object, packs_of_checkpoint, random_array
 
@@ -211,7 +211,15 @@ def test_manifest_with_wrong_name_or_bad_refs(manifest_store):
         m, items=[msgspec.structs.replace(m.items[0], chunks=[ChunkRef(b"short", m.items[0].nbytes)])])
     neg = msgspec.structs.replace(m, items=[msgspec.structs.replace(m.items[0], global_offset=-4)])
     bad_es = msgspec.structs.replace(m, items=[msgspec.structs.replace(m.items[0], elem_size=3)])
-    for bad in (bad_len, bad_id, neg, bad_es):
+    ref = m.items[0].chunks[0]
+    # A negative length or skip, each balanced so the lengths still sum to the item's size.
+    neg_ref = msgspec.structs.replace(m, items=[msgspec.structs.replace(m.items[0], chunks=[
+        ChunkRef(ref.id, m.items[0].nbytes + 1), ChunkRef(ref.id, -1), *m.items[0].chunks[1:]])])
+    neg_skip = msgspec.structs.replace(m, items=[msgspec.structs.replace(m.items[0], chunks=[
+        ChunkRef(ref.id, ref.length, -1), *m.items[0].chunks[1:]])])
+    long_id = msgspec.structs.replace(m, items=[msgspec.structs.replace(m.items[0], chunks=[
+        ChunkRef(ref.id + b"x", ref.length), *m.items[0].chunks[1:]])])
+    for bad in (bad_len, bad_id, neg, bad_es, neg_ref, neg_skip, long_id):
         with pytest.raises(ManifestFormatError):
             decode_manifest(encode_manifest(bad))
 

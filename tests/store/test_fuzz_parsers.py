@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from deltackpt.errors import ManifestFormatError
 from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, codec
 from deltackpt.store.config import FORMAT_VERSION, decode_config, encode_config, new_config
-from deltackpt.store.index import decode_record, encode_record
+from deltackpt.store.index import decode_record, decode_records, encode_record
 from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest, encode_manifest, manifest_key
 from fuzz_helpers import FUZZ, MiB, attempt, mutate, mutations
 
@@ -419,6 +419,28 @@ def test_index_record_mutations(ops):
         _check_record(e, PACK_ENTRIES[2].chunk_id, rec)
     if rec == RECORD:
         assert e == PACK_ENTRIES[2]
+
+
+@FUZZ
+@given(st.lists(mutations, max_size=4), st.integers(0, 4))
+def test_index_records_decode_in_bulk_as_one_by_one(ops_list, at):
+    """A save decodes its look-ups in bulk: it accepts what decode_record accepts, field for field, and
+    refuses what it refuses, naming the first malformed record's chunk."""
+    recs = [RECORD] * 2 + [mutate(RECORD, ops) for ops in ops_list]
+    recs = recs[at % len(recs):] + recs[:at % len(recs)]
+    ids = [bytes([i]) * 16 for i in range(len(recs))]
+    one = [attempt(decode_record, cid, rec) for cid, rec in zip(ids, recs)]
+    if None in one:
+        with pytest.raises(ManifestFormatError, match=ids[one.index(None)].hex()):
+            decode_records(ids, recs)
+        return
+    arr = decode_records(ids, recs)
+    assert len(arr) == len(recs)
+    for e, row in zip(one, arr):
+        assert (row["pack"].tobytes().hex(), int(row["offset"]), int(row["stored_len"]), int(row["raw_len"]),
+                int(row["codec"]), int(row["elem_size"]), int(row["age"])) == (
+            e.pack, e.offset, e.stored_len, e.raw_len, e.codec, e.elem_size, e.age)
+        assert row["base"].tobytes() == (e.base_id or bytes(16))
 
 
 def _check_record(e, cid, rec):

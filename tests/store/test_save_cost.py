@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from deltackpt.errors import MissingChunkError
-from deltackpt.store import ParentMap, Store
+from deltackpt.store import ChunkRef, Item, Manifest, ParentMap, Stats, Store
+from deltackpt.store import writer as writer_mod
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.pack import pack_key
+from deltackpt.store.parentmap import Extent
 
-from store_helpers import packs_of_checkpoint, random_array
+from store_helpers import assert_items_equal, packs_of_checkpoint, random_array
 
 CHUNK = 4096  # SMALL_CONFIG's
 
@@ -25,7 +27,7 @@ CHUNK = 4096  # SMALL_CONFIG's
 def lookups(monkeypatch) -> Counter:
     """Chunk ids looked up in any index: ``["ids"]``."""
     counts: Counter = Counter()
-    real_lookup, real_many = ChunkIndex.lookup, ChunkIndex.lookup_many
+    real_lookup, real_many, real_records = ChunkIndex.lookup, ChunkIndex.lookup_many, ChunkIndex.lookup_records
 
     def lookup(self, cid):
         counts["ids"] += 1
@@ -36,8 +38,14 @@ def lookups(monkeypatch) -> Counter:
         counts["ids"] += len(ids)
         return real_many(self, ids)
 
+    def lookup_records(self, ids):
+        ids = list(ids)
+        counts["ids"] += len(ids)
+        return real_records(self, ids)
+
     monkeypatch.setattr(ChunkIndex, "lookup", lookup)
     monkeypatch.setattr(ChunkIndex, "lookup_many", lookup_many)
+    monkeypatch.setattr(ChunkIndex, "lookup_records", lookup_records)
     return counts
 
 
@@ -67,6 +75,37 @@ def test_one_percent_save_looks_up_chunks_once_plus_its_changes(store, rng, look
     # The writer's look-up of every chunk, then per changed chunk its delta base (parent chunk and keyframe)
     # and the commit's check of this save's own new entries.
     assert lookups["ids"] <= m.stats.num_chunks + 4 * changed
+
+
+def test_items_split_across_batches_get_the_refs_of_one_batch_each(make_store, rng, monkeypatch):
+    """A writer submits runs of an item's spans (pieces) in batches; however the items are cut into
+    pieces, a save refers to the same chunks and loads back exact."""
+    first = {"big": random_array(rng, "float32", (37 * CHUNK // 4 + 3,)), "small": random_array(rng, "uint8", (5,)),
+             "mid": random_array(rng, "float64", (5 * CHUNK // 8,))}
+    refs = {}
+    for batch_bytes in (1 << 30, 3 * CHUNK + 1, 1):  # all in one batch; pieces of 4 spans; a span a batch
+        monkeypatch.setattr(writer_mod, "BATCH_BYTES", batch_bytes)
+        store, items = make_store(), {k: a.copy() for k, a in first.items()}
+        store.save("a", items)
+        for a in items.values():
+            a[::7 * CHUNK // a.itemsize] += 1  # one element of every 7th chunk: changed spans among reused ones
+        m = store.save("b", items)
+        assert 0 < m.stats.new_chunks < m.stats.num_chunks
+        assert_items_equal(items, store.load("b"))
+        refs[batch_bytes] = [(it.key, it.chunks) for it in m.items]
+    assert refs[1 << 30] == refs[3 * CHUNK + 1] == refs[1]
+
+
+def test_malformed_record_met_by_the_bulk_look_up_is_rebuilt_not_trusted(store, rng):
+    items = _state(rng, n_items=2, chunks_per_item=8)
+    store.save("a", items)
+    victim = store.read_manifest("a").items[0].chunks[3].id
+    with store.index.env.begin(write=True, db=store.index._db[b"chunks"]) as txn:
+        txn.put(victim, b"short")  # a damaged cache
+    m = store.save("b", items)
+    assert m.stats.new_chunks == 0  # the index was rebuilt from the packs: every chunk deduplicated again
+    assert store.index.lookup(victim) is not None
+    assert_items_equal(items, store.load("b"))
 
 
 def test_writer_reports_the_packs_its_reused_chunks_are_in(store, rng):
@@ -147,3 +186,15 @@ def test_parent_map_part_is_parsed_with_a_strict_schema(store, rng):
     assert not ParentMap.decode_part("p", whole.encode_part([("missing", 0, 100)]))
     with pytest.raises(msgspec.ValidationError):
         ParentMap.decode_part("p", msgspec.msgpack.encode({"t": [[0, 1, "not bytes", 0]]}))
+
+
+def test_parent_map_orders_a_groups_shards_and_passes_over_empty_refs():
+    ids = [bytes([i]) * 16 for i in range(4)]
+    late = Item(key="t@1", kind="array", nbytes=200, group="t", global_offset=300,
+                chunks=[ChunkRef(ids[0], 100), ChunkRef(ids[1], 0), ChunkRef(ids[2], 100, 5)])
+    early = Item(key="t@0", kind="array", nbytes=300, group="t", chunks=[ChunkRef(ids[3], 300)])
+    pm = ParentMap(Manifest(name="p", store_id="s", created_ns=0, items=[late, early], stats=Stats()))
+    whole = [Extent(0, 300, ids[3], 0), Extent(300, 400, ids[0], 0), Extent(400, 500, ids[2], 5)]
+    assert pm.overlapping("t", 0, 1 << 40) == whole
+    assert pm.exact("t", 400, 500) == whole[2] and pm.exact("t", 300, 300) is None
+    assert pm.covering("t", 250, 450) == whole and pm.covering("t", 450, 501) is None

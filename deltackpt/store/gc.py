@@ -10,8 +10,11 @@ Sweep, per pack (read from its table, the truth): an entry is live if its chunk 
 locates that chunk in this pack (a copy elsewhere, left by an interrupted repack, is dead). A pack with no
 live entry is deleted; a pack whose dead fraction exceeds ``max_unused`` is repacked: its live entries are
 copied byte for byte (no re-encoding) into new packs, the index is pointed at them, then the old pack is
-deleted. No delta is left without its base: a pack that would keep a dead delta whose base is deleted is
-repacked (its dead entries dropped), and the bases of deltas in young packs stay. Packs younger than
+deleted. Small packs (every rank of a DCP save seals its own, so packs grow with ranks x saves) are merged
+the same way into packs of the target size, once those under ``SMALL_PACK_SHARE`` of it hold that share
+together (then the merged pack is not small again) or number ``MAX_SMALL_PACKS``. No delta is left without
+its base: a pack that would keep a dead delta whose base is deleted is repacked (its dead entries dropped),
+and the bases of deltas in young packs stay. Packs younger than
 ``grace_s`` are never touched, nor are temp files younger than it (nor a temp file under ``locks/``
 younger than the lock staleness limit: it may be a lock being taken right now).
 
@@ -101,7 +104,7 @@ class GcPlan:
 
     @property
     def reclaim_bytes(self) -> int:
-        moved = self.moved_bytes + len(self.repack) * (len(PACK_MAGIC) + FOOTER_SIZE)
+        moved = self.moved_bytes + self.new_packs * (len(PACK_MAGIC) + FOOTER_SIZE)
         return sum(self.delete_packs.values()) + sum(self.repack_sizes.values()) - moved
 
     @property

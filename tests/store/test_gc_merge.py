@@ -1,8 +1,13 @@
 """gc merges small packs (one per rank and save) into packs of the target size: live chunks moved bit-exact,
 deltas and their bases (in other packs) still found, nothing merged within the grace period or below the
-threshold, and a save that commits between plan and execute keeps its chunks."""
+threshold, a save that commits between plan and execute keeps its chunks, and a merge killed half way
+leaves a store that verifies and that the next gc finishes."""
 
 from __future__ import annotations
+
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +16,8 @@ from deltackpt.store import Store
 from deltackpt.store.gc import MAX_SMALL_PACKS, SMALL_PACK_SHARE, plan_gc
 from deltackpt.store.verify import verify_store
 
-from store_helpers import assert_items_equal, pack_names, packs_of_checkpoint, random_array
+from store_helpers import (REPO_ROOT, assert_items_equal, pack_names, packs_of_checkpoint, random_array,
+                           subprocess_env)
 
 TARGET = 64 << 10  # SMALL's pack_target_bytes: packs under 8 KiB are small
 
@@ -20,10 +26,10 @@ def _arr(rng, n: int) -> np.ndarray:
     return random_array(rng, "float32", (n,))
 
 
-def _check_clean(store, saved: dict[str, dict]) -> None:
+def _check_clean(store, saved: dict[str, dict], orphans=frozenset()) -> None:
     r = verify_store(store, level=2)
     assert r.clean, [p.as_dict() for p in r.problems]
-    assert r.orphan_packs == []
+    assert set(r.orphan_packs) == set(orphans)
     for name, items in saved.items():
         assert_items_equal(items, store.load(name))
 
@@ -139,4 +145,29 @@ def test_save_committed_between_plan_and_execute_keeps_its_chunks(store, rng, re
     assert (mixed <= again.merge) == (reuse == "live")
     result = plan.execute()
     assert result.merged_packs == len(again.merge) > 0
+    _check_clean(store, saved)
+
+
+@pytest.mark.timeout(120)
+def test_merge_killed_after_its_first_new_pack_leaves_a_store_the_next_gc_finishes(make_store, rng):
+    """kill -9 right after the first merged pack is published (the old small packs all still there): every
+    checkpoint verifies and loads; the next gc deletes the old packs whose chunks moved, and merges the rest."""
+    store = make_store("local", pack_target_bytes=16 << 10)  # small: under 2 KiB; a merged pack holds ~12
+    saved = _small_saves(store, rng, 40)
+    before = pack_names(store)
+    env = subprocess_env()
+    env["DELTACKPT_CRASH_POINT"] = "gc:after-repack"
+    code = ("import sys; from deltackpt.store import Store; from deltackpt.store.gc import plan_gc; "
+            "plan_gc(Store.open(sys.argv[1]), grace_s=0).execute()")
+    proc = subprocess.run([sys.executable, "-c", code, str(store.backend.root)], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    store = Store.open(store.backend.root)
+    assert before < pack_names(store) and len(pack_names(store) - before) == 1
+    plan = plan_gc(store, grace_s=0)
+    moved = set(plan.delete_packs)  # every chunk of theirs now lives in the merged pack
+    assert moved and moved <= before and not moved & plan.merge
+    _check_clean(store, saved, orphans=moved)
+    plan.execute()
+    assert not pack_names(store) & before and len(pack_names(store)) < 10
     _check_clean(store, saved)

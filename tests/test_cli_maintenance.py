@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from deltackpt.store import Store
@@ -199,6 +200,25 @@ def test_gc_dry_run_then_gc(store_path, capsys):
     assert len([p for p in (store_path / "packs").rglob("*") if p.is_file()]) == 2
     code, rep = run_json(capsys, "verify", store_path, "--level", "2")
     assert code == 0 and rep["orphan_packs"] == []
+
+
+def test_gc_dry_run_shows_the_merge_of_small_packs(tmp_path, capsys):
+    root = tmp_path / "small"
+    store = Store.init(root, **SMALL)
+    for i in range(20):  # one pack of ~1 KiB a save: under 1/8 of the 64 KiB pack size, 20 KiB together
+        store.save(f"c{i}", {"x": np.random.default_rng(i).standard_normal(256).astype(np.float32)})
+    index_mod._close_env(root / "cache" / "index.lmdb")
+    packs = sorted(p for p in (root / "packs").rglob("*") if p.is_file())
+    code, out, _ = run(capsys, "gc", root, "--dry-run", "--grace", "0")
+    assert code == 0 and "merge 20 small pack(s) (into about 1 new pack(s)" in out
+    code, plan = run_json(capsys, "gc", root, "--dry-run", "--grace", "0", "--no-merge")
+    assert plan["merge_packs"] == [] and plan["new_packs"] == 0
+    assert sorted(p for p in (root / "packs").rglob("*") if p.is_file()) == packs
+    code, out, _ = run(capsys, "gc", root, "--grace", "0")
+    assert code == 0 and "merged 20 small pack(s) into 1 (" in out
+    assert len([p for p in (root / "packs").rglob("*") if p.is_file()]) == 1
+    code, rep = run_json(capsys, "verify", root, "--level", "2")
+    assert code == 0 and rep["clean"] and rep["orphan_packs"] == []
 
 
 def test_gc_while_locked_exits_3(store_path, capsys):

@@ -21,6 +21,9 @@ def register(add) -> None:
     sp.add_argument("store")
     sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     sp.add_argument("--max-unused", default="10%", help="repack packs with more dead bytes than this (default 10%%)")
+    sp.add_argument("--no-merge", action="store_true",
+                    help="leave small packs as they are (by default packs under 1/8 of the pack size are merged "
+                         "into full-size packs once they add up to 1/8 of it, or number 256)")
     sp.add_argument("--grace", type=seconds, default=3600.0,
                     help="never touch packs or temp files younger than this many seconds (default 3600)")
     sp.add_argument("--wait", type=seconds, default=600.0,
@@ -131,19 +134,22 @@ def cmd_gc(args) -> int:
     store = open_store(args)
     max_unused = parse_fraction(args.max_unused, "--max-unused")
     with ProgressBar(args) as progress:
-        plan = plan_gc(store, max_unused=max_unused, grace_s=args.grace, wait_s=args.wait, progress=progress)
+        plan = plan_gc(store, max_unused=max_unused, grace_s=args.grace, merge_small=not args.no_merge,
+                       wait_s=args.wait, progress=progress)
     if args.dry_run:
         d = plan.as_dict()
         emit(args, {"dry_run": True, **d}, lambda: (
-            f"would delete {len(d['delete_packs'])} pack(s), repack {len(d['repack_packs'])}, remove "
-            f"{len(d['temp_files'])} temp file(s); reclaim {fmt_bytes(d['reclaim_bytes'])} "
+            f"would delete {len(d['delete_packs'])} pack(s), repack {len(d['repack_packs'])}, merge "
+            f"{len(d['merge_packs'])} small pack(s)"
+            + (f" (into about {d['new_packs']} new pack(s) with the repacked chunks)" if d['merge_packs'] else "")
+            + f", remove {len(d['temp_files'])} temp file(s); reclaim {fmt_bytes(d['reclaim_bytes'])} "
             f"({d['live_chunks']} live chunks, {d['kept_young_packs']} pack(s) younger than the grace period)"))
         return EXIT_OK
     with ProgressBar(args) as progress:
         result = plan.execute(wait_s=args.wait, progress=progress)
     emit(args, result.as_dict(), lambda: (
-        f"deleted {result.deleted_packs} pack(s), repacked {result.repacked_packs} ({result.moved_chunks} chunks "
-        f"moved), removed {result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"))
+        f"deleted {result.deleted_packs} pack(s), repacked {result.repacked_packs} and merged {result.merged_packs} "
+        f"small pack(s) into {result.new_packs} ({result.moved_chunks} chunks moved), removed {result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"))
     return EXIT_OK
 
 

@@ -11,8 +11,11 @@ Sweep, per pack (read from its table, the truth): an entry is live if its chunk 
 locates that chunk in this pack (a copy elsewhere, left by an interrupted repack, is dead). A pack with no
 live entry is deleted; a pack whose dead fraction exceeds ``max_unused`` is repacked: its live entries are
 copied byte for byte (no re-encoding) into new packs, the index is pointed at them, then the old pack is
-deleted. No delta is left without its base: a pack that would keep a dead delta whose base is deleted is
-repacked (its dead entries dropped), and the bases of deltas in young packs stay. Packs younger than
+deleted. Small packs (every rank of a DCP save seals its own, so packs grow with ranks x saves) are merged
+the same way into packs of the target size, once those under ``SMALL_PACK_SHARE`` of it hold that share
+together (then the merged pack is not small again) or number ``MAX_SMALL_PACKS``. No delta is left without
+its base: a pack that would keep a dead delta whose base is deleted is repacked (its dead entries dropped),
+and the bases of deltas in young packs stay. Packs younger than
 ``grace_s`` are never touched, nor are temp files younger than it (nor a temp file under ``locks/``
 younger than the lock staleness limit: it may be a lock being taken right now).
 
@@ -59,14 +62,19 @@ from .pack import (
     ROW_SIZE,
     PackBuilder,
     PackEntry,
+    PackTable,
     decode_header,
     pack_key,
     pack_name_from_key,
-    read_pack_entries,
+    read_pack_table,
 )
 from .progress import Progress, phase
 
 DEFAULT_GRACE_S = 3600.0
+# Small packs (one per rank and save, say) are merged into packs of the target size once they hold this
+# share of it together (so a merged pack is not small again), or once there are this many of them.
+SMALL_PACK_SHARE = 1 / 8
+MAX_SMALL_PACKS = 256
 
 
 @dataclass
@@ -77,27 +85,39 @@ class GcPlan:
     live_chunks: int
     max_unused: float = 0.1
     grace_s: float = DEFAULT_GRACE_S
+    merge_small: bool = True
     delete_packs: dict[str, int] = field(default_factory=dict)  # name -> size
     repack: dict[str, list[PackEntry]] = field(default_factory=dict)  # name -> live entries to keep
     repack_sizes: dict[str, int] = field(default_factory=dict)
     temp_files: list[str] = field(default_factory=list)
     kept_young: int = 0  # packs skipped because younger than the grace period
+    merge: set[str] = field(default_factory=set)  # those of ``repack`` planned only because they are small
     # What the plan was made from, to re-check it under the exclusive lock.
     live: np.ndarray | None = field(default=None, repr=False)
     manifests: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)  # name -> (size, mtime)
-    pack_entries: dict[str, list[PackEntry]] = field(default_factory=dict, repr=False)  # planned packs' tables
+    pack_entries: dict[str, PackTable] = field(default_factory=dict, repr=False)  # planned packs' tables
     packs: set[str] = field(default_factory=set, repr=False)  # every pack listed
     epoch: bytes = field(default=b"", repr=False)  # the gc epoch when the store was listed
 
     @property
+    def moved_bytes(self) -> int:
+        """Bytes of the live entries repacked and merged (headers and table rows included)."""
+        return sum(HEADER_SIZE + e.stored_len + ROW_SIZE for es in self.repack.values() for e in es)
+
+    @property
     def reclaim_bytes(self) -> int:
-        moved = sum(HEADER_SIZE + e.stored_len + ROW_SIZE for es in self.repack.values() for e in es)
-        moved += len(self.repack) * (len(PACK_MAGIC) + FOOTER_SIZE)
+        moved = self.moved_bytes + self.new_packs * (len(PACK_MAGIC) + FOOTER_SIZE)
         return sum(self.delete_packs.values()) + sum(self.repack_sizes.values()) - moved
+
+    @property
+    def new_packs(self) -> int:
+        """About how many packs the repacked and merged entries make (they share packs of the target size)."""
+        return -(-self.moved_bytes // self.store.config.pack_target_bytes) if self.repack else 0
 
     def as_dict(self) -> dict:
         return {"live_chunks": self.live_chunks, "delete_packs": sorted(self.delete_packs),
-                "repack_packs": sorted(self.repack), "temp_files": self.temp_files,
+                "repack_packs": sorted(set(self.repack) - self.merge), "merge_packs": sorted(self.merge),
+                "new_packs": self.new_packs, "temp_files": self.temp_files,
                 "kept_young_packs": self.kept_young, "reclaim_bytes": self.reclaim_bytes}
 
     def execute(self, *, wait_s: float = DEFAULT_WAIT_S, progress: Progress | None = None) -> "GcResult":
@@ -130,8 +150,9 @@ class GcPlan:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:
                 store.backend.delete_temp(path)
-        return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack),
-                        moved_chunks=moved, reclaimed_bytes=plan.reclaim_bytes,
+        return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack) - len(plan.merge),
+                        merged_packs=len(plan.merge), new_packs=len(published), moved_chunks=moved,
+                        reclaimed_bytes=plan.reclaim_bytes,
                         removed_temp_files=len(plan.temp_files), duration_s=time.monotonic() - t0)
 
     def revalidate(self) -> "GcPlan":
@@ -141,7 +162,7 @@ class GcPlan:
         too young."""
         store = self.store
         if self.live is None:  # not made by plan_gc: plan from scratch
-            return _plan(store, max_unused=self.max_unused, grace_s=self.grace_s)
+            return _plan(store, max_unused=self.max_unused, grace_s=self.grace_s, merge_small=self.merge_small)
         store.refresh_index()
         manifests = _list_manifests(store)
         listed = _list_packs(store)
@@ -155,39 +176,43 @@ class GcPlan:
         live = idset.union(self.live, live_chunk_ids(store, changed)) if changed else self.live
         # Packs published since the mark keep their deltas' bases (an aborted save's deltas stay restorable).
         live = with_chain_bases(store, live, _delta_bases(store, {n: listed[n] for n in present - self.packs}))
-        kept = {name: {e.chunk_id for e in keep} for name, keep in self.repack.items()}
+        kept = {name: idset.unique(idset.from_ids([e.chunk_id for e in keep]))
+                for name, keep in self.repack.items()}
         index = store.index
 
-        def still_dead(name: str, dropped: list[PackEntry]) -> bool:
-            """Whether removing ``dropped`` (entries of pack ``name``) loses no live chunk."""
+        def still_dead(name: str, dropped: np.ndarray) -> bool:
+            """Whether removing the entries ``dropped`` (V16 ids) of pack ``name`` loses no live chunk."""
             if name not in present:
                 return False
-            hit = idset.isin(live, idset.from_ids([e.chunk_id for e in dropped]))
-            for e in (dropped[i] for i in np.flatnonzero(hit)):
-                where = index.lookup(e.chunk_id)  # a live duplicate: its indexed copy must stay
+            for cid in (c.tobytes() for c in dropped[idset.isin(live, dropped)]):
+                where = index.lookup(cid)  # a live duplicate: its indexed copy must stay
                 if (where is None or where.pack == name or where.pack not in present
                         or where.pack in self.delete_packs
-                        or (where.pack in kept and e.chunk_id not in kept[where.pack])):
+                        or (where.pack in kept and not idset.contains(kept[where.pack], cid))):
                     return False
             return True
 
+        def dropped_by_repack(name: str) -> np.ndarray:
+            ids = self.pack_entries[name].chunk_ids
+            return ids[~idset.isin(kept[name], ids)]
+
         while True:
-            delete = [n for n in self.delete_packs if still_dead(n, self.pack_entries[n])]
-            repack = [n for n in self.repack
-                      if still_dead(n, [e for e in self.pack_entries[n] if e.chunk_id not in kept[n]])]
+            delete = [n for n in self.delete_packs if still_dead(n, self.pack_entries[n].chunk_ids)]
+            repack = [n for n in self.repack if still_dead(n, dropped_by_repack(n))]
             # A pack dropped from the plan keeps its dead deltas as they are: their bases must stay too.
             dropped = (set(self.delete_packs) - set(delete)) | (set(self.repack) - set(repack))
-            bases = idset.from_ids([e.base_id for n in dropped for e in self.pack_entries[n] if e.base_id])
+            bases = _concat([self.pack_entries[n].base_ids[self.pack_entries[n].has_base] for n in dropped])
             pins = bases[~idset.isin(live, bases)]
             if not pins.size:
                 break
             live = with_chain_bases(store, live, pins)
         plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=self.max_unused, grace_s=self.grace_s,
-                      kept_young=self.kept_young, live=live, manifests=manifests, packs=present,
-                      epoch=_read_epoch(store))
+                      merge_small=self.merge_small, kept_young=self.kept_young, live=live, manifests=manifests,
+                      packs=present, epoch=_read_epoch(store))
         for name in delete:
             plan.delete_packs[name] = self.delete_packs[name]
             plan.pack_entries[name] = self.pack_entries[name]
+        plan.merge = self.merge & set(repack)
         for name in repack:
             plan.repack[name] = self.repack[name]
             plan.repack_sizes[name] = self.repack_sizes[name]
@@ -199,7 +224,9 @@ class GcPlan:
 @dataclass
 class GcResult:
     deleted_packs: int
-    repacked_packs: int
+    repacked_packs: int  # for their dead bytes
+    merged_packs: int  # small packs merged into packs of the target size
+    new_packs: int  # written by the repacks and merges together
     moved_chunks: int
     reclaimed_bytes: int
     removed_temp_files: int
@@ -264,13 +291,13 @@ def _list_packs(store) -> dict[str, object]:
     return out
 
 
-def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[str, list[PackEntry]]:
+def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[str, PackTable]:
     tables = {}
     with phase(progress, "gc plan", len(listed), "pack") as bar:
         for name, info in listed.items():
             bar.advance(1)
             try:
-                tables[name] = read_pack_entries(store.backend, name, info.size_bytes)
+                tables[name] = read_pack_table(store.backend, name, info.size_bytes)
             except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
                 continue
     return tables
@@ -278,8 +305,12 @@ def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[
 
 def _delta_bases(store, listed: dict) -> np.ndarray:
     """The delta bases the entries of the packs ``listed`` need (V16 ids)."""
-    return idset.from_ids([e.base_id for entries in _read_tables(store, listed).values() for e in entries
-                           if e.base_id])
+    return _concat([t.base_ids[t.has_base] for t in _read_tables(store, listed).values()])
+
+
+def _concat(arrays: list[np.ndarray], dtype=idset.ID) -> np.ndarray:
+    """The arrays end to end (an empty one of ``dtype`` when there are none)."""
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype)
 
 
 def _removable_temp_files(store, grace_s: float) -> list[str]:
@@ -304,25 +335,27 @@ def _indexed_copy_is_valid(store, where: PackEntry, present: set[str]) -> bool:
         return False
 
 
-def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S,
+def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S, merge_small: bool = True,
             wait_s: float = DEFAULT_WAIT_S, progress: Progress | None = None) -> GcPlan:
     """Plan a gc, under a shared lock (saves go on meanwhile; a running gc's delete phase is waited for,
     up to ``wait_s``). ``max_unused``: repack a pack once more than this fraction of its bytes is dead.
-    ``progress`` hears of each pack table read."""
+    ``merge_small``: merge packs under ``SMALL_PACK_SHARE`` of the target size into packs of the target
+    size, once they hold that share together or number ``MAX_SMALL_PACKS``. ``progress`` hears of each
+    pack table read."""
     if not (0.0 <= max_unused <= 1.0):
         raise ValueError("max_unused must be a fraction in [0, 1]")
     with store.lock(SHARED, wait_s=wait_s):
-        return _plan(store, max_unused=max_unused, grace_s=grace_s, progress=progress)
+        return _plan(store, max_unused=max_unused, grace_s=grace_s, merge_small=merge_small, progress=progress)
 
 
-def _plan(store, *, max_unused: float, grace_s: float, progress: Progress | None = None) -> GcPlan:
+def _plan(store, *, max_unused: float, grace_s: float, merge_small: bool, progress: Progress | None = None) -> GcPlan:
     store.refresh_index()
     now = time.time()
     epoch = _read_epoch(store)  # before the listings: a gc that runs meanwhile changes it
     manifests = _list_manifests(store)  # before the manifests are read: one written after counts as new
     live = live_chunk_ids(store, list(manifests))
     plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=max_unused, grace_s=grace_s,
-                  live=live, manifests=manifests, epoch=epoch)
+                  merge_small=merge_small, live=live, manifests=manifests, epoch=epoch)
     listed = _list_packs(store)
     plan.packs = set(listed)
     young = {n: i for n, i in listed.items() if now - i.mtime_s < grace_s}
@@ -333,50 +366,67 @@ def _plan(store, *, max_unused: float, grace_s: float, progress: Progress | None
     tables = _read_tables(store, old, progress)
     names = list(tables)
     sizes = np.array([old[n].size_bytes for n in names], dtype=np.int64)
-    owner = np.repeat(np.arange(len(names)), [len(tables[n]) for n in names])
-    entries = [e for n in names for e in tables[n]]
-    keep = _live_entries(store, plan, names, entries, owner, live)
+    counts = np.array([len(tables[n]) for n in names], dtype=np.int64)
+    owner = np.repeat(np.arange(len(names)), counts)
+    first = np.cumsum(counts) - counts  # position of each pack's first entry
+    keep = _live_entries(store, plan, [tables[n] for n in names], owner, first, live)
     # The pack's fixed overhead (magic, table rows, footer) belongs to its live entries too.
-    cost = np.fromiter((HEADER_SIZE + e.stored_len + ROW_SIZE for e in entries), dtype=np.int64, count=len(entries))
+    cost = _concat([tables[n].stored_lens for n in names], np.uint64).astype(np.int64) + HEADER_SIZE + ROW_SIZE
     live_bytes = np.bincount(owner[keep], weights=cost[keep], minlength=len(names)) + len(PACK_MAGIC) + FOOTER_SIZE
     num_kept = np.bincount(owner[keep], minlength=len(names))
     # A dead delta whose base is deleted could not be restored: its pack is repacked, never kept as is.
-    with_base = np.flatnonzero(np.fromiter((e.base_id is not None for e in entries), dtype=bool, count=len(entries)))
-    lost = ~idset.isin(live, idset.from_ids([entries[i].base_id for i in with_base]))
-    orphaned = np.bincount(owner[with_base[lost]], minlength=len(names)) > 0
+    with_base = np.flatnonzero(_concat([tables[n].has_base for n in names], bool))
+    bases = _concat([tables[n].base_ids for n in names])[with_base]
+    orphaned = np.bincount(owner[with_base[~idset.isin(live, bases)]], minlength=len(names)) > 0
+    small = []
     for i, name in enumerate(names):
         if not num_kept[i]:
             plan.delete_packs[name] = int(sizes[i])
             plan.pack_entries[name] = tables[name]
         elif orphaned[i] or 1.0 - live_bytes[i] / sizes[i] > max_unused:
-            plan.repack[name] = [entries[j] for j in np.flatnonzero(keep & (owner == i))]
-            plan.repack_sizes[name] = int(sizes[i])
-            plan.pack_entries[name] = tables[name]
+            _plan_repack(plan, tables[name], keep[first[i]:first[i] + counts[i]], int(sizes[i]))
+        elif sizes[i] < SMALL_PACK_SHARE * store.config.pack_target_bytes:
+            small.append(i)
+    if merge_small and (len(small) >= MAX_SMALL_PACKS
+                        or live_bytes[small].sum() >= SMALL_PACK_SHARE * store.config.pack_target_bytes):
+        for i in small:
+            _plan_repack(plan, tables[names[i]], keep[first[i]:first[i] + counts[i]], int(sizes[i]))
+            plan.merge.add(names[i])
     plan.temp_files = _removable_temp_files(store, grace_s)
     return plan
 
 
-def _live_entries(store, plan: GcPlan, names: list[str], entries: list[PackEntry], owner: np.ndarray,
+def _plan_repack(plan: GcPlan, table: PackTable, keep: np.ndarray, size: int) -> None:
+    """Plan to copy the entries of ``table`` that ``keep`` (a bool per entry) says into new packs."""
+    plan.repack[table.name] = table.entries(np.flatnonzero(keep))
+    plan.repack_sizes[table.name] = size
+    plan.pack_entries[table.name] = table
+
+
+def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarray, first: np.ndarray,
                   live: np.ndarray) -> np.ndarray:
-    """A bool per entry (of pack ``names[owner[i]]``): whether gc keeps it. An entry is kept if its chunk is
-    live and the index locates it in this pack, or nowhere valid (then the index is pointed at it)."""
-    keep = idset.isin(live, idset.from_ids([e.chunk_id for e in entries]))
+    """A bool per entry (entry ``j`` is row ``j - first[owner[j]]`` of ``tables[owner[j]]``): whether gc keeps
+    it. An entry is kept if its chunk is live and the index locates it in this pack, or nowhere valid (then
+    the index is pointed at it)."""
+    ids = _concat([t.chunk_ids for t in tables])
+    keep = idset.isin(live, ids)
     at = np.flatnonzero(keep)
-    loc = store.index.locate(idset.from_ids([entries[i].chunk_id for i in at]))
-    number = {n: i for i, n in enumerate(names)}
+    loc = store.index.locate(ids[at])
+    number = {t.name: i for i, t in enumerate(tables)}
     # -1: not indexed; -2: indexed in a pack whose table was not read (young, unreadable or gone)
     where = np.array([number.get(p, -2) for p in loc.packs] + [-1], dtype=np.int64)[loc.pack_of]
     index, fixed = store.index, {}
     for k in np.flatnonzero(where != owner[at]):  # live copies the index does not point at (rare)
-        e = entries[at[k]]
+        j = at[k]
+        e = tables[owner[j]].entry(j - first[owner[j]])
         if e.chunk_id in fixed:
-            keep[at[k]] = False  # a second copy of a chunk whose first copy is kept
+            keep[j] = False  # a second copy of a chunk whose first copy is kept
             continue
         located = index.lookup(e.chunk_id)
         if located is None or not _indexed_copy_is_valid(store, located, plan.packs):
             fixed[e.chunk_id] = e  # the only trustworthy copy: keep it, and point the index at it
         else:
-            keep[at[k]] = False  # a duplicate of a chunk that lives elsewhere (e.g. left by an interrupted repack)
+            keep[j] = False  # a duplicate of a chunk that lives elsewhere (e.g. left by an interrupted repack)
     if fixed:
         index.relocate(list(fixed.values()), {})
     return keep

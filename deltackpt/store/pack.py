@@ -24,11 +24,12 @@ import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from ..errors import ManifestFormatError
 from .backend import raise_if_disk_full
-from .codec import CODEC_NAMES, VALID_ELEM_SIZES, is_delta
+from .codec import CODEC_NAMES, DELTA_CODECS, VALID_ELEM_SIZES, is_delta
 
 PACK_MAGIC = b"DCPACK\x00\x01"
 ENTRY_MAGIC = b"DCE1"
@@ -254,11 +255,109 @@ def parse_table(table: bytes, tail: bytes, name: str) -> list[PackEntry]:
     return entries
 
 
+_ROW_DTYPE = np.dtype([("chunk_id", "V16"), ("base_id", "V16"), ("offset", "<u8"), ("stored_len", "<u8"),
+                       ("raw_len", "<u8"), ("codec", "u1"), ("elem_size", "u1"), ("age", "<u2"), ("pad", "V4")])
+assert _ROW_DTYPE.itemsize == ROW_SIZE
+
+
+@dataclass(frozen=True)
+class PackTable:
+    """A pack's table as arrays, one position per entry (a numpy view of the table bytes): for passes over
+    many packs that need no :class:`PackEntry` per entry (gc planning, verify). Field arrays are read-only."""
+
+    name: str
+    rows: np.ndarray  # structured, one row per entry, as stored
+
+    @classmethod
+    def from_entries(cls, name: str, entries: list[PackEntry]) -> "PackTable":
+        """The table of ``entries`` (e.g. those :func:`walk_entries` recovered)."""
+        return cls(name, np.array([(e.chunk_id, e.base_id or NO_BASE, e.offset, e.stored_len, e.raw_len, e.codec,
+                                    e.elem_size, e.age, b"") for e in entries], dtype=_ROW_DTYPE))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def chunk_ids(self) -> np.ndarray:
+        """V16 ids (see :mod:`.idset`), in table order."""
+        return self.rows["chunk_id"]
+
+    @property
+    def base_ids(self) -> np.ndarray:
+        """V16, all zero bytes where the entry is not a delta."""
+        return self.rows["base_id"]
+
+    @property
+    def has_base(self) -> np.ndarray:
+        return np.isin(self.rows["codec"], DELTA_CODECS)  # the parse checked: a delta exactly when a base is set
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.rows["offset"]
+
+    @property
+    def stored_lens(self) -> np.ndarray:
+        return self.rows["stored_len"]
+
+    def entry(self, i: int) -> PackEntry:
+        r = self.rows[i]
+        base = r["base_id"].tobytes()
+        return PackEntry(r["chunk_id"].tobytes(), self.name, int(r["offset"]), int(r["stored_len"]),
+                         int(r["raw_len"]), int(r["codec"]), int(r["elem_size"]),
+                         None if base == NO_BASE else base, int(r["age"]))
+
+    def entries(self, at=None) -> list[PackEntry]:
+        """The entries at positions ``at`` (all by default) as PackEntry objects."""
+        return [self.entry(i) for i in (range(len(self.rows)) if at is None else at)]
+
+
+def parse_table_arrays(table, tail: bytes, name: str) -> PackTable:
+    """:func:`parse_table` in vectorised passes, returning arrays: the same checks, and a table that fails
+    any of them raises the very error :func:`parse_table` raises (it is asked to name the first bad row)."""
+    table_offset, num, table_hash, _v, _p, _m = _FOOTER.unpack(tail)
+    if len(table) != num * ROW_SIZE:
+        raise ManifestFormatError(f"pack {name}: table truncated")
+    if xxhash.xxh3_64_intdigest(table) != table_hash:
+        raise ManifestFormatError(f"pack {name}: table checksum mismatch")
+    rows = np.frombuffer(table, dtype=_ROW_DTYPE)
+    if not _rows_ok(rows, table_offset):
+        parse_table(table, tail, name)
+        raise AssertionError(f"pack {name}: vectorised and row-by-row table checks disagree")
+    return PackTable(name, rows)
+
+
+def _rows_ok(rows: np.ndarray, table_offset: int) -> bool:
+    """Whether every row passes :func:`parse_table`'s checks (fields, bounds, order, base iff delta)."""
+    codec, slen, off = rows["codec"], rows["stored_len"], rows["offset"]
+    if not (np.isin(codec, list(CODEC_NAMES)).all() and np.isin(rows["elem_size"], VALID_ELEM_SIZES).all()
+            and (rows["raw_len"] <= MAX_CHUNK_BYTES).all() and (slen <= MAX_CHUNK_BYTES + (1 << 20)).all()):
+        return False
+    end_limit = np.uint64(table_offset)
+    # Written so that no sum can wrap around: an offset past the table fails before it is added to.
+    if not ((off <= end_limit) & (slen + np.uint64(HEADER_SIZE) <= end_limit - np.minimum(off, end_limit))).all():
+        return False
+    ends = off + np.uint64(HEADER_SIZE) + slen
+    if len(rows) and (off[0] < len(PACK_MAGIC) or (off[1:] < ends[:-1]).any()):
+        return False
+    has_base = rows["base_id"] != np.void(NO_BASE)
+    return bool((np.isin(codec, DELTA_CODECS) == has_base).all())
+
+
 TAIL_GUESS_BYTES = 64 * 1024  # one ranged read fetches the footer and a table of up to ~1,000 entries
 
 
 def read_pack_entries(backend, name: str, size: int | None = None) -> list[PackEntry]:
     """The table of pack ``name``: one ranged read of the pack's tail, a second when the table is larger."""
+    return parse_table(*_read_table(backend, name, size), name)
+
+
+def read_pack_table(backend, name: str, size: int | None = None) -> PackTable:
+    """:func:`read_pack_entries` as arrays (:class:`PackTable`), with the same reads and checks."""
+    return parse_table_arrays(*_read_table(backend, name, size), name)
+
+
+def _read_table(backend, name: str, size: int | None) -> tuple[bytes, bytes]:
+    """(table bytes, footer bytes) of pack ``name``, the footer bounds-checked."""
     key = pack_key(name)
     if size is None:
         size = backend.size(key)
@@ -270,7 +369,7 @@ def read_pack_entries(backend, name: str, size: int | None = None) -> list[PackE
         table = data[table_offset - start: table_offset - start + num * ROW_SIZE]
     else:
         table = backend.get_range(key, table_offset, num * ROW_SIZE) if num else b""
-    return parse_table(table, tail, name)
+    return table, tail
 
 
 def walk_entries(data, name: str) -> list[PackEntry]:

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError
 from . import idset
 from .config import chain_limit
-from .pack import PackEntry, pack_bytes_ok, walk_entries, pack_key, pack_name_from_key, read_pack_entries
+from .pack import PackTable, pack_bytes_ok, walk_entries, pack_key, pack_name_from_key, read_pack_table
 from .progress import Progress, phase
 from .source import ChunkSource
 
@@ -126,7 +126,7 @@ class _Findings:
     live_packs: set[str] = field(default_factory=set)  # packs holding a needed chunk, or unreadable
     chunks_in: dict[str, int] = field(default_factory=dict)  # pack -> needed chunks it holds
     # Packs whose hash or table is bad: their problem, and the entries found in them.
-    damaged_packs: dict[str, tuple[Problem, list[PackEntry]]] = field(default_factory=dict)
+    damaged_packs: dict[str, tuple[Problem, PackTable]] = field(default_factory=dict)
 
     def needed(self, ids: np.ndarray) -> np.ndarray:
         """A bool per id: whether a checkpoint needs it (references it, or a delta it references has it as base)."""
@@ -362,9 +362,9 @@ def _check_packs(store, found: _Findings, packs: dict[str, int], level: int, sam
                 if data is not None:
                     report.packs_checked += 1
                     report.bytes_checked += len(data)
-                    entries, hash_ok = _check_pack_hash(name, data, found, report)
+                    table, hash_ok = _check_pack_hash(name, data, found, report)
                     if level >= 2 or not hash_ok:
-                        _decode_chunks(source, name, entries, found, report)
+                        _decode_chunks(source, table, found, report)
                 done.append(name)
                 bar.advance(packs[name])
     finally:
@@ -374,31 +374,31 @@ def _check_packs(store, found: _Findings, packs: dict[str, int], level: int, sam
     report.chunks_skipped = sum(found.chunks_in.get(p, 0) for p in skipped)
 
 
-def _check_pack_hash(name: str, data: bytes, found: _Findings, report) -> tuple[list[PackEntry], bool]:
-    """Whether the pack's bytes hash to its name, and its entries: from its table, or when the table is
-    unreadable, the intact ones found from their headers."""
+def _check_pack_hash(name: str, data: bytes, found: _Findings, report) -> tuple[PackTable, bool]:
+    """Whether the pack's bytes hash to its name, and its entries (as arrays): from its table, or when the
+    table is unreadable, the intact ones found from their headers."""
     hash_ok = pack_bytes_ok(name, data)
     problem = None
     if not hash_ok:
         problem = Problem(ProblemKind.PACK_HASH, "pack bytes do not hash to its name", pack=name)
         report.problems.append(problem)
     try:
-        entries = read_pack_entries(_Bytes(data), name, len(data))
+        table = read_pack_table(_Bytes(data), name, len(data))
     except ManifestFormatError as e:
         if problem is None:
             problem = Problem(ProblemKind.PACK_HASH, "", pack=name)
             report.problems.append(problem)
         problem.detail = f"pack table unreadable ({e})"
-        entries = walk_entries(data, name)
+        table = PackTable.from_entries(name, walk_entries(data, name))
     if problem is not None:
-        found.damaged_packs[name] = (problem, entries)
-    return entries, hash_ok
+        found.damaged_packs[name] = (problem, table)
+    return table, hash_ok
 
 
-def _decode_chunks(source, name: str, entries: list[PackEntry], found: _Findings, report) -> None:
-    """Decode the needed chunks of pack ``name`` (deltas through their bases) and re-hash them."""
-    needed = found.needed(idset.from_ids([e.chunk_id for e in entries]))
-    for e in (entries[i] for i in np.flatnonzero(needed)):
+def _decode_chunks(source, table: PackTable, found: _Findings, report) -> None:
+    """Decode the needed chunks of a pack (deltas through their bases) and re-hash them."""
+    name = table.name
+    for e in table.entries(np.flatnonzero(found.needed(table.chunk_ids))):
         report.chunks_checked += 1
         try:
             # Decode this pack's copy, as its table describes it, not whatever the cache points at.
@@ -412,7 +412,8 @@ def _decode_chunks(source, name: str, entries: list[PackEntry], found: _Findings
 def _attribute(store, found: _Findings, report: VerifyReport) -> None:
     """Map damage upward: a chunk is damaged if it or its base is; report who needs it."""
     bad = found.bad
-    whole = {name: (problem, entries) for name, (problem, entries) in found.damaged_packs.items()
+    damaged = {name: (problem, table.entries()) for name, (problem, table) in found.damaged_packs.items()}
+    whole = {name: (problem, entries) for name, (problem, entries) in damaged.items()
              if not any(bad.get(e.chunk_id) and bad[e.chunk_id].pack == name for e in entries)}
     targets = set(bad) | {e.chunk_id for _, entries in whole.values() for e in entries}
     dependents = _dependents(store, found, targets) if targets else {}

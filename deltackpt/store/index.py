@@ -35,10 +35,11 @@ import numpy as np
 from . import lmdbenv
 from .backend import local_root
 from ..errors import ManifestFormatError
-from .codec import is_delta
+from .codec import CODEC_NAMES, DELTA, VALID_ELEM_SIZES, ZDELTA, is_delta
 from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded, opened_here
-from .pack import PackEntry, _check_fields, pack_key, pack_name_from_key, read_pack_entries, walk_entries
+from .pack import (MAX_CHUNK_BYTES, PackEntry, _check_fields, pack_key, pack_name_from_key, read_pack_entries,
+                   walk_entries)
 from .progress import Progress, phase
 
 log = logging.getLogger("deltackpt.store")
@@ -61,6 +62,12 @@ class Located:
     pack_of: np.ndarray  # int32 per chunk: its pack's number, -1 when not indexed
     delta_at: np.ndarray  # int32: positions of the chunks stored as deltas
     delta_base: np.ndarray  # V16: the base of each of those deltas
+
+
+# _RECORD as a numpy dtype: a batch of records read as arrays (ChunkIndex.records), no PackEntry per chunk.
+RECORD_DTYPE = np.dtype([("pack", "V16"), ("offset", "<u8"), ("stored_len", "<u8"), ("raw_len", "<u8"),
+                         ("codec", "u1"), ("elem_size", "u1"), ("base", "V16"), ("age", "<u2")])
+assert RECORD_DTYPE.itemsize == _RECORD.size
 
 
 def encode_record(e: PackEntry) -> bytes:
@@ -193,6 +200,36 @@ class ChunkIndex(LmdbCache):
                     bases += base
         return Located([n.hex() for n in names], np.frombuffer(pack_of, dtype=np.int32),
                        np.frombuffer(delta_at, dtype=np.int32), np.frombuffer(bytes(bases), dtype="V16"))
+
+    @guarded()
+    def records(self, chunk_ids) -> tuple[np.ndarray, np.ndarray]:
+        """(records, found) of ``chunk_ids`` (a list of 16-byte ids) in one read transaction: a RECORD_DTYPE array (all
+        zeros where not indexed) and a bool array of which are indexed, checked as decode_record checks one
+        but in arrays (0.4 us a chunk where a PackEntry each costs 2.5)."""
+        chunks, _, _ = self._dbs()
+        size, parts, found = _RECORD.size, [], bytearray()
+        missing = bytes(size)
+        with self.env.begin(db=chunks) as txn:
+            get = txn.get
+            for cid in chunk_ids:
+                rec = get(cid)
+                found.append(rec is not None)
+                parts.append(missing if rec is None else rec)
+        buf = b"".join(parts)
+        if len(buf) != size * len(parts):
+            bad = next(cid for cid, rec in zip(chunk_ids, parts) if len(rec) != size)
+            raise ManifestFormatError(f"index record for chunk {bytes(bad).hex()} has the wrong size")
+        recs = np.frombuffer(buf, dtype=RECORD_DTYPE)
+        found = np.frombuffer(bytes(found), dtype=bool)
+        codecs, sizes = recs["codec"], recs["elem_size"]
+        delta = (codecs == DELTA) | (codecs == ZDELTA)
+        has_base = recs.view(np.uint8).reshape(-1, size)[:, 42:58].any(axis=1)  # see _RECORD
+        bad = found & (~np.isin(codecs, list(CODEC_NAMES)) | ~np.isin(sizes, VALID_ELEM_SIZES) | (delta != has_base)
+                       | (recs["raw_len"] > MAX_CHUNK_BYTES) | (recs["stored_len"] > MAX_CHUNK_BYTES + (1 << 20)))
+        if bad.any():
+            cid = chunk_ids[int(np.argmax(bad))]
+            raise ManifestFormatError(f"index record for chunk {bytes(cid).hex()} is malformed")
+        return recs, found
 
     @guarded()
     def check_records(self) -> int:

@@ -364,8 +364,8 @@ def decode(codec: int, stored, raw_len: int, elem_size: int, base=None, out=None
 
     ``out``, a writable uint8 array of ``raw_len`` bytes, receives the result of a ``zstd`` or ``delta``
     chunk (which is then returned), saving a copy when the caller wanted the bytes there anyway. ``scratch``,
-    a writable uint8 array of ``raw_len`` bytes, holds the decoded byte planes on the way (a new array when
-    None); its contents afterwards are unspecified.
+    a writable uint8 array of ``raw_len`` bytes that does not overlap ``out``, holds the decoded byte planes
+    on the way (a new array when None); its contents afterwards are unspecified.
     """
     if elem_size not in VALID_ELEM_SIZES:
         raise ValueError(f"invalid element size {elem_size}")

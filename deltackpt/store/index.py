@@ -203,9 +203,9 @@ class ChunkIndex(LmdbCache):
 
     @guarded()
     def records(self, chunk_ids) -> tuple[np.ndarray, np.ndarray]:
-        """(records, found) of ``chunk_ids`` (a list of 16-byte ids) in one read transaction: a RECORD_DTYPE array (all
-        zeros where not indexed) and a bool array of which are indexed, checked as decode_record checks one
-        but in arrays (0.4 us a chunk where a PackEntry each costs 2.5)."""
+        """(records, found) of ``chunk_ids`` (a list of 16-byte ids) in one read transaction: a RECORD_DTYPE
+        array (all zeros where not indexed) and a bool array of which are indexed, checked as decode_record
+        checks one but in arrays (1.1 us a chunk where lookup_many, a PackEntry each, took 3.8)."""
         chunks, _, _ = self._dbs()
         size, parts, found = _RECORD.size, [], bytearray()
         missing = bytes(size)

@@ -5,10 +5,10 @@ Every chunk read is verified (by :class:`~.source.ChunkSource`): its decoded byt
 
 A chunk read whole (the common case: a full load) is decoded straight into the destination and hashed
 there. The whole chunks of a read are grouped by pack (:meth:`CheckpointReader.coalesce`): one job per
-bundle of nearby chunks, which opens each pack once and reads its chunks in order, one scatter read
-(``Backend.get_ranges_into``) per stretch of adjacent entries, a raw chunk's bytes straight into the
-destination, a coded one's into per-thread scratch to be decoded into it. Only reads of part of a chunk
-decode into a new array (kept in a small LRU) and copy out.
+bundle of nearby chunks, which reads the stretch of the pack that holds them with one ranged read
+(``Backend.get_ranges_into``) into per-thread scratch, copies the raw chunks into place, decodes the coded
+ones into it, and checks them all in arrays (index records, headers, hashes: a few us an 8 KiB chunk). Only
+reads of part of a chunk decode into a new array (kept in a small LRU) and copy out.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ with atheris.instrument_imports(include=["deltackpt"]):
     from deltackpt.errors import DeltackptError
     from deltackpt.store import codec
     from deltackpt.store.config import decode_config
-    from deltackpt.store.index import decode_record
+    from deltackpt.store.records import decode_record
     from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest
     from deltackpt.store.pack import FOOTER_SIZE, ROW_SIZE, decode_header, parse_footer, parse_table
 

@@ -51,6 +51,7 @@ __all__ = [
     "sparse_merge",
     "sparse_split",
     "unshuffle",
+    "unshuffle_into",
     "unshuffle_xor",
     "unshuffle_zigzag",
     "xor_shuffle",
@@ -461,3 +462,12 @@ unshuffle_zigzag = _impl.unshuffle_zigzag
 sparse_split = _impl.sparse_split
 sparse_merge = _impl.sparse_merge
 fastcdc_cuts = _impl.fastcdc_cuts
+
+
+def _numpy_unshuffle_into(src, elem_size: int, out) -> None:
+    numpy_impl.unshuffle(src, elem_size, out=np.frombuffer(out, dtype=np.uint8))
+
+
+# unshuffle(src, elem_size, out) for a hot path that owns both buffers: C-contiguous, of equal byte length (still
+# checked), never overlapping (not checked); the wrapper's checks cost 2 us, 8x the kernel, on an 8 KiB chunk.
+unshuffle_into = _native.unshuffle if BACKEND == "native" else _numpy_unshuffle_into

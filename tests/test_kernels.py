@@ -678,3 +678,19 @@ def test_public_api_uses_live_backend():
     for name in ("shuffle", "unshuffle", "xor_shuffle", "unshuffle_xor", "fastcdc_cuts"):
         assert getattr(kernels, name) == getattr(live, name)
     assert issubclass(NativeKernelUnavailable, ImportError)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 8193])
+def test_unshuffle_into_matches_unshuffle(k, n):
+    from deltackpt import kernels
+    src = np.random.default_rng(n * 10 + k).integers(0, 256, n, dtype=np.uint8)
+    want = kernels.numpy_impl.unshuffle(src, k)
+    for fn in [kernels.unshuffle_into, kernels._numpy_unshuffle_into] + \
+            ([kernels.native_impl._raw.unshuffle] if kernels.native_impl else []):
+        out = np.full(n, 0xAB, np.uint8)
+        fn(src, k, out)
+        assert out.tobytes() == want.tobytes()
+    if n:
+        with pytest.raises(ValueError):
+            kernels.unshuffle_into(src, k, np.empty(n + 1, np.uint8))

@@ -41,11 +41,14 @@ MAX_CHUNK_BYTES = 1 << 30
 
 _HEADER = struct.Struct("<4sBBHQQ16s16s")  # 56 bytes, followed by the u64 header hash
 HEADER_SIZE = _HEADER.size + 8
+# An entry header as a numpy dtype: a batch of headers checked in arrays (ChunkSource.check_reads).
+HEADER_DTYPE = np.dtype([("magic", "S4"), ("codec", "u1"), ("elem_size", "u1"), ("age", "<u2"), ("raw_len", "<u8"),
+                         ("stored_len", "<u8"), ("chunk_id", "V16"), ("base", "V16"), ("digest", "<u8")])
 _ROW = struct.Struct("<16s16sQQQBBH4x")
 ROW_SIZE = _ROW.size
 _FOOTER = struct.Struct("<QQQHH4s")
 FOOTER_SIZE = _FOOTER.size
-assert HEADER_SIZE == 64 and ROW_SIZE == 64 and FOOTER_SIZE == 32
+assert HEADER_SIZE == HEADER_DTYPE.itemsize == 64 and ROW_SIZE == 64 and FOOTER_SIZE == 32
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,10 +5,10 @@ Every chunk read is verified (by :class:`~.source.ChunkSource`): its decoded byt
 
 A chunk read whole (the common case: a full load) is decoded straight into the destination and hashed
 there. The whole chunks of a read are grouped by pack (:meth:`CheckpointReader.coalesce`): one job per
-bundle of nearby chunks, which opens each pack once and reads its chunks in order, one scatter read
-(``Backend.get_ranges_into``) per stretch of adjacent entries, a raw chunk's bytes straight into the
-destination, a coded one's into per-thread scratch to be decoded into it. Only reads of part of a chunk
-decode into a new array (kept in a small LRU) and copy out.
+bundle of nearby chunks, which reads the stretch of the pack that holds them with one ranged read
+(``Backend.get_ranges_into``) into per-thread scratch, copies the raw chunks into place, decodes the coded
+ones into it, and checks them all in arrays (index records, headers, hashes: a few us an 8 KiB chunk). Only
+reads of part of a chunk decode into a new array (kept in a small LRU) and copy out.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from .backend import LocalFiles, local_root
 from ..errors import CorruptChunkError, MissingChunkError
 from .manifest import Item, Manifest
 from . import codec
+from .records import decode_record
 from .pack import HEADER_SIZE, PackEntry, pack_key
 from .pausegc import paused_gc
 from .source import ChunkSource
@@ -38,7 +39,6 @@ COALESCE_GAP_BYTES = 64 * 1024  # unneeded bytes between two chunks are read rat
 # On a local store whole chunks of one pack are read and checked in bundles of at most this many bytes: one
 # job, one file open and a preadv per 512 chunks of 8 KiB, while a load's threads still share the work.
 BUNDLE_BYTES = 4 * MiB
-_pack_order = itemgetter(0, 1)  # rows (pack, offset, ...) in the order their bytes lie
 _BUNDLE = object()  # marks a job that reads several whole chunks with few reads (CheckpointReader.coalesce)
 
 
@@ -145,7 +145,7 @@ class CheckpointReader:
 
     def run_job(self, job: tuple) -> None:
         if job[0] is _BUNDLE:
-            self._read_bundle(job[1])
+            self._read_bundle(*job[1:4])
         else:
             self._copy(*job)
 
@@ -156,104 +156,136 @@ class CheckpointReader:
         chunk as a read of its own would: a job per chunk cost a pool hand-off, an index look-up and a file
         open each (84 us a chunk; 160k chunks of 8 KiB loaded in 13.4 s). A bundle holds at most
         BUNDLE_BYTES on a local store, less when that would leave threads idle (4 MiB chunks stay one job
-        each), and COALESCE_MAX_BYTES from object storage (a request costs a round trip)."""
+        each), and COALESCE_MAX_BYTES from object storage (a request costs a round trip). The chunks' index
+        records are read and sorted as arrays: no PackEntry per chunk."""
         if len(jobs) < 2:
             return jobs
         index = self.store.index
-        entries = index.lookup_many({job[2].id for job in jobs})
-        out, whole = [], []
-        for job in jobs:
-            e = entries.get(job[2].id)
-            if e is not None and job[3] == 0 and job[5] == e.raw_len:
-                whole.append((e.pack, e.offset, e, job))
-            else:
-                out.append(job)
-        whole.sort(key=_pack_order)
-        costs = []
-        for _p, _offset, e, _job in whole:
-            cost = HEADER_SIZE + e.stored_len
-            if e.base_id is not None:
-                base = entries.get(e.base_id) or index.lookup(e.base_id)
-                cost += base.span if base is not None else 0
-            costs.append(cost)
+        num = len(jobs)
+        recs, found = index.records([job[2].id for job in jobs])
+        skip = np.fromiter((job[3] for job in jobs), dtype=np.int64, count=num)
+        length = np.fromiter((job[5] for job in jobs), dtype=np.int64, count=num)
+        whole = found & (skip == 0) & (length == recs["raw_len"].astype(np.int64))
+        out = [job for job, w in zip(jobs, whole.tolist()) if not w]
+        at = np.flatnonzero(whole)
+        if not len(at):
+            return out
+        packs, pack_no = np.unique(recs["pack"][at], return_inverse=True)
+        order = np.lexsort((recs["offset"][at], pack_no))  # by pack, then where the bytes lie
+        at, pack_no = at[order], pack_no[order]
+        recs = recs[at]
+        span = HEADER_SIZE + recs["stored_len"].astype(np.int64)
+        cost = span.copy()
+        deltas = np.flatnonzero(np.isin(recs["codec"], codec.DELTA_CODECS))
+        if len(deltas):  # a delta's read includes its base's
+            base_recs, base_found = index.records([recs["base"][k].tobytes() for k in deltas.tolist()])
+            cost[deltas] += np.where(base_found, HEADER_SIZE + base_recs["stored_len"].astype(np.int64), 0)
         # Locally at least a bundle per thread: an item of a few large chunks still decodes in parallel.
-        limit = COALESCE_MAX_BYTES if self.remote else min(BUNDLE_BYTES, -(-sum(costs) // self.num_threads))
-        bundle: list = []
-        pack, end, total = None, 0, 0  # of the bundle being built: its pack, where its bytes end, what it reads
-        for (p, offset, e, job), cost in zip(whole, costs):
-            if bundle and (p != pack or offset > end + COALESCE_GAP_BYTES or total + cost > limit):
-                out.append(_bundle_job(bundle))
-                bundle, end, total = [], 0, 0
-            bundle.append((e, job))
-            pack, end, total = p, max(end, offset + HEADER_SIZE + e.stored_len), total + cost
-        if bundle:
-            out.append(_bundle_job(bundle))
+        limit = COALESCE_MAX_BYTES if self.remote else min(BUNDLE_BYTES, -(-int(cost.sum()) // self.num_threads))
+        starts = [0]  # where each bundle starts in the sorted chunks: a new pack, a far gap, or a full bundle
+        offsets, ends = recs["offset"].tolist(), (recs["offset"] + span).tolist()
+        pack, end, total = -1, 0, 0
+        for k, (p, offset, stop, c) in enumerate(zip(pack_no.tolist(), offsets, ends, cost.tolist())):
+            if k and (p != pack or offset > end + COALESCE_GAP_BYTES or total + c > limit):
+                starts.append(k)
+                end, total = 0, 0
+            pack, end, total = p, max(end, stop), total + c
+        starts.append(len(at))
+        names = [bytes(p).hex() for p in packs.tolist()]
+        for a, b in zip(starts, starts[1:]):
+            if b - a == 1:
+                out.append(jobs[at[a]])
+            else:
+                parts = [jobs[i] for i in at[a:b].tolist()]
+                out.append((_BUNDLE, parts, recs[a:b], names[pack_no[a]], sum(job[5] for job in parts)))
         return out
 
-    def _read_bundle(self, parts: list) -> None:
-        """Read a bundle's chunks (of one pack, by offset) and the bases of its deltas, each pack opened once
-        and one scatter read per stretch of nearby entries (a raw chunk straight into its destination, coded
-        bytes into scratch), then check and decode each. A chunk that fails (a missing or short pack,
-        damage) is read again on its own, which reports the damage as a single chunk's read would (and
-        looks again through an index rebuilt from the packs when the cache's location was wrong)."""
-        bases = self._bundle_bases(parts)
-        coded = sum(e.stored_len for e, _job in parts if e.codec != codec.RAW)
-        scratch = memoryview(self.source._buffer("bundle", coded + sum(b.span for b in bases)))
-        heads = memoryview(bytearray(HEADER_SIZE * len(parts)))
-        dests = {}  # id(destination array) -> a byte memoryview of it (cheap to slice)
-        rows, firsts = [], []  # (offset, span, buffers) of each entry to read; per part, the part that reads it
-        seen: dict[int, int] = {}
-        used = 0
-        for i, (e, job) in enumerate(parts):
-            first = seen.setdefault(e.offset, i)
-            firsts.append(first)
-            if first != i:
-                continue  # a chunk stored once and used twice: read once
-            dst, dst_off, n = job[1], job[4], job[5]
-            dmv = dests.get(id(dst))
-            if dmv is None:
-                dmv = dests[id(dst)] = memoryview(dst)
-            if e.codec == codec.RAW:
-                payload = dmv[dst_off:dst_off + n]
-            else:
-                payload = scratch[used:used + e.stored_len]
-                used += e.stored_len
-            head = heads[i * HEADER_SIZE:(i + 1) * HEADER_SIZE]
-            rows.append((e.offset, HEADER_SIZE + e.stored_len, (head, payload)))
+    def _read_bundle(self, parts: list, recs: np.ndarray, pack: str) -> None:
+        """Read a bundle's chunks (``parts``: their jobs, of one ``pack``, by offset; ``recs``: their index
+        records) with one ranged read of the stretch of the pack that holds them (the bundle's gaps are
+        small), and the bases of its deltas, into scratch; copy each raw chunk into place, then check and
+        decode them all (:meth:`ChunkSource.check_reads`: per-chunk work in arrays, an 8 KiB chunk costs a
+        few us). A chunk that does not pass, and a delta, is checked on its own (``decode_read``), which
+        names the damage; one that fails that is read again on its own, which reports the damage as a
+        single chunk's read would (and looks again through an index rebuilt from the packs when the
+        cache's location was wrong)."""
+        entries = {}
+
+        def entry(i: int) -> PackEntry:  # built only for a chunk checked on its own
+            if i not in entries:
+                entries[i] = decode_record(parts[i][2].id, recs[i].tobytes())
+            return entries[i]
+
+        offsets, stored = recs["offset"].astype(np.int64), recs["stored_len"].astype(np.int64)
+        first = np.ones(len(parts), dtype=bool)
+        first[1:] = offsets[1:] != offsets[:-1]  # a chunk stored once and used twice (by offset): read once
+        uniq = np.flatnonzero(first)
+        start = int(offsets[0])
+        extent = int((offsets + HEADER_SIZE + stored).max()) - start
+        bases = self._bundle_bases([entry(i) for i in np.flatnonzero(np.isin(recs["codec"], codec.DELTA_CODECS))])
+        buf = self.source._buffer("bundle", extent + sum(b.span for b in bases))
+        scratch = memoryview(buf)
+        got = self._read_pack(pack, [(start, extent, (scratch[:extent],))])[0]
+        used = extent
         fetched = {}
-        for pack, group in itertools.groupby(bases, key=attrgetter("pack")):
+        for base_pack, group in itertools.groupby(bases, key=attrgetter("pack")):
             base_rows = []
             for b in group:
                 base_rows.append((b.offset, b.span, (scratch[used:used + b.span],)))
                 used += b.span
-            for (offset, _span, (buf,)), n in zip(base_rows, self._read_pack(pack, base_rows)):
-                fetched[(pack, offset)] = buf[:n]  # a short read stays short: decoding it names the damage
-        counts = iter(self._read_pack(parts[0][0].pack, rows))
-        rows = iter(rows)
+            for (offset, _span, (view,)), n in zip(base_rows, self._read_pack(base_pack, base_rows)):
+                fetched[(base_pack, offset)] = view[:n]  # a short read stays short: decoding it names the damage
+        at = offsets[uniq] - start
+        counts = np.clip(got - at, 0, HEADER_SIZE + stored[uniq]).tolist()  # bytes of each entry the read returned
+        heads = buf[at[:, None] + np.arange(HEADER_SIZE)]  # (chunks, HEADER_SIZE): every header, gathered
+        raw = (recs["codec"] == codec.RAW).tolist()
+        stored, uniq = stored.tolist(), uniq.tolist()
+        dests = {}  # id(destination array) -> a byte memoryview of it (cheap to slice)
+        payloads, outs = [], []
+        for i, pos in zip(uniq, (at + HEADER_SIZE).tolist()):
+            _item, dst, _ref, _skip, dst_off, n = parts[i]
+            payload = scratch[pos:pos + stored[i]]
+            if raw[i]:
+                dmv = dests.get(id(dst))
+                if dmv is None:
+                    dmv = dests[id(dst)] = memoryview(dst)
+                out = dmv[dst_off:dst_off + n]
+                if stored[i] == n:
+                    out[:] = payload
+                payload = out  # a raw chunk is checked where it is (decode_read's convention)
+            else:
+                out = dst[dst_off:dst_off + n]
+            payloads.append(payload)
+            outs.append(out)
+        ok = self.source.check_reads(recs[uniq], b"".join([parts[i][2].id for i in uniq]), heads, counts,
+                                     payloads, outs).tolist()
         failed = set()
-        for i, (e, job) in enumerate(parts):
-            first = firsts[i]
+        for j, i in enumerate(uniq):
+            if ok[j]:
+                continue
+            job = parts[i]
             try:
-                if first == i:
-                    n, (head, payload) = next(counts), next(rows)[2]
-                    # a raw chunk is already in place (payload is its destination): only its hash is checked
-                    dest = payload if e.codec == codec.RAW else job[1][job[4]:job[4] + job[5]]
-                    self.source.decode_read(e, head, payload, n, dest, checkpoint=self.name, item=job[0].key,
-                                            fetched=fetched)
-                elif first in failed:
-                    self._copy(*job)
-                else:  # its bytes as checked for the first part that uses them
-                    src = parts[first][1]
-                    job[1][job[4]:job[4] + job[5]] = src[1][src[4]:src[4] + src[5]]
+                self.source.decode_read(entry(i), heads[j], payloads[j], counts[j], outs[j], checkpoint=self.name,
+                                        item=job[0].key, fetched=fetched)
             except (CorruptChunkError, MissingChunkError):
                 failed.add(i)
                 self._copy(*job)
+        if len(uniq) < len(parts):
+            firsts = np.maximum.accumulate(np.where(first, np.arange(len(parts)), 0)).tolist()
+            for i, job in enumerate(parts):
+                src = parts[firsts[i]]
+                if firsts[i] == i:
+                    continue
+                if firsts[i] in failed:
+                    self._copy(*job)
+                else:  # its bytes as checked for the first part that uses them
+                    job[1][job[4]:job[4] + job[5]] = src[1][src[4]:src[4] + src[5]]
 
-    def _bundle_bases(self, parts: list) -> list[PackEntry]:
-        """The entries of the delta bases a bundle's chunks need that the LRU lacks, by pack and offset."""
+    def _bundle_bases(self, deltas: list[PackEntry]) -> list[PackEntry]:
+        """The entries of the delta bases the ``deltas`` need that the LRU lacks, by pack and offset."""
         lookup = self.store.index.lookup
         bases = {}
-        for e, _job in parts:
+        for e in deltas:
             if e.base_id is not None and self.source._from_cache(e.base_id) is None:
                 base = lookup(e.base_id)
                 if base is not None:
@@ -312,10 +344,3 @@ class CheckpointReader:
 
     def read_all(self) -> dict[str, np.ndarray]:
         return {key: self.read(key) for key in self.items}
-
-
-def _bundle_job(bundle: list) -> tuple:
-    """A job for :meth:`CheckpointReader.run_job`: one chunk's own job, or a bundle of several."""
-    if len(bundle) == 1:
-        return bundle[0][1]
-    return (_BUNDLE, bundle, sum(job[-1] for _e, job in bundle))

@@ -29,7 +29,7 @@ from . import codec
 from .chunking import as_byte_view, cdc_spans, chunk_ids_of, grid_spans
 from .config import chain_limit
 from .deltapolicy import DeltaBase, DeltaPolicy
-from .index import NO_BASE_VOID
+from .records import NO_BASE_VOID
 from .manifest import ChunkRef, Item, Manifest
 from .pack import PackEntry
 from .packsink import PackSink

@@ -567,3 +567,41 @@ def test_sparse_fill_in_keeps_trying_deltas(tmp_path):
         sizes.append(store.save(f"c{i}", {"m": m}).stats.stored_bytes)
     deltas = _codecs(store)["delta"]
     assert deltas >= 3, (deltas, sizes)  # growing deltas are re-keyframed; the next ones pay again
+
+
+def _zstd_coded(rng, es: int, n: int) -> tuple[np.ndarray, bytes]:
+    """Raw bytes (floats of little entropy in their high bytes) and their zstd codec bytes with at least one
+    zstd-coded plane."""
+    raw = (rng.standard_normal(n // 4 + 1).astype(np.float32) * 0.02).view(np.uint8)[:n].copy()
+    stored = bytes(codec.encode_planes(raw, es, 1))
+    layout = codec.plane_layout(np.frombuffer(stored, np.uint8), n, es)
+    assert layout is None or any(mode == codec.SEG_ZSTD for mode, _o, _l in layout)
+    return raw, stored
+
+
+@pytest.mark.parametrize("es, n", [(1, 8192), (2, 8193), (4, 8192), (4, 8195), (8, 8192), (4, 300_000)])
+def test_small_frames_decode_in_one_call_as_the_stream_path_does(monkeypatch, es, n):
+    """Planes of at most SMALL_FRAME_BYTES are decoded with one call and copied; the same bytes, and the same
+    errors for damage, as the stream reader (every frame) gives."""
+    raw, stored = _zstd_coded(np.random.default_rng(es * n), es, n)
+    layout = codec.plane_layout(np.frombuffer(stored, np.uint8), n, es)
+    _mode, at, length = next(seg for seg in layout if seg[0] == codec.SEG_ZSTD)
+    damaged = {"flipped": bytearray(stored), "cut": bytearray(stored)}
+    damaged["flipped"][at + length // 2] ^= 0xFF
+    del damaged["cut"][at + length - 3:at + length]  # the frame ends early, the container still adds up
+    damaged["cut"][4 + 5 * layout.index((_mode, at, length)) + 1:][:4] = (length - 3).to_bytes(4, "little")
+    results = []
+    for small in (codec.SMALL_FRAME_BYTES, 0):
+        monkeypatch.setattr(codec, "SMALL_FRAME_BYTES", small)
+        out = np.full(n, 0xEE, np.uint8)
+        codec.decode(codec.ZSTD, stored, n, es, out=out, scratch=np.empty(n, np.uint8))
+        outcome = [out.tobytes()]
+        for name, bad in damaged.items():
+            try:  # a flip zstd cannot see decodes to other bytes (the chunk's hash then tells)
+                outcome.append(codec.decode(codec.ZSTD, bytes(bad), n, es, out=np.empty(n, np.uint8)).tobytes())
+            except ValueError:
+                outcome.append(ValueError)
+        results.append(outcome)
+    assert results[0] == results[1]
+    assert results[0][0] == raw.tobytes() and results[0][2] is ValueError  # a cut frame never decodes
+    assert results[0][1] != raw.tobytes()

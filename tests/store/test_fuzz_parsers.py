@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from deltackpt.errors import ManifestFormatError
 from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, codec
 from deltackpt.store.config import FORMAT_VERSION, decode_config, encode_config, new_config
-from deltackpt.store.index import decode_record, decode_records, encode_record
+from deltackpt.store.records import decode_record, decode_records, encode_record
 from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest, encode_manifest, manifest_key
 from fuzz_helpers import FUZZ, MiB, attempt, mutate, mutations
 

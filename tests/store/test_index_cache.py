@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from deltackpt.store import LocalBackend, Store
 from deltackpt.store.index import ChunkIndex
@@ -230,3 +231,28 @@ def test_refresh_indexes_many_new_packs_in_one_transaction(local_store, rng):
     index._env = env
     assert added == len(pack_names(local_store)) > 3 and count[0] <= 2  # the packs, and nothing else
     assert index.num_chunks() == local_store.index.num_chunks()
+
+
+def test_records_say_what_lookup_says(store, rng):
+    from deltackpt.store.records import decode_record
+    _history(store, rng)
+    ids = [e.chunk_id for e in store.index.iter_entries()] + [bytes(16), b"\xff" * 16]
+    recs, found = store.index.records(ids)
+    assert found.tolist() == [True] * (len(ids) - 2) + [False, False]
+    assert (recs[-2:].view(np.uint8) == 0).all()
+    for cid, rec, hit in zip(ids, recs, found):
+        assert (decode_record(cid, rec.tobytes()) if hit else None) == store.index.lookup(cid)
+    assert any(store.index.lookup(cid).base_id for cid in ids[:-2]), "the fixture must hold deltas"
+
+
+@pytest.mark.parametrize("at, value", [(40, 9), (41, 3), (42, 1)])  # no such codec, elem size; a keyframe's base
+def test_records_rebuild_a_malformed_cache_record(local_store, rng, at, value):
+    _history(local_store, rng)
+    index = local_store.index
+    victim = next(e for e in index.iter_entries() if e.base_id is None)
+    with index.env.begin(write=True, db=index._db[b"chunks"]) as txn:
+        rec = bytearray(txn.get(victim.chunk_id))
+        rec[at] = value
+        txn.put(victim.chunk_id, bytes(rec))
+    recs, found = index.records([victim.chunk_id])
+    assert found[0] and recs[0]["codec"] == victim.codec and recs[0]["offset"] == victim.offset

@@ -4,12 +4,13 @@ the destination, per-thread scratch for coded payloads and delta bases; and that
 from __future__ import annotations
 
 import os
+import shutil
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from deltackpt.errors import CorruptChunkError
+from deltackpt.errors import CorruptChunkError, MissingChunkError
 from deltackpt.store.backend import LocalFiles
 from deltackpt.store import LocalBackend, MemoryBackend, Store, codec, deltapolicy
 from deltackpt.store.pack import HEADER_SIZE, pack_key
@@ -298,3 +299,111 @@ def test_damaged_chunk_used_many_times_is_a_corrupt_chunk(tmp_path):
     with pytest.raises(CorruptChunkError) as ei:
         store.load("a")
     assert (ei.value.chunk_id, ei.value.item) == (ref.id.hex(), "z")
+
+
+# -- bundles checked in arrays (ChunkSource.check_reads) ------------------------------------------------------
+
+
+def _mixed_store(path, delta_kind_store=True):
+    """A store whose "c1" holds raw, zstd (elem sizes 1, 2, 4, 8, a partial last element) and delta chunks, and
+    one chunk used many times; 4 KiB chunks. Returns (store, {item: bytes})."""
+    store = Store.init(LocalBackend(path, fsync=False), chunk_size_bytes=4096)
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal(60_000) * 0.05).astype(np.float32)
+    items = {"w": w, "noise": rng.integers(0, 256, 50_001, dtype=np.uint8),
+             "h": (rng.standard_normal(30_001) * 0.05).astype(np.float16),
+             "d": (rng.standard_normal(10_000) * 0.05).astype(np.float64),
+             "b": rng.integers(0, 3, 40_000, dtype=np.uint8),
+             "tiled": np.tile(rng.integers(0, 256, 4096, dtype=np.uint8), 30)}
+    store.save("c0", items, num_threads=1)
+    items = dict(items, w=(w + rng.standard_normal(w.size).astype(np.float32) * 1e-6).astype(np.float32))
+    store.save("c1", items, num_threads=1)
+    return store, {k: np.ascontiguousarray(v).view(np.uint8).reshape(-1) for k, v in items.items()}
+
+
+def test_bundles_checked_in_arrays_load_what_each_chunk_read_alone_loads(tmp_path, delta_kind, monkeypatch):
+    store, want = _mixed_store(tmp_path / "st")
+    codecs = {(e.codec, e.elem_size) for e in store.index.iter_entries()}
+    assert {(codec.RAW, 1), (codec.ZSTD, 1), (codec.ZSTD, 2), (codec.ZSTD, 4), (codec.ZSTD, 8),
+            (delta_kind, 4)} <= codecs
+    alone = []  # the chunks a bundle left to decode_read: its deltas only
+    real = ChunkSource.decode_read
+    monkeypatch.setattr(ChunkSource, "decode_read", lambda self, e, *a, **k: alone.append(e.codec) or real(
+        self, e, *a, **k))
+    with store.open_checkpoint("c1", num_threads=1) as r:
+        for key, data in want.items():
+            bundled, single = np.full(data.size, 0xEE, np.uint8), np.full(data.size, 0xDD, np.uint8)
+            jobs = r.coalesce(r.chunk_jobs(key, bundled))
+            assert len(jobs) < len(r.item(key).chunks) / 4, key  # bundles, not a job per chunk
+            for job in jobs:
+                r.run_job(job)
+            for job in r.chunk_jobs(key, single):  # the general path: each chunk read and decoded on its own
+                r.run_job(job)
+            assert bundled.tobytes() == single.tobytes() == data.tobytes(), key
+    assert alone and set(alone) == {delta_kind}
+
+
+def _victims(store: Store, key: str) -> dict:
+    """One entry of item ``key`` of "c1" for each kind of chunk in it: {codec or "delta": PackEntry}."""
+    out = {}
+    for ref in store.read_manifest("c1").item_map()[key].chunks:
+        e = store.index.lookup(ref.id)
+        out.setdefault("delta" if codec.is_delta(e.codec) else e.codec, e)
+    return out
+
+
+@pytest.mark.parametrize("where", ["payload", "header field", "header hash", "truncated"])
+@pytest.mark.parametrize("key, kind", [("noise", codec.RAW), ("d", codec.ZSTD), ("h", codec.ZSTD), ("b", codec.ZSTD),
+                                       ("w", "delta")])
+def test_damage_in_a_bundle_is_named_as_a_single_read_names_it(tmp_path, where, key, kind):
+    store, _want = _mixed_store(tmp_path / "st")
+    e = _victims(store, key)[kind]
+    key_of_pack = pack_key(e.pack)
+    if where == "payload":
+        flip_bit(store.backend, key_of_pack, e.offset + HEADER_SIZE + e.stored_len - 5)
+    elif where == "header field":
+        flip_bit(store.backend, key_of_pack, e.offset + 8)  # raw_len: the header disagrees with the index
+    elif where == "header hash":
+        flip_bit(store.backend, key_of_pack, e.offset + 60)
+    else:
+        path = store.backend.root / key_of_pack
+        os.truncate(path, e.offset + HEADER_SIZE + e.stored_len // 2)
+    shutil.copytree(tmp_path / "st", tmp_path / "copy")  # each path reads the damage afresh (a read may rebuild)
+    errors = []
+    for bundled, root in ((True, tmp_path / "st"), (False, tmp_path / "copy")):
+        with Store.open(root).open_checkpoint("c1", num_threads=1) as r:
+            out = np.empty(r.item(key).nbytes, np.uint8)
+            jobs = r.coalesce(r.chunk_jobs(key, out)) if bundled else r.chunk_jobs(key, out)
+            with pytest.raises((CorruptChunkError, MissingChunkError)) as info:
+                for job in jobs:
+                    r.run_job(job)
+            err = info.value
+            errors.append((type(err), str(err), err.chunk_id, getattr(err, "pack", None), err.checkpoint, err.item))
+    assert errors[0] == errors[1]
+    assert errors[0][2] == e.chunk_id.hex() and errors[0][4:] == ("c1", key)
+    assert where == "truncated" or (errors[0][0], errors[0][3]) == (CorruptChunkError, e.pack), errors[0]
+
+
+def test_check_reads_passes_good_keyframes_and_leaves_the_rest(tmp_path):
+    """check_reads decodes and hashes keyframes itself and says False (raising nothing) for damage."""
+    store, want = _mixed_store(tmp_path / "st")
+    refs = store.read_manifest("c1").item_map()["d"].chunks[:6]
+    entries = [store.index.lookup(ref.id) for ref in refs]
+    recs, found = store.index.records([ref.id for ref in refs])
+    assert found.all()
+    heads = np.zeros((len(refs), HEADER_SIZE), np.uint8)
+    payloads, outs, counts = [], [], []
+    for k, e in enumerate(entries):
+        buf = np.empty(e.span, np.uint8)
+        counts.append(store.backend.get_range_into(pack_key(e.pack), e.offset, [buf]))
+        heads[k] = buf[:HEADER_SIZE]
+        payloads.append(buf[HEADER_SIZE:])
+        outs.append(np.empty(e.raw_len, np.uint8))
+    assert recs["codec"].tolist() == [codec.ZSTD] * 6
+    heads[1, 20] ^= 1  # a damaged header (its hash no longer matches)
+    payloads[2][-1] ^= 0xFF  # damaged stored bytes
+    counts[3] -= 1  # a short read
+    ok = ChunkSource(store).check_reads(recs, b"".join(ref.id for ref in refs), heads, counts, payloads, outs)
+    assert ok.tolist() == [True, False, False, False, True, True]
+    for k in np.flatnonzero(ok):
+        assert outs[k].tobytes() == want["d"][4096 * k:4096 * (k + 1)].tobytes()

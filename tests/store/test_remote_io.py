@@ -188,7 +188,7 @@ def test_bundles_stay_under_the_size_cap(tmp_path, rng, monkeypatch):
     with store.open_checkpoint("a") as reader:
         out = np.empty(8 * CHUNK, dtype=np.uint8)
         jobs = reader.coalesce(reader.chunk_jobs("t", out))
-        sizes = [sum(store.index.lookup(j[2].id).span for _e, j in job[1]) if job[0] is reader_mod._BUNDLE
+        sizes = [sum(store.index.lookup(j[2].id).span for j in job[1]) if job[0] is reader_mod._BUNDLE
                  else store.index.lookup(job[2].id).span for job in jobs]
         assert max(sizes) <= 3 * CHUNK and len(jobs) < 8
         for job in jobs:

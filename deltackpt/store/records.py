@@ -1,0 +1,116 @@
+"""The index cache's record of one chunk: where its stored bytes are (pack, offset, lengths), how they are
+coded, and its delta base. One at a time as a PackEntry, or a batch at once as a numpy array (RECORD_DTYPE)
+held to the same rules, so a save or a load of many chunks builds no object per chunk."""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from dataclasses import dataclass
+from itertools import compress
+
+import numpy as np
+
+from ..errors import ManifestFormatError
+from .codec import CODEC_NAMES, DELTA_CODECS, VALID_ELEM_SIZES, is_delta
+from .pack import MAX_CHUNK_BYTES, PackEntry, _check_fields
+
+_RECORD = struct.Struct("<16sQQQBB16sH")  # pack, offset, stored len, raw len, codec, elem size, base, age
+_NO_BASE = bytes(16)
+RECORD_SIZE = _RECORD.size
+RECORD_DTYPE = np.dtype([("pack", "V16"), ("offset", "<u8"), ("stored_len", "<u8"), ("raw_len", "<u8"),
+                         ("codec", "u1"), ("elem_size", "u1"), ("base", "V16"), ("age", "<u2")])
+assert RECORD_DTYPE.itemsize == _RECORD.size
+NO_BASE_VOID = np.void(_NO_BASE)
+
+
+def encode_record(e: PackEntry) -> bytes:
+    return _RECORD.pack(bytes.fromhex(e.pack), e.offset, e.stored_len, e.raw_len, e.codec, e.elem_size,
+                        e.base_id or _NO_BASE, e.age)
+
+
+def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
+    if len(rec) != _RECORD.size:
+        raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} has {len(rec)} bytes")
+    pack, off, slen, rlen, codec, es, base, age = _RECORD.unpack(rec)
+    _check_fields(codec, es, rlen, slen, f"index record for chunk {chunk_id.hex()} is malformed")
+    if is_delta(codec) != (base != _NO_BASE):
+        raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} is malformed")
+    return PackEntry(chunk_id, pack.hex(), off, slen, rlen, codec, es, None if base == _NO_BASE else base, age)
+
+
+def check_record_array(chunk_ids, recs: np.ndarray, found: np.ndarray | None = None) -> None:
+    """Raise ManifestFormatError naming the first of ``recs`` (those where ``found``) that decode_record would
+    refuse: the same rules, checked in arrays."""
+    codecs, sizes = recs["codec"], recs["elem_size"]
+    bad = (~np.isin(codecs, list(CODEC_NAMES)) | ~np.isin(sizes, VALID_ELEM_SIZES)
+           | (np.isin(codecs, DELTA_CODECS) != (recs["base"] != NO_BASE_VOID))
+           | (recs["raw_len"] > MAX_CHUNK_BYTES) | (recs["stored_len"] > MAX_CHUNK_BYTES + (1 << 20)))
+    if found is not None:
+        bad &= found
+    if bad.any():
+        cid = chunk_ids[int(np.argmax(bad))]
+        raise ManifestFormatError(f"index record for chunk {bytes(cid).hex()} is malformed")
+
+
+def decode_records(chunk_ids: list[bytes], recs: list[bytes]) -> np.ndarray:
+    """The records of ``chunk_ids`` as one RECORD_DTYPE array, held to decode_record's rules (a malformed
+    record is named)."""
+    sizes_ok = [len(r) == _RECORD.size for r in recs]
+    if not all(sizes_ok):
+        cid = next(compress(chunk_ids, [not ok for ok in sizes_ok]))
+        raise ManifestFormatError(f"index record for chunk {bytes(cid).hex()} has the wrong size")
+    arr = np.frombuffer(b"".join(recs), RECORD_DTYPE)
+    check_record_array(chunk_ids, arr)
+    return arr
+
+
+@dataclass
+class Located:
+    """Where the index locates a batch of chunks (see :func:`locate_in`), in arrays."""
+
+    packs: list[str]  # the packs named, numbered by position
+    pack_of: np.ndarray  # int32 per chunk: its pack's number, -1 when not indexed
+    delta_at: np.ndarray  # int32: positions of the chunks stored as deltas
+    delta_base: np.ndarray  # V16: the base of each of those deltas
+
+
+def locate_in(get, ids: np.ndarray) -> Located:
+    """The pack and delta base of each of ``ids`` (an array of 16-byte ids), with ``get`` (chunk id -> record
+    bytes or None, e.g. an LMDB transaction's); only the fields a structure check needs are read."""
+    raw = memoryview(np.ascontiguousarray(ids).view(np.uint8))  # no copy of the ids
+    names: dict[bytes, int] = {}
+    pack_of, delta_at, bases = array("i"), array("i"), bytearray()
+    for k in range(0, len(raw), 16):
+        rec = get(raw[k:k + 16])
+        if rec is None:
+            pack_of.append(-1)
+            continue
+        base = rec[42:58]  # see _RECORD: pack, 3 x u64, codec (byte 40), elem size, base
+        if len(rec) != _RECORD.size or is_delta(rec[40]) != (base != _NO_BASE):
+            raise ManifestFormatError(f"index record for chunk {raw[k:k + 16].hex()} is malformed")
+        pack_of.append(names.setdefault(rec[:16], len(names)))
+        if is_delta(rec[40]):
+            delta_at.append(k // 16)
+            bases += base
+    return Located([n.hex() for n in names], np.frombuffer(pack_of, dtype=np.int32),
+                   np.frombuffer(delta_at, dtype=np.int32), np.frombuffer(bytes(bases), dtype="V16"))
+
+
+def records_in(get, chunk_ids) -> tuple[np.ndarray, np.ndarray]:
+    """(records, found) of ``chunk_ids`` with ``get``: a RECORD_DTYPE array (zeros where not indexed) and a
+    bool per id, checked as decode_record checks one (1.1 us a chunk; a PackEntry each took 3.8)."""
+    size, parts, found = _RECORD.size, [], bytearray()
+    missing = bytes(size)
+    for cid in chunk_ids:
+        rec = get(cid)
+        found.append(rec is not None)
+        parts.append(missing if rec is None else rec)
+    buf = b"".join(parts)
+    if len(buf) != size * len(parts):
+        bad = next(cid for cid, rec in zip(chunk_ids, parts) if len(rec) != size)
+        raise ManifestFormatError(f"index record for chunk {bytes(bad).hex()} has the wrong size")
+    recs = np.frombuffer(buf, dtype=RECORD_DTYPE)
+    found = np.frombuffer(bytes(found), dtype=bool)
+    check_record_array(chunk_ids, recs, found)
+    return recs, found

@@ -7,7 +7,6 @@ from __future__ import annotations
 import struct
 from array import array
 from dataclasses import dataclass
-from itertools import compress
 
 import numpy as np
 
@@ -54,15 +53,24 @@ def check_record_array(chunk_ids, recs: np.ndarray, found: np.ndarray | None = N
 
 
 def decode_records(chunk_ids: list[bytes], recs: list[bytes]) -> np.ndarray:
-    """The records of ``chunk_ids`` as one RECORD_DTYPE array, held to decode_record's rules (a malformed
-    record is named)."""
-    sizes_ok = [len(r) == _RECORD.size for r in recs]
-    if not all(sizes_ok):
-        cid = next(compress(chunk_ids, [not ok for ok in sizes_ok]))
-        raise ManifestFormatError(f"index record for chunk {bytes(cid).hex()} has the wrong size")
-    arr = np.frombuffer(b"".join(recs), RECORD_DTYPE)
-    check_record_array(chunk_ids, arr)
-    return arr
+    """The records of ``chunk_ids`` as one RECORD_DTYPE array, held to decode_record's rules; the first
+    malformed record is named."""
+    try:
+        if any(len(r) != RECORD_SIZE for r in recs):
+            raise ManifestFormatError("an index record has the wrong size")
+        arr = np.frombuffer(b"".join(recs), RECORD_DTYPE)
+        check_record_array(chunk_ids, arr)
+        return arr
+    except ManifestFormatError:
+        _name_first_bad(chunk_ids, recs)
+        raise
+
+
+def _name_first_bad(chunk_ids, recs) -> None:
+    """Raise decode_record's error for the first malformed one of ``recs`` (None: not indexed, skipped)."""
+    for cid, rec in zip(chunk_ids, recs):
+        if rec is not None:
+            decode_record(bytes(cid), bytes(rec))
 
 
 @dataclass
@@ -106,11 +114,14 @@ def records_in(get, chunk_ids) -> tuple[np.ndarray, np.ndarray]:
         rec = get(cid)
         found.append(rec is not None)
         parts.append(missing if rec is None else rec)
-    buf = b"".join(parts)
-    if len(buf) != size * len(parts):
-        bad = next(cid for cid, rec in zip(chunk_ids, parts) if len(rec) != size)
-        raise ManifestFormatError(f"index record for chunk {bytes(bad).hex()} has the wrong size")
-    recs = np.frombuffer(buf, dtype=RECORD_DTYPE)
-    found = np.frombuffer(bytes(found), dtype=bool)
-    check_record_array(chunk_ids, recs, found)
+    try:
+        buf = b"".join(parts)
+        if len(buf) != size * len(parts):
+            raise ManifestFormatError("an index record has the wrong size")
+        recs = np.frombuffer(buf, dtype=RECORD_DTYPE)
+        found = np.frombuffer(bytes(found), dtype=bool)
+        check_record_array(chunk_ids, recs, found)
+    except ManifestFormatError:
+        _name_first_bad(chunk_ids, [p if f else None for p, f in zip(parts, bytes(found))])
+        raise
     return recs, found

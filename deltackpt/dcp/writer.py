@@ -39,8 +39,8 @@ from torch.futures import Future
 
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptManifestError,
                       SilentDataCorruptionError)
-from ..store import (AUTO_CAP_BYTES, SHARED, Item, Manifest, ParentMap, Store, StoreLock, default_write_threads,
-                     paused_gc)
+from ..store import (AUTO_CAP_BYTES, SHARED, Item, Manifest, ParentMap, Store, StoreLock, decode_entries,
+                     default_write_threads, encode_entries, paused_gc)
 from .names import LAYER_KEY, checkpoint_name
 from .metadata_schema import encode_metadata
 from .placement import add_shard, item_key, shard_placement
@@ -258,6 +258,9 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             results.append(WriteResult(index=item.index, size_in_bytes=rec.nbytes, storage_data=payload))
         if results:
             results[0].storage_data["packs"] = dict(summary.packs)
+            # The packs' entries travel with them: the coordinator indexes them without reading each pack's
+            # table back (one request per pack, serially, on object storage).
+            results[0].storage_data["entries"] = encode_entries(summary.entries)
             results[0].storage_data["reused_packs"] = sorted(summary.reused_packs)
         elif summary.packs:  # cannot happen: no items, no packs
             raise AssertionError("packs written without items")
@@ -277,11 +280,15 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         items: list[Item] = []
         packs: dict[str, int] = {}
         reused: set[str] | None = set()  # None: a rank did not report its look-ups, so check every chunk
+        entries: list | None = []  # None: a rank did not send its packs' entries, so read the pack tables
         storage_data: dict[MetadataIndex, str] = {}
         for rank_results in results:
             if rank_results and reused is not None:
                 found = rank_results[0].storage_data.get("reused_packs")
                 reused = None if found is None else reused.union(found)
+            if rank_results and entries is not None:
+                blob = rank_results[0].storage_data.get("entries")
+                entries = None if blob is None else entries + decode_entries(blob)
             for wr in rank_results:
                 item = msgspec.msgpack.decode(wr.storage_data["item"], type=Item)
                 items.append(item)
@@ -292,7 +299,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         metadata.storage_meta = self.storage_meta()
         metadata.version = getattr(metadata, "version", None) or "1.0.0"
         try:
-            self.store.commit(self.checkpoint_id, items, packs=packs, metadata=self.metadata,
+            self.store.commit(self.checkpoint_id, items, entries=entries, packs=packs, metadata=self.metadata,
                               layer_data={LAYER_KEY: encode_metadata(metadata)}, parent=self._parent_name,
                               overwrite=self.overwrite, lock=self._lock, checked_packs=reused)
         finally:

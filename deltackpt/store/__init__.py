@@ -51,6 +51,7 @@ from .progress import NULL_PROGRESS, Progress, phase
 from .parentmap import ParentMap
 from .pausegc import paused_gc
 from .reader import CheckpointReader
+from .records import decode_entries, encode_entries
 from .repository import Store
 from .summary import CheckpointInfo, StoreUsage
 from .threads import default_read_threads, default_write_threads
@@ -107,8 +108,10 @@ __all__ = [
     "VerifyReport",
     "WriteSummary",
     "copy_checkpoints",
+    "decode_entries",
     "default_read_threads",
     "default_write_threads",
+    "encode_entries",
     "paused_gc",
     "phase",
     "plan_forget",

@@ -125,3 +125,21 @@ def records_in(get, chunk_ids) -> tuple[np.ndarray, np.ndarray]:
         _name_first_bad(chunk_ids, [p if f else None for p, f in zip(parts, bytes(found))])
         raise
     return recs, found
+
+
+ENTRY_SIZE = 16 + RECORD_SIZE  # a chunk id and its record
+
+
+def encode_entries(entries) -> bytes:
+    """Pack entries as one blob (chunk id + record each): what a DCP rank sends its coordinator, so the commit
+    indexes its packs without reading their tables back (a request each on object storage)."""
+    return b"".join(e.chunk_id + encode_record(e) for e in entries)
+
+
+def decode_entries(blob: bytes) -> list[PackEntry]:
+    """The entries :func:`encode_entries` packed, each held to decode_record's rules."""
+    if len(blob) % ENTRY_SIZE:
+        raise ManifestFormatError(f"a blob of pack entries has {len(blob)} bytes, not a multiple of {ENTRY_SIZE}")
+    view = memoryview(blob)
+    return [decode_record(bytes(view[k:k + 16]), bytes(view[k + 16:k + ENTRY_SIZE]))
+            for k in range(0, len(blob), ENTRY_SIZE)]

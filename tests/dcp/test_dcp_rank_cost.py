@@ -136,3 +136,33 @@ def test_save_phases_are_logged(tmp_path, lookups, caplog):
     assert "save s1: plan " in text and "parent s0" in text
     assert text.count("save s1: rank ") == 4 and " write " in text
     assert "save s1: commit " in text
+
+
+def test_the_commit_reads_no_pack_table_back(tmp_path, lookups):
+    """Each rank sends its packs' entries with its write results: the coordinator indexes every rank's packs
+    without reading a table back (on object storage, one request per pack: thousands per save at scale)."""
+    stores, state1 = _second_save(tmp_path, 8, lookups, fraction=0.05)
+    m = stores[0].read_manifest("s1")
+    assert m.stats.new_chunks > 0
+    assert all(s.backend.reads["packs"] == 0 for s in stores[1:])  # no rank reads a pack (bases: cached)
+    assert stores[0].backend.reads["packs"] == 0
+    fresh = Store.open(LocalBackend(tmp_path / "r8"), cache_dir=tmp_path / "fresh-cache")  # index from the packs
+    for key, shard in fresh.load("s1").items():
+        fqn, offsets = key.split("@")
+        row = int(offsets.split(",")[0])
+        assert shard.tobytes() == state1[fqn][row:row + shard.shape[0]].numpy().tobytes()
+
+
+def test_entries_sent_by_ranks_are_parsed_strictly():
+    from deltackpt.errors import ManifestFormatError
+    from deltackpt.store import decode_entries, encode_entries
+    from deltackpt.store.pack import PackEntry
+
+    e = PackEntry(b"\1" * 16, "ab" * 16, 0, 100, 200, 1, 4, None, 0)
+    assert decode_entries(encode_entries([e, e])) == [e, e]
+    with pytest.raises(ManifestFormatError):
+        decode_entries(encode_entries([e])[:-1])
+    bad = bytearray(encode_entries([e]))
+    bad[16 + 56] = 99  # an unknown codec
+    with pytest.raises(ManifestFormatError):
+        decode_entries(bytes(bad))

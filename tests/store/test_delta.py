@@ -122,10 +122,36 @@ def test_twenty_checkpoint_chain_restores_every_checkpoint(tmp_path):
     for e in deltas:
         base = by_id[e.base_id]
         assert not codec.is_delta(base.codec), "a delta's base must be a keyframe"
-        assert 1 <= e.age <= 4, "keyframes are refreshed after keyframe_interval checkpoints"
+        assert 1 <= e.age <= 4, "keyframes are refreshed after keyframe_interval checkpoints at the latest"
     keyframes_of_w = [e for e in entries if not codec.is_delta(e.codec) and e.elem_size == 4]
     # 20 checkpoints, bases retire after 4 uses -> at least 20/5 keyframe generations per chunk position
     assert len(keyframes_of_w) >= 4 * 3
+
+
+def test_a_keyframe_is_refreshed_once_its_deltas_cost_more_than_a_new_cycle(tmp_path):
+    """Deltas against an aging keyframe grow as changed elements pile up (sparse rows, Adam moments filling
+    in). The base is refreshed once the next delta costs more than its cycle so far per checkpoint (the
+    keyframe and its deltas), well before keyframe_interval, and that stores fewer bytes than keeping it."""
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "c", chunk_size_bytes=16384)
+    assert store.config.keyframe_interval == 10
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal(3 * 4096).astype(np.float32)  # three chunks of near-random mantissas
+    states = [w]
+    for _ in range(9):  # 1/16 of the elements get new values per checkpoint
+        w = w.copy()
+        rows = rng.choice(w.size, w.size // 16, replace=False)
+        w[rows] = rng.standard_normal(rows.size).astype(np.float32)
+        states.append(w)
+    stored = sum(store.save(f"c{i}", {"w": s}).stats.stored_bytes for i, s in enumerate(states))
+    keyframes = [e for e in store.index.iter_entries() if not codec.is_delta(e.codec)]
+    assert len(keyframes) > 3, "every place refreshed its keyframe within the 10 checkpoints"
+    for i, s in enumerate(states):
+        assert np.array_equal(store.load(f"c{i}")["w"], s)
+    first = states[0].view(np.uint8)
+    kept = store.read_manifest("c0").stats.stored_bytes + sum(  # keeping c0's keyframes for every checkpoint
+        len(codec.encode_delta(s.view(np.uint8)[o:o + 16384], first[o:o + 16384], 4, 1, codec.ZDELTA))
+        for s in states[1:] for o in range(0, first.size, 16384))
+    assert stored < 0.95 * kept
 
 
 def test_keyframe_refreshes_when_delta_stops_paying(mem_store):

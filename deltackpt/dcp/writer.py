@@ -222,7 +222,6 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             weakref.finalize(self, self._lock.release)
 
     def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        store.index.sync()  # the coordinator holds the lock: a gc elsewhere may have deleted packs before it
         host_ranks = ranks = 1
         parent = ParentMap(None)
         if isinstance(plan.storage_data, dict) and "agreed_parent" in plan.storage_data:
@@ -230,6 +229,9 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             self._parent_name, host_ranks, ranks = data["agreed_parent"], data["host_ranks"], data["ranks"]
             if data.get("parent_refs"):
                 parent = ParentMap.decode_part(self._parent_name, data["parent_refs"])
+        # No listing of every pack when this cache indexed the parent's commit itself; and the coordinator
+        # holds the lock: a gc elsewhere may have deleted packs before it (sync).
+        store.index_as_of(self._parent_name).sync()
         if ranks > 1:
             # A multi-rank save is a training job's: keep this save's keyframes for the next one from the
             # first save on, else the second save after every (re)start reads all its bases back. (A single

@@ -52,6 +52,7 @@ def _as_backend(location, storage_options: dict | None = None) -> Backend:
 
 
 
+LAST_COMMIT_KEY = b"last_commit"  # index meta: the checkpoint whose commit this cache indexed last
 _RECEIVED_CACHES: dict[str, BaseCache] = {}  # store id -> the cache of Stores unpickled in this process
 _RECEIVED_LOCK = threading.Lock()
 
@@ -181,6 +182,19 @@ class Store:
                 if self._index is None:
                     index = self._new_index()
                     index.refresh()
+                    self._index = index
+        return self._index
+
+    def index_as_of(self, checkpoint: str | None) -> ChunkIndex:
+        """The index; on first use refreshed from a listing of every pack only if its cache has not itself
+        indexed ``checkpoint``'s commit. A DCP rank names the parent its coordinator sent: a cache the
+        coordinator commits into is then current without a listing per rank (O(ranks x packs) per save)."""
+        if self._index is None:
+            with self._index_lock:
+                if self._index is None:
+                    index = self._new_index()
+                    if checkpoint is None or index.get_meta(LAST_COMMIT_KEY) != checkpoint.encode():
+                        index.refresh()
                     self._index = index
         return self._index
 
@@ -359,6 +373,7 @@ class Store:
         obj = self._manifest_object(name)
         mtime_s = obj.mtime_s if obj else 0.0
         self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s))})
+        self.index.set_meta(LAST_COMMIT_KEY, name.encode())  # this cache holds every pack up to this commit
         return manifest
 
     def save(self, name: str, items: Mapping[str, Any], *, metadata=None, overwrite: bool = False,

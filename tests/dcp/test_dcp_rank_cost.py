@@ -166,3 +166,27 @@ def test_entries_sent_by_ranks_are_parsed_strictly():
     bad[16 + 56] = 99  # an unknown codec
     with pytest.raises(ManifestFormatError):
         decode_entries(bytes(bad))
+
+
+class ListingBackend(CountingBackend):
+    def list(self, prefix=""):
+        self.reads["list:" + prefix.split("/", 1)[0]] += 1
+        return super().list(prefix)
+
+
+def test_a_rank_whose_cache_indexed_the_parent_lists_no_packs(tmp_path, lookups):
+    """A rank opening its index for a save (a new Store, as DeltaStorageWriter(path) does each save) lists
+    every pack only when its cache has not itself indexed the parent's commit: with one cache per host the
+    coordinator's commit keeps it current (ranks x packs listed per save before)."""
+    path = tmp_path / "s"
+    Store.init(path, chunk_size_bytes=CHUNK)
+    state0 = make_state(STATE_BYTES, rows=512)
+    simulate_save([Store.open(LocalBackend(path)) for _ in range(8)], "s0", state0)
+    shared = [Store.open(ListingBackend(path)) for _ in range(8)]
+    elsewhere = Store.open(ListingBackend(path), cache_dir=tmp_path / "other-host")  # a node-local cache
+    state1 = perturb(state0, 0.01)
+    simulate_save(shared[:7] + [elsewhere], "s1", state1)
+    assert [s.backend.reads["list:packs"] for s in shared[1:7]] == [0] * 6  # the coordinator may list, once
+    assert elsewhere.backend.reads["list:packs"] == 1  # a cache that never saw s0's commit catches up
+    m = shared[0].read_manifest("s1")
+    assert 0 < m.stats.new_chunks <= m.stats.num_chunks // 4  # every rank, the stale one too, deduplicated

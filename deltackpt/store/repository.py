@@ -186,17 +186,22 @@ class Store:
         return self._index
 
     def index_as_of(self, checkpoint: str | None) -> ChunkIndex:
-        """The index; on first use refreshed from a listing of every pack only if its cache has not itself
-        indexed ``checkpoint``'s commit. A DCP rank names the parent its coordinator sent: a cache the
-        coordinator commits into is then current without a listing per rank (O(ranks x packs) per save)."""
-        if self._index is None:
-            with self._index_lock:
-                if self._index is None:
-                    index = self._new_index()
-                    if checkpoint is None or index.get_meta(LAST_COMMIT_KEY) != checkpoint.encode():
-                        index.refresh()
-                    self._index = index
-        return self._index
+        """The index, brought up to ``checkpoint``'s commit: refreshed from a listing of every pack only when
+        its cache has not seen that commit. A DCP rank names the parent its coordinator sent: a cache the
+        coordinator commits into is current without a listing per rank (O(ranks x packs) per save), and a
+        node-local cache on another host catches up before every save (else it re-stores what it lacks)."""
+        with self._index_lock:
+            fresh = self._index is None
+            if fresh:
+                self._index = self._new_index()
+            index = self._index
+        if checkpoint is None:
+            if fresh:
+                index.refresh()
+        elif index.get_meta(LAST_COMMIT_KEY) != checkpoint.encode():
+            index.refresh()
+            index.set_meta(LAST_COMMIT_KEY, checkpoint.encode())
+        return index
 
     def refresh_index(self) -> tuple[int, int]:
         return self.index.refresh()
@@ -390,8 +395,10 @@ class Store:
             return self._save_locked(name, items, metadata, overwrite, lock, writer_kwargs)
 
     def _save_locked(self, name, items, metadata, overwrite, lock, writer_kwargs) -> Manifest:
-        self.index.sync()  # under the lock: a gc in another process (own cache) may have deleted packs
         parent = self.latest_manifest()
+        # Under the lock: caught up with commits other processes made (a cache of its own), and with a gc
+        # that may have deleted packs.
+        self.index_as_of(parent.name if parent is not None else None).sync()
         w = self.writer(parent=parent, **writer_kwargs)
         try:
             for key, value in items.items():

@@ -190,3 +190,19 @@ def test_a_rank_whose_cache_indexed_the_parent_lists_no_packs(tmp_path, lookups)
     assert elsewhere.backend.reads["list:packs"] == 1  # a cache that never saw s0's commit catches up
     m = shared[0].read_manifest("s1")
     assert 0 < m.stats.new_chunks <= m.stats.num_chunks // 4  # every rank, the stale one too, deduplicated
+
+
+def test_a_node_local_cache_catches_up_before_every_save(tmp_path, lookups):
+    """A rank on another host (its own index cache) that holds its Store across saves learns of the packs
+    committed since its last save: a chunk it wrote in s1 is not stored again in s2."""
+    path = tmp_path / "s"
+    Store.init(path, chunk_size_bytes=CHUNK)
+    stores = [Store.open(LocalBackend(path)) for _ in range(7)]
+    stores.append(Store.open(LocalBackend(path), cache_dir=tmp_path / "other-host"))
+    state0 = make_state(STATE_BYTES, rows=512)
+    simulate_save(stores, "s0", state0)
+    state1 = perturb(state0, 0.05)
+    simulate_save(stores, "s1", state1)
+    assert stores[0].read_manifest("s1").stats.new_chunks > 0
+    simulate_save(stores, "s2", state1)  # nothing changed
+    assert stores[0].read_manifest("s2").stats.new_chunks == 0

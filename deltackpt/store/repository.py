@@ -395,10 +395,8 @@ class Store:
             return self._save_locked(name, items, metadata, overwrite, lock, writer_kwargs)
 
     def _save_locked(self, name, items, metadata, overwrite, lock, writer_kwargs) -> Manifest:
+        self.index.sync()  # under the lock: a gc in another process (own cache) may have deleted packs
         parent = self.latest_manifest()
-        # Under the lock: caught up with commits other processes made (a cache of its own), and with a gc
-        # that may have deleted packs.
-        self.index_as_of(parent.name if parent is not None else None).sync()
         w = self.writer(parent=parent, **writer_kwargs)
         try:
             for key, value in items.items():

@@ -100,3 +100,23 @@ def subprocess_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def count_index_writes(index, fn) -> int:
+    """How many LMDB write transactions ``index`` begins while ``fn`` runs."""
+    env, count = index.env, [0]
+
+    class Counting:  # the environment, counting the write transactions begun
+        def __getattr__(self, name):
+            return getattr(env, name)
+
+        def begin(self, *args, **kwargs):
+            count[0] += bool(kwargs.get("write"))
+            return env.begin(*args, **kwargs)
+
+    index._env = Counting()
+    try:
+        fn()
+    finally:
+        index._env = env
+    return count[0]

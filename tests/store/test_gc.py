@@ -25,7 +25,8 @@ from deltackpt.store.manifest import manifest_key
 from deltackpt.store.pack import pack_key
 from deltackpt.store.verify import verify_store
 
-from store_helpers import assert_items_equal, mutate_object, pack_names, packs_of_checkpoint, random_array
+from store_helpers import (assert_items_equal, count_index_writes, mutate_object, pack_names, packs_of_checkpoint,
+                           random_array)
 
 
 def _arr(rng, n: int) -> np.ndarray:
@@ -601,21 +602,4 @@ def test_forget_of_many_checkpoints_is_one_index_transaction(local_store, rng):
 
 
 def _count_index_writes(store, fn) -> int:
-    """How many LMDB write transactions the index opens while ``fn`` runs."""
-    index, env = store.index, store.index.env
-    count = [0]
-
-    class Counting:
-        def __getattr__(self, name):
-            return getattr(env, name)
-
-        def begin(self, *args, **kwargs):
-            count[0] += bool(kwargs.get("write"))
-            return env.begin(*args, **kwargs)
-
-    index._env = Counting()
-    try:
-        fn()
-    finally:
-        index._env = env
-    return count[0]
+    return count_index_writes(store.index, fn)

@@ -13,7 +13,7 @@ from deltackpt.store import LocalBackend, Store
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.pack import pack_key
 
-from store_helpers import SMALL, assert_items_equal, close_index, pack_names, random_array
+from store_helpers import SMALL, assert_items_equal, close_index, count_index_writes, pack_names, random_array
 
 
 def _meta_store_id(store) -> bytes | None:
@@ -216,20 +216,10 @@ def test_refresh_indexes_many_new_packs_in_one_transaction(local_store, rng):
     close_index(local_store)
     shutil.rmtree(Path(local_store.cache_dir) / "index.lmdb")
     index = fresh._new_index()
-    env, count = index.env, [0]
-
-    class Counting:  # the environment, counting the write transactions begun
-        def __getattr__(self, name):
-            return getattr(env, name)
-
-        def begin(self, *args, **kwargs):
-            count[0] += bool(kwargs.get("write"))
-            return env.begin(*args, **kwargs)
-
-    index._env = Counting()
-    added, _ = index.refresh()
-    index._env = env
-    assert added == len(pack_names(local_store)) > 3 and count[0] <= 2  # the packs, and nothing else
+    refreshed = []
+    writes = count_index_writes(index, lambda: refreshed.append(index.refresh()))
+    added, _ = refreshed[0]
+    assert added == len(pack_names(local_store)) > 3 and writes <= 2  # the packs, and nothing else
     assert index.num_chunks() == local_store.index.num_chunks()
 
 

@@ -282,7 +282,8 @@ class ChunkWriter:
         """Which of ``ids`` the store holds a restorable copy of to deduplicate against (a claim, which gc
         spares while this save holds its shared lock): indexed, and if a delta, every base down its chain
         indexed too, within the store's chain limit (a delta whose base is gone, e.g. with a lost pack, is
-        written again rather than claimed). Bulk look-ups, one per chain level. Their packs join
+        written again rather than claimed). Bulk look-ups, one per chain level: chains.chain_entries and
+        restorable in arrays, since every chunk of every save passes here. Their packs join
         :attr:`WriteSummary.reused_packs`: this look-up is the only one per chunk, the commit trusts it."""
         index = self.store.index
         found, recs = index.lookup_records(ids)

@@ -10,6 +10,8 @@ Public API (all inputs are any C-contiguous buffer, read as raw bytes)::
     unshuffle_zigzag(planes, base, elem_size, out=None) -> base + unzigzag(unshuffle(planes))
     sparse_split(src)                          -> (bitmap, nonzero bytes) of a mostly-zero plane
     sparse_merge(bitmap, vals, n, out=None)    -> inverse of sparse_split (ValueError if they disagree)
+    sparse_apply(bitmaps, vals, counts, dst, elem_size, zigzag=False) -> dst updated in place by a delta
+                                               whose planes are all zero-sparse (only where it is nonzero)
     fastcdc_cuts(data, min_size, avg_size, max_size) -> int64 chunk end offsets
 
 Byte planes: with ``n = len // k`` full elements, ``out[j*n + i] = src[i*k + j]``;
@@ -48,6 +50,7 @@ __all__ = [
     "native_impl",
     "numpy_impl",
     "shuffle",
+    "sparse_apply",
     "sparse_merge",
     "sparse_split",
     "unshuffle",
@@ -257,6 +260,29 @@ class _Impl:
             raise ValueError(f"bitmap has {bm.nbytes} bytes and vals {v.nbytes} for {n} output bytes")
         return self._into(self._raw.sparse_merge, (bm, v), n, out)
 
+    def sparse_apply(self, bitmaps, vals, counts, dst: np.ndarray, elem_size: int, zigzag: bool = False) -> None:
+        """Apply a delta whose ``elem_size`` byte planes are all zero-sparse to ``dst`` (a writable uint8 array of
+        full elements) in place: ``dst`` becomes ``unshuffle_xor(planes, dst)`` (``unshuffle_zigzag`` when
+        ``zigzag``), where plane j is ``sparse_merge`` of its bitmap (``bitmaps[j * b:(j + 1) * b]``,
+        ``b = ceil(n / 8)`` for ``n = dst.size // elem_size``) and its ``counts[j]`` values (from
+        ``vals[j * n]``; ``vals`` holds ``dst.size`` bytes). Only the elements the bitmaps name are touched
+        (a chain's deltas are applied in place, at the cost of their nonzero bytes). ``ValueError`` as
+        :meth:`sparse_merge` for any plane; ``dst`` is then partly updated."""
+        k = _elem_size(elem_size)
+        if not isinstance(dst, np.ndarray) or dst.dtype != np.uint8 or not dst.flags.c_contiguous \
+                or not dst.flags.writeable:
+            raise ValueError("dst must be a writable C-contiguous uint8 array")
+        n = dst.size // k
+        bm, v = _as_u8(bitmaps, "bitmaps"), _as_u8(vals, "vals")
+        c = np.ascontiguousarray(counts, dtype=np.uint64)
+        if dst.size != n * k or bm.nbytes != k * ((n + 7) // 8) or v.nbytes != k * n or c.size != k:
+            raise ValueError(f"bitmaps {bm.nbytes}, vals {v.nbytes}, counts {c.size} do not fit {dst.size} bytes of "
+                             f"{k}-byte elements")
+        if n and any(np.may_share_memory(dst, x) for x in (bm, v)):
+            raise ValueError("dst must not overlap bitmaps or vals")
+        if n:
+            self._raw.sparse_apply(bm, v, c, dst, k, bool(zigzag))
+
     def fastcdc_cuts(self, data, min_size: int, avg_size: int, max_size: int) -> np.ndarray:
         """FastCDC chunk END offsets (int64, ascending, last == len(data)); empty input gives []."""
         mn, avg, mx = _fastcdc_params(min_size, avg_size, max_size)
@@ -310,6 +336,18 @@ class _NumpyRaw:
         tmp[:m] = z.astype(_UINTS[k], copy=False).view(np.uint8)
         np.bitwise_xor(a[m:], b[m:], out=tmp[m:])
         cls.shuffle(tmp, k, out)
+
+    @classmethod
+    def sparse_apply(cls, bitmaps, vals, counts, dst, k, zigzag):
+        n, b = dst.size // k, bitmaps.size // k
+        planes = np.empty(n * k, dtype=np.uint8)
+        for j in range(k):
+            if int(counts[j]) > n:
+                raise ValueError("sparse plane is damaged: its bitmap does not match its values")
+            cls.sparse_merge(bitmaps[j * b:(j + 1) * b], vals[j * n:j * n + int(counts[j])], planes[j * n:(j + 1) * n])
+        res = np.empty_like(dst)
+        (cls.unshuffle_zigzag if zigzag else cls.unshuffle_xor)(planes, dst, k, res)
+        dst[...] = res
 
     @classmethod
     def unshuffle_zigzag(cls, planes, base, k, out):
@@ -415,6 +453,7 @@ class _NativeRaw:
         self.unshuffle_zigzag = mod.unshuffle_zigzag
         self.sparse_split = mod.sparse_split
         self.sparse_merge = mod.sparse_merge
+        self.sparse_apply = mod.sparse_apply
 
     def fastcdc_cuts(self, d, mn, avg, mx):
         buf = np.empty(d.nbytes // mn + 2, dtype=np.int64)
@@ -461,6 +500,7 @@ zigzag_shuffle = _impl.zigzag_shuffle
 unshuffle_zigzag = _impl.unshuffle_zigzag
 sparse_split = _impl.sparse_split
 sparse_merge = _impl.sparse_merge
+sparse_apply = _impl.sparse_apply
 fastcdc_cuts = _impl.fastcdc_cuts
 
 

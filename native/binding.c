@@ -333,6 +333,63 @@ static PyObject *py_sparse_merge(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(sparse_apply_doc,
+"sparse_apply(bitmaps, vals, counts, out, elem_size, zigzag) -> None\n\n"
+"Apply an all-zero-sparse delta of elem_size planes to out's full elements in place (XOR, or the\n"
+"zigzag difference when zigzag); ValueError when a plane's bitmap and values disagree.");
+static PyObject *py_sparse_apply(PyObject *self, PyObject *args)
+{
+    static const int writable[3] = {0, 0, 1};
+    static const char *const names[3] = {"bitmaps", "vals", "out"};
+    PyObject *objs[3], *counts_obj;
+    Py_buffer v[3], c; /* bitmaps, vals, out; counts */
+    Py_ssize_t k;
+    int zig;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOnp:sparse_apply", &objs[0], &objs[1], &counts_obj, &objs[2], &k, &zig))
+        return NULL;
+    if (k < 0 || !dc_valid_elem_size((size_t)k)) {
+        PyErr_Format(PyExc_ValueError, "elem_size must be 1, 2, 4 or 8, got %zd", k);
+        return NULL;
+    }
+    if (get_in(counts_obj, &c, "counts") < 0)
+        return NULL;
+    if (get_three(objs, v, writable, names) < 0) {
+        PyBuffer_Release(&c);
+        return NULL;
+    }
+    {
+        size_t n = (size_t)v[2].len / (size_t)k;
+        if ((size_t)v[2].len != n * (size_t)k || (size_t)v[0].len != (size_t)k * ((n + 7) / 8)
+            || (size_t)v[1].len != (size_t)k * n || (size_t)c.len != (size_t)k * sizeof(uint64_t)) {
+            PyErr_Format(PyExc_ValueError,
+                         "bitmaps %zd, vals %zd, counts %zd bytes do not fit %zd bytes of %zd-byte elements",
+                         v[0].len, v[1].len, c.len, v[2].len, k);
+        } else {
+            uint64_t counts[8];
+            int rc;
+            int release = v[2].len >= DC_GIL_THRESHOLD;
+            PyThreadState *ts = NULL;
+            memcpy(counts, c.buf, (size_t)k * sizeof(uint64_t)); /* any alignment */
+            if (release)
+                ts = PyEval_SaveThread();
+            rc = dc_sparse_apply((const uint8_t *)v[0].buf, (const uint8_t *)v[1].buf, counts,
+                                 (uint8_t *)v[2].buf, n, (size_t)k, zig);
+            if (release)
+                PyEval_RestoreThread(ts);
+            if (rc != 0)
+                PyErr_SetString(PyExc_ValueError,
+                                "sparse plane is damaged: its bitmap does not match its values");
+        }
+    }
+    release_three(v);
+    PyBuffer_Release(&c);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(gear_table_doc,
 "gear_table() -> bytes\n\n"
 "The 256 uint64 gear values as 2048 native-endian bytes.");
@@ -354,6 +411,7 @@ static PyMethodDef native_methods[] = {
     {"fastcdc_cuts", py_fastcdc_cuts, METH_VARARGS, fastcdc_cuts_doc},
     {"sparse_split", py_sparse_split, METH_VARARGS, sparse_split_doc},
     {"sparse_merge", py_sparse_merge, METH_VARARGS, sparse_merge_doc},
+    {"sparse_apply", py_sparse_apply, METH_VARARGS, sparse_apply_doc},
     {"gear_table", py_gear_table, METH_NOARGS, gear_table_doc},
     {NULL, NULL, 0, NULL},
 };

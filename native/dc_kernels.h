@@ -68,6 +68,16 @@ size_t dc_sparse_split(const uint8_t *src, size_t n, uint8_t *bitmap, uint8_t *v
  */
 int dc_sparse_merge(const uint8_t *bitmap, const uint8_t *vals, size_t nvals, uint8_t *dst, size_t n);
 
+/*
+ * Apply a delta whose k byte planes are all zero-sparse to the n full elements at dst, in place, touching only
+ * the elements some plane names: d = the element's k plane bytes (little-endian), and the element becomes
+ * dst XOR d (zig 0: the delta codec) or dst + unzigzag(d) modulo 2^(8k) (zig 1: the zdelta codec). Plane j's
+ * bitmap is at bitmaps + j * ceil(n / 8), its counts[j] values at vals + j * n. Returns 0, or -1 as
+ * dc_sparse_merge for any plane (dst then partly updated). k must satisfy dc_valid_elem_size.
+ */
+int dc_sparse_apply(const uint8_t *bitmaps, const uint8_t *vals, const uint64_t *counts, uint8_t *dst,
+                    size_t n, size_t k, int zig);
+
 /* The 256-entry gear table (splitmix64 from state 0x64656C7461636B70). */
 const uint64_t *dc_gear_table(void);
 

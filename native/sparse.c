@@ -149,3 +149,87 @@ int dc_sparse_merge(const uint8_t *bitmap, const uint8_t *vals, size_t nvals, ui
         return -1;
     return k == nvals ? 0 : -1;
 }
+
+/* Bitmap bytes [b, b + w) (w <= 8) as one little-endian word: bit t is element b * 8 + t. */
+static uint64_t bitmap_word(const uint8_t *p, size_t w)
+{
+    uint64_t x = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (w == 8) {
+        memcpy(&x, p, 8);
+        return x;
+    }
+#endif
+    for (size_t t = 0; t < w; t++)
+        x |= (uint64_t)p[t] << (8 * t);
+    return x;
+}
+
+int dc_sparse_apply(const uint8_t *bitmaps, const uint8_t *vals, const uint64_t *counts, uint8_t *dst,
+                    size_t n, size_t k, int zig)
+{
+    size_t bm_len = (n + 7) / 8, pos[8] = {0};
+    unsigned bad = 0;
+    for (size_t j = 0; j < k; j++)
+        if (counts[j] > n)
+            return -1;
+    for (size_t b = 0; b < bm_len; b += 8) {
+        size_t w = bm_len - b < 8 ? bm_len - b : 8, first = b * 8;
+        uint64_t words[8], any = 0;
+        for (size_t j = 0; j < k; j++) {
+            words[j] = bitmap_word(bitmaps + j * bm_len + b, w);
+            any |= words[j];
+        }
+        /* most words of a sparse plane set are zero: skipped at one load per plane */
+        if (!any)
+            continue;
+        if (n - first < 64 && (any >> (n - first)))
+            return -1; /* a padding bit past n */
+        for (size_t j = 0; j < k; j++)
+            if ((uint64_t)__builtin_popcountll(words[j]) > counts[j] - pos[j])
+                return -1; /* more positions than values: every read below stays inside vals */
+        if (!zig) {
+            /* XOR is bytewise: each plane on its own, one step per nonzero byte */
+            for (size_t j = 0; j < k; j++) {
+                uint64_t m = words[j];
+                const uint8_t *vj = vals + j * n + pos[j];
+                uint8_t *dj = dst + first * k + j;
+                pos[j] += (size_t)__builtin_popcountll(m);
+                while (m) {
+                    unsigned t = (unsigned)__builtin_ctzll(m);
+                    uint8_t v = *vj++;
+                    m &= m - 1;
+                    bad |= v == 0;
+                    dj[(size_t)t * k] ^= v;
+                }
+            }
+            continue;
+        }
+        while (any) {
+            unsigned t = (unsigned)__builtin_ctzll(any);
+            uint64_t d = 0, x = 0;
+            uint8_t *e = dst + (first + t) * k;
+            any &= any - 1;
+            for (size_t j = 0; j < k; j++) {
+                unsigned bit = (unsigned)(words[j] >> t) & 1u;
+                /* read without a branch; a clear bit reads a byte it then masks (pos < n there, as the
+                 * plane has a zero byte) */
+                uint8_t v = vals[j * n + (pos[j] < n ? pos[j] : n - 1)] & (uint8_t)(0u - bit);
+                bad |= bit & (v == 0);
+                pos[j] += bit;
+                d |= (uint64_t)v << (8 * j);
+            }
+            for (size_t j = 0; j < k; j++)
+                x |= (uint64_t)e[j] << (8 * j);
+            x += (d >> 1) ^ (0 - (d & 1)); /* modulo 2^64: its low 8k bits are the k-byte sum */
+            for (size_t j = 0; j < k; j++)
+                e[j] = (uint8_t)(x >> (8 * j));
+        }
+    }
+    if (bad)
+        return -1;
+    for (size_t j = 0; j < k; j++)
+        if (pos[j] != counts[j])
+            return -1;
+    return 0;
+}

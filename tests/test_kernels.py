@@ -496,6 +496,98 @@ def test_sparse_merge_out_parameter(impl):
     assert np.array_equal(m.sparse_merge(bitmap, buf[:len(vals)], 4096, out=buf[:4096]), data)
 
 
+def sparse_delta(k: int, n: int, density: float, seed: int, zigzag: bool):
+    """(base, new, bitmaps, vals, counts): ``n`` elements of ``k`` bytes, ``density`` of them changed (by one
+    unit of the bit pattern, or to random bytes), and the all-zero-sparse delta between them as sparse_apply
+    takes it."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, n * k, dtype=np.uint8)
+    new = base.copy().reshape(n, k)
+    pick = rng.random(n) < density
+    new[pick] = rng.integers(0, 256, (int(pick.sum()), k), dtype=np.uint8)
+    if k in (2, 4, 8):  # a carry across bytes: +1 at the all-ones low byte
+        ones = np.flatnonzero(rng.random(n) < density)
+        new[ones, 0] = 0xFF
+        new[ones].view(f"<u{k}")[:] += 1
+    new = new.reshape(-1)
+    planes = (kernels.numpy_impl.zigzag_shuffle if zigzag else kernels.numpy_impl.xor_shuffle)(new, base, k)
+    vals = np.zeros(n * k, dtype=np.uint8)
+    bitmaps, counts = [], []
+    for j in range(k):
+        bm, v = kernels.numpy_impl.sparse_split(planes[j * n:(j + 1) * n])
+        bitmaps.append(bm)
+        vals[j * n:j * n + v.size] = v
+        counts.append(v.size)
+    return base, new, np.concatenate(bitmaps), vals, counts
+
+
+@pytest.mark.parametrize("impl", impls())
+@settings(deadline=None, max_examples=80)
+@given(k=st.sampled_from(ELEM_SIZES), n=st.integers(0, 300), density=st.sampled_from([0.0, 0.02, 0.3, 1.0]),
+       seed=st.integers(0, 2**32 - 1), zigzag=st.booleans())
+def test_sparse_apply_turns_the_base_into_the_new_bytes(impl, k, n, density, seed, zigzag):
+    m = get_impl(impl)
+    base, new, bitmaps, vals, counts = sparse_delta(k, n, density, seed, zigzag)
+    m.sparse_apply(bitmaps, vals, counts, base, k, zigzag)
+    assert base.tobytes() == new.tobytes()
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("density", [0.001, 0.05, 0.6])
+def test_sparse_apply_native_matches_numpy_on_large_chunks(density, zigzag):
+    nat = native()
+    base, new, bitmaps, vals, counts = sparse_delta(4, (1 << 18) + 13, density, 7, zigzag)
+    a, b = base.copy(), base.copy()
+    nat.sparse_apply(bitmaps, vals, counts, a, 4, zigzag)
+    kernels.numpy_impl.sparse_apply(bitmaps, vals, counts, b, 4, zigzag)
+    assert np.array_equal(a, new) and np.array_equal(b, new)
+
+
+@pytest.mark.parametrize("impl", impls())
+@pytest.mark.parametrize("damage", ["extra_bit", "missing_bit", "padding_bit", "zero_value", "count_low",
+                                    "count_over_n"])
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_sparse_apply_rejects_inconsistent_input(impl, damage, zigzag):
+    m = get_impl(impl)
+    k, n = 4, 1003  # not a multiple of 8: the last bitmap byte of each plane has padding bits
+    base, _new, bitmaps, vals, counts = sparse_delta(k, n, 0.3, 5, zigzag)
+    b = (n + 7) // 8
+    plane0 = np.unpackbits(bitmaps[:b], bitorder="little")[:n]
+    if damage == "extra_bit":
+        zero_at = int(np.flatnonzero(plane0 == 0)[0])
+        bitmaps[zero_at // 8] |= 1 << (zero_at % 8)
+    elif damage == "missing_bit":
+        one_at = int(np.flatnonzero(plane0)[-1])
+        bitmaps[one_at // 8] &= ~(1 << (one_at % 8)) & 0xFF
+    elif damage == "padding_bit":
+        bitmaps[b - 1] |= 0x80
+        counts[0] += 1
+        vals[counts[0] - 1] = 7
+    elif damage == "zero_value":
+        vals[counts[1] // 2 + n] = 0
+    elif damage == "count_low":
+        counts[2] -= 1
+    else:
+        counts[3] = n + 1
+    with pytest.raises(ValueError, match="damaged"):
+        m.sparse_apply(bitmaps, vals, counts, base, k, zigzag)
+
+
+@pytest.mark.parametrize("impl", impls())
+def test_sparse_apply_validates_its_buffers(impl):
+    m = get_impl(impl)
+    base, _new, bitmaps, vals, counts = sparse_delta(4, 256, 0.1, 1, False)
+    for args in ((bitmaps[:-1], vals, counts, base), (bitmaps, vals[:-1], counts, base),
+                 (bitmaps, vals, counts[:3], base), (bitmaps, vals, counts, base[:-4])):
+        with pytest.raises(ValueError, match="do not fit"):
+            m.sparse_apply(*args, 4)
+    with pytest.raises(ValueError, match="writable"):
+        m.sparse_apply(bitmaps, vals, counts, base.tobytes(), 4)
+    joined = np.concatenate([base, vals])
+    with pytest.raises(ValueError, match="overlap"):
+        m.sparse_apply(bitmaps, joined[4:4 + base.size], counts, joined[:base.size], 4)
+
+
 def test_native_sparse_rejects_bad_raw_calls():
     mod = native()._raw._mod
     src = np.ones(32, np.uint8)

@@ -80,6 +80,9 @@ _MIN_PLANE_GAIN = 0.03  # a plane is zstd-coded when the sample shrinks by at le
 # the speed; on the bench workloads' checkpoints it changed the stored bytes by under 0.05 %.
 _MIN_ZDELTA_PLANE_GAIN = 0.10
 SPARSE_MAX_DENSITY = 0.5  # a plane whose sample has at most this fraction of nonzero bytes is stored sparse
+# A delta whose planes are all sparse is decoded in place (only its nonzero bytes touched) up to this fraction
+# of nonzero bytes; past it, scattered writes cost more than a pass over the chunk (4 MiB fp32: equal at ~10 %).
+SPARSE_APPLY_MAX_DENSITY = 1 / 16
 
 # zstd level 1 (the default) means these parameters: zstd's fast strategy with a 128-entry hash table and
 # 7-byte minimum matches. Byte planes of floats are low-entropy symbols with few long repeats; on them this
@@ -316,19 +319,13 @@ def _seg_table(num_segments: int) -> struct.Struct:
     return struct.Struct("<" + "BI" * num_segments)
 
 
-def _unpack_planes(stored, raw_len: int, elem_size: int, planes: np.ndarray | None = None) -> np.ndarray:
-    """The shuffled planes of a plane container (or of a legacy single zstd frame), written into ``planes``
-    (a writable uint8 array of ``raw_len`` bytes; a new one when None) and returned."""
+def _container(stored, raw_len: int, elem_size: int) -> list[tuple[int, int, int, memoryview]] | None:
+    """(start, length, mode, stored body) of each segment of a plane container (its planes, then the tail),
+    checked to add up; None for a legacy single zstd frame."""
     stored = memoryview(stored).cast("B")
-    if planes is None:
-        planes = np.empty(raw_len, dtype=np.uint8)
-    elif planes.size != raw_len:
-        raise ValueError(f"planes buffer has {planes.size} bytes, expected {raw_len}")
-    dest = memoryview(planes)
     head = stored[:4]
     if head == ZSTD_MAGIC:
-        _zstd_into(stored, dest)
-        return planes
+        return None
     if head != PLANES_MAGIC:
         raise ValueError("stored bytes are neither a plane container nor a zstd frame")
     segs = _segments(raw_len, elem_size)
@@ -337,26 +334,102 @@ def _unpack_planes(stored, raw_len: int, elem_size: int, planes: np.ndarray | No
     if len(stored) < pos:
         raise ValueError("plane container header is truncated")
     fields = table.unpack_from(stored, 4)  # (mode, stored length) of each segment, in one call
+    out = []
     for i, ((start, length), mode, slen) in enumerate(zip(segs, fields[::2], fields[1::2])):
-        if not (length or slen or mode):
-            continue  # no tail (raw_len a multiple of elem_size), stored as nothing
         body = stored[pos:pos + slen]
         if len(body) != slen:
             raise ValueError(f"plane {i} is truncated ({len(body)} of {slen} bytes)")
         pos += slen
-        if mode == SEG_RAW:
-            if slen != length:
-                raise ValueError(f"raw plane {i} has {slen} bytes, expected {length}")
-            dest[start:start + length] = body
-        elif mode == SEG_ZSTD:
-            _zstd_into(body, dest[start:start + length])
-        elif mode == SEG_SPARSE:
-            _sparse_into(body, planes[start:start + length], i)
-        else:
+        if mode not in (SEG_RAW, SEG_ZSTD, SEG_SPARSE):
             raise ValueError(f"plane {i} has unknown mode {mode}")
+        out.append((start, length, mode, body))
     if pos != len(stored):
         raise ValueError(f"plane container has {len(stored) - pos} trailing bytes")
+    return out
+
+
+def _segment_into(i: int, length: int, mode: int, body, dest: np.ndarray) -> None:
+    """Decode segment ``i`` (``length`` bytes when decoded) into ``dest``."""
+    if not (length or len(body) or mode):
+        return  # no tail (raw_len a multiple of elem_size), stored as nothing
+    if mode == SEG_RAW:
+        if len(body) != length:
+            raise ValueError(f"raw plane {i} has {len(body)} bytes, expected {length}")
+        memoryview(dest)[:] = body
+    elif mode == SEG_ZSTD:
+        _zstd_into(body, memoryview(dest))
+    else:
+        _sparse_into(body, dest, i)
+
+
+def _unpack_planes(stored, raw_len: int, elem_size: int, planes: np.ndarray | None = None,
+                   segments=None) -> np.ndarray:
+    """The shuffled planes of a plane container (or of a legacy single zstd frame), written into ``planes``
+    (a writable uint8 array of ``raw_len`` bytes; a new one when None) and returned. ``segments``: the
+    container's :func:`_container`, when the caller has it."""
+    if planes is None:
+        planes = np.empty(raw_len, dtype=np.uint8)
+    elif planes.size != raw_len:
+        raise ValueError(f"planes buffer has {planes.size} bytes, expected {raw_len}")
+    if segments is None:
+        segments = _container(stored, raw_len, elem_size)
+    if segments is None:
+        _zstd_into(memoryview(stored).cast("B"), memoryview(planes))
+        return planes
+    for i, (start, length, mode, body) in enumerate(segments):
+        _segment_into(i, length, mode, body, planes[start:start + length])
     return planes
+
+
+def _apply_sparse(segments, target: np.ndarray, elem_size: int, zigzag: bool, scratch: np.ndarray | None) -> None:
+    """Apply a delta whose planes are all zero-sparse (``segments``: its :func:`_container`) to ``target``
+    in place: only the elements it changes are touched. ``scratch`` (``len(target)`` bytes, or None) holds
+    the planes' values on the way; their bitmaps go to this thread's scratch."""
+    n = len(target) // elem_size
+    b = (n + 7) // 8
+    bitmaps = scratch_array(_local, "apply_bitmaps", elem_size * b)
+    vals = scratch if scratch is not None else np.empty(len(target), dtype=np.uint8)
+    counts = []
+    for i, (_start, _length, _mode, body) in enumerate(segments[:elem_size]):
+        if len(body) < _SPARSE.size:
+            raise ValueError(f"sparse plane {i} is truncated")
+        nnz, bm_mode, bm_len, vals_mode = _SPARSE.unpack_from(body)
+        end = _SPARSE.size + bm_len
+        if nnz > n or end > len(body):
+            raise ValueError(f"sparse plane {i} is damaged ({nnz} nonzero bytes of {n}, bitmap {bm_len} bytes)")
+        try:
+            _part_into(body[_SPARSE.size:end], bm_mode, bitmaps[i * b:(i + 1) * b], "bitmap")
+            _part_into(body[end:], vals_mode, vals[i * n:i * n + nnz], "values")
+        except ValueError as e:
+            raise ValueError(f"sparse plane {i}: {e}") from None
+        counts.append(nnz)
+    kernels.sparse_apply(bitmaps, vals[:n * elem_size], counts, target[:n * elem_size], elem_size, zigzag)
+    start, length, mode, body = segments[elem_size]
+    if length:  # the trailing partial element is XORed under both delta codecs
+        tail = np.empty(length, dtype=np.uint8)
+        _segment_into(elem_size, length, mode, body, tail)
+        np.bitwise_xor(target[start:], tail, out=target[start:])
+
+
+def _part_into(stored, mode: int, dest: np.ndarray, what: str) -> None:
+    """A sparse segment's bitmap or values (``len(dest)`` bytes) from its stored bytes, into ``dest``."""
+    if mode == SEG_RAW:
+        if len(stored) != len(dest):
+            raise ValueError(f"{what} has {len(stored)} bytes, expected {len(dest)}")
+        memoryview(dest)[:] = stored
+    elif mode == SEG_ZSTD:
+        _zstd_into(stored, memoryview(dest))
+    else:
+        raise ValueError(f"{what} has unknown mode {mode}")
+
+
+def _apply_in_place(segments, raw_len: int, elem_size: int) -> bool:
+    """Whether a delta (``segments``: its :func:`_container`, None for a legacy frame) is applied in place:
+    every plane zero-sparse, with at most SPARSE_APPLY_MAX_DENSITY of the chunk's bytes nonzero."""
+    if segments is None or any(seg[2] != SEG_SPARSE or len(seg[3]) < _SPARSE.size for seg in segments[:elem_size]):
+        return False
+    nnz = sum(_SPARSE.unpack_from(seg[3])[0] for seg in segments[:elem_size])
+    return nnz <= SPARSE_APPLY_MAX_DENSITY * raw_len
 
 
 def decode(codec: int, stored, raw_len: int, elem_size: int, base=None, out=None, scratch=None):
@@ -386,9 +459,40 @@ def decode(codec: int, stored, raw_len: int, elem_size: int, base=None, out=None
     if codec in DELTA_CODECS:
         if base is None or len(base) != raw_len:
             raise ValueError("delta chunk needs its base chunk of the same length")
+        segments = _container(stored, raw_len, elem_size)
+        if _apply_in_place(segments, raw_len, elem_size):  # the base, changed where the delta is nonzero
+            if out is None:
+                out = np.array(np.frombuffer(base, dtype=np.uint8))
+            else:
+                out[:] = np.frombuffer(base, dtype=np.uint8)
+            _apply_sparse(segments, out, elem_size, codec == ZDELTA, scratch)
+            return out
         undo = kernels.unshuffle_zigzag if codec == ZDELTA else kernels.unshuffle_xor
-        return undo(_unpack_planes(stored, raw_len, elem_size, scratch), base, elem_size, out=out)
+        return undo(_unpack_planes(stored, raw_len, elem_size, scratch, segments), base, elem_size, out=out)
     raise ValueError(f"unknown codec id {codec}")
+
+
+def decode_onto(codec: int, stored, raw_len: int, elem_size: int, base: np.ndarray, spare: np.ndarray,
+                scratch=None) -> np.ndarray:
+    """Decode delta chunk ``stored`` against ``base`` (a writable uint8 array) where it is cheapest, and
+    return the array that holds it: ``base`` itself, changed in place, when every plane of the delta is
+    zero-sparse (only the elements it changes are touched: a chain of sparse deltas costs their nonzero
+    bytes, not a pass over the chunk each), else ``spare`` (``base`` left as is). Raises as :func:`decode`;
+    ``base`` then holds garbage."""
+    if elem_size not in VALID_ELEM_SIZES:
+        raise ValueError(f"invalid element size {elem_size}")
+    if codec not in DELTA_CODECS:
+        raise ValueError(f"codec {codec} is not a delta codec")
+    if isinstance(stored, Coded):
+        stored = bytes(stored)
+    if len(base) != raw_len:
+        raise ValueError("delta chunk needs its base chunk of the same length")
+    segments = _container(stored, raw_len, elem_size)
+    if _apply_in_place(segments, raw_len, elem_size):
+        _apply_sparse(segments, base, elem_size, codec == ZDELTA, scratch)
+        return base
+    undo = kernels.unshuffle_zigzag if codec == ZDELTA else kernels.unshuffle_xor
+    return undo(_unpack_planes(stored, raw_len, elem_size, scratch, segments), base, elem_size, out=spare)
 
 
 def encode_best(raw, elem_size: int, level: int, min_gain: float) -> tuple[int, Coded | bytes | memoryview]:

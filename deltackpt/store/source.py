@@ -106,21 +106,43 @@ class ChunkSource:
             out = np.empty(entry.raw_len, dtype=np.uint8)
         elif out.size != entry.raw_len:
             raise ValueError(f"out has {out.size} bytes, chunk {entry.chunk_id.hex()} has {entry.raw_len}")
-        base = None
-        if codec.is_delta(entry.codec):
-            base = self._get_base(entry, checkpoint=checkpoint, item=item, fetched=fetched)
-        self._decode(entry, base, out, checkpoint=checkpoint, item=item, stored=_stored(fetched, entry))
+        self._with_base(entry, checkpoint, item, fetched, lambda base: self._decode(
+            entry, base, out, checkpoint=checkpoint, item=item, stored=_stored(fetched, entry)))
         return out
+
+    def _with_base(self, entry: PackEntry, checkpoint, item, fetched, finish) -> None:
+        """``finish(base)`` with the decoded base of ``entry`` (None for a keyframe), which checks ``entry``'s
+        hash. A base decoded down a chain has not had its own hash checked (:meth:`_get_base`); when
+        ``finish`` finds damage, the chain is decoded again link by link, each checked, to name a damaged
+        link rather than the chunk above it."""
+        if not codec.is_delta(entry.codec):
+            finish(None)
+            return
+        base, checked = self._get_base(entry, checkpoint=checkpoint, item=item, fetched=fetched)
+        try:
+            finish(base)
+        except CorruptChunkError:
+            if not checked:
+                self._get_base(entry, checkpoint=checkpoint, item=item, fetched=fetched, verify=True)
+            raise
 
     def _buffer(self, name: str, n: int) -> np.ndarray:
         """This thread's scratch array ``name``, ``n`` bytes long (a new array past SCRATCH_MAX)."""
         return codec.scratch_array(self._scratch, name, n, min_size=4 * MiB, keep_max=self.SCRATCH_MAX)
 
-    def _get_base(self, entry: PackEntry, *, checkpoint, item, fetched=None):
-        """The verified base of delta ``entry``: from the LRU, else decoded (with the bases down its chain,
-        until a keyframe or a chunk the LRU holds) into this thread's scratch (valid until this thread
-        decodes the next base). A chain longer than the store allows (``config.chain_limit``), or one that
-        meets itself, is damage."""
+    def _get_base(self, entry: PackEntry, *, checkpoint, item, fetched=None,
+                  verify: bool = False) -> tuple[object, bool]:
+        """(the base of delta ``entry``, whether its hash was checked): from the LRU (checked), else decoded
+        (with the chunks down its chain, until a keyframe or a chunk the LRU holds) into this thread's
+        scratch (valid until this thread decodes the next base). A chain longer than the store allows
+        (``config.chain_limit``), or one that meets itself, is damage.
+
+        Unless ``verify``, the chain's own hashes are not checked: each link's decode is a bijection of
+        the bytes below it (XOR, or addition modulo 2^(8k)), so any damage below the top changes the top's
+        bytes, and the top's hash check (the caller's) catches it. A delta whose planes are all zero-sparse
+        is applied in place, at the cost of its nonzero bytes (:func:`codec.decode_onto`): a chain restores
+        in about the time of its keyframe and its top delta. With ``verify`` every link is checked, in turn
+        (:meth:`_with_base`, after the top failed its check: the error then names the damaged link)."""
         base_hex = entry.base_id.hex() if entry.base_id else None
         if entry.base_id is None:
             raise CorruptChunkError("delta chunk has no base", chunk_id=entry.chunk_id.hex(), pack=entry.pack,
@@ -128,19 +150,40 @@ class ChunkSource:
         try:
             base = self._from_cache(entry.base_id)
             if base is not None:
-                return base
+                return base, True
             chain, below = self._chain_below(entry, checkpoint=checkpoint, item=item)
-            # Not cached: a base serves the one delta at its place, and a load touches it once. The links
-            # are decoded from the bottom up, alternating two scratch buffers.
-            for i, link in enumerate(reversed(chain)):
-                out = self._buffer("base" if (len(chain) - i) % 2 else "base2", link.raw_len)
-                self._decode(link, below, out, checkpoint=checkpoint, item=item, stored=_stored(fetched, link))
-                below = out
-            return below
+            links = chain[::-1]  # decoded from the bottom up, alternating two scratch buffers
+            bufs = [self._buffer(name, links[0].raw_len) for name in ("base", "base2")]
+            if below is None:  # the bottom is a keyframe
+                below, bottom = bufs[0], links.pop(0)
+                self._decode(bottom, None, below, checkpoint=checkpoint, item=item, verify=verify,
+                             stored=_stored(fetched, bottom))
+            for link in links:
+                spare = bufs[1] if below is bufs[0] else bufs[0]
+                if verify or (below is not bufs[0] and below is not bufs[1]):  # a base from the LRU: shared
+                    self._decode(link, below, spare, checkpoint=checkpoint, item=item, verify=verify,
+                                 stored=_stored(fetched, link))
+                    below = spare
+                else:
+                    below = self._decode_onto(link, below, spare, checkpoint=checkpoint, item=item,
+                                              stored=_stored(fetched, link))
+            return below, verify
         except (CorruptChunkError, MissingChunkError) as e:
             raise CorruptChunkError(f"base of delta chunk is unreadable ({e})", chunk_id=entry.chunk_id.hex(),
                                     base_chunk_id=base_hex, pack=entry.pack, checkpoint=checkpoint,
                                     item=item) from e
+
+    def _decode_onto(self, link: PackEntry, below: np.ndarray, spare: np.ndarray, *, checkpoint, item,
+                     stored=None) -> np.ndarray:
+        """Read delta ``link`` and decode it onto ``below`` (this thread's scratch) without checking its hash;
+        returns ``below`` (changed in place) or ``spare``, whichever holds it (:func:`codec.decode_onto`)."""
+        head, payload, n = self._read(link, spare, checkpoint, item, stored)
+        self._check_header(link, head, n, checkpoint, item)
+        try:
+            return codec.decode_onto(link.codec, payload, link.raw_len, link.elem_size, below, spare,
+                                     scratch=self._buffer("planes", link.raw_len))
+        except ValueError as e:
+            raise _damage(f"cannot decode ({e})", link, checkpoint, item) from None
 
     def _chain_below(self, entry: PackEntry, *, checkpoint, item) -> tuple[list[PackEntry], object]:
         """The entries down delta ``entry``'s chain to decode for its base (its base first), and the decoded
@@ -173,10 +216,8 @@ class ChunkSource:
         with one read): ``head`` its header, ``payload`` its stored bytes (for a raw chunk, ``out`` itself),
         ``n`` how many of the entry's bytes the read returned. A delta's base comes from the LRU, ``fetched``
         or its own read. Raises as :meth:`decode_entry` does."""
-        base = None
-        if codec.is_delta(entry.codec):
-            base = self._get_base(entry, checkpoint=checkpoint, item=item, fetched=fetched)
-        self._check(entry, head, payload, n, base, out, checkpoint, item)
+        self._with_base(entry, checkpoint, item, fetched,
+                        lambda base: self._check(entry, head, payload, n, base, out, checkpoint, item))
 
     def check_reads(self, recs: np.ndarray, ids: bytes, heads, counts: list[int], payloads: list,
                     outs: list) -> np.ndarray:
@@ -223,9 +264,15 @@ class ChunkSource:
                 ok[i] = hashes[16 * j:16 * j + 16] == ids[16 * i:16 * i + 16]
         return ok
 
-    def _decode(self, entry: PackEntry, base, out: np.ndarray, *, checkpoint, item, stored=None) -> None:
-        """Read the entry (one ranged read: its header, and its payload straight into ``out`` when raw, else
-        into scratch) unless ``stored`` holds its bytes, then :meth:`_check` it."""
+    def _decode(self, entry: PackEntry, base, out: np.ndarray, *, checkpoint, item, stored=None,
+                verify: bool = True) -> None:
+        """Read the entry (:meth:`_read`), then :meth:`_check` it (its hash only with ``verify``)."""
+        head, payload, n = self._read(entry, out, checkpoint, item, stored)
+        self._check(entry, head, payload, n, base, out, checkpoint, item, verify)
+
+    def _read(self, entry: PackEntry, out: np.ndarray, checkpoint, item, stored=None) -> tuple:
+        """(header, payload, bytes of the entry read): from ``stored`` when given, else one ranged read (a raw
+        payload straight into ``out``, a coded one into scratch)."""
         if entry.codec == codec.RAW and entry.stored_len != entry.raw_len:
             raise _damage("raw entry lengths disagree", entry, checkpoint, item)
         if stored is not None:
@@ -233,18 +280,34 @@ class ChunkSource:
             head, payload, n = stored[:HEADER_SIZE], stored[HEADER_SIZE:], len(stored)
             if entry.codec == codec.RAW and n == entry.span:
                 out[:] = payload
-        else:
-            head = bytearray(HEADER_SIZE)
-            payload = out if entry.codec == codec.RAW else self._buffer("stored", entry.stored_len)
-            try:
-                n = self.store.backend.get_range_into(pack_key(entry.pack), entry.offset, [head, payload])
-            except FileNotFoundError:
-                raise _damage("pack is missing", entry, checkpoint, item) from None
-        self._check(entry, head, payload, n, base, out, checkpoint, item)
+            return head, payload, n
+        head = bytearray(HEADER_SIZE)
+        payload = out if entry.codec == codec.RAW else self._buffer("stored", entry.stored_len)
+        try:
+            n = self.store.backend.get_range_into(pack_key(entry.pack), entry.offset, [head, payload])
+        except FileNotFoundError:
+            raise _damage("pack is missing", entry, checkpoint, item) from None
+        return head, payload, n
 
-    def _check(self, entry: PackEntry, head, payload, n: int, base, out: np.ndarray, checkpoint, item) -> None:
+    def _check(self, entry: PackEntry, head, payload, n: int, base, out: np.ndarray, checkpoint, item,
+               verify: bool = True) -> None:
         """Check the header read (``n`` bytes of the entry in all) against the index, decode the payload into
-        ``out`` (a raw one is already there) and check its hash."""
+        ``out`` (a raw one is already there) and, with ``verify``, check its hash."""
+        self._check_header(entry, head, n, checkpoint, item)
+        if entry.codec == codec.RAW:
+            if entry.stored_len != entry.raw_len:
+                raise _damage("raw entry lengths disagree", entry, checkpoint, item)
+        else:
+            try:
+                codec.decode(entry.codec, payload, entry.raw_len, entry.elem_size, base, out=out,
+                             scratch=self._buffer("planes", entry.raw_len))
+            except ValueError as e:
+                raise _damage(f"cannot decode ({e})", entry, checkpoint, item) from None
+        if verify and chunk_id_of(out) != entry.chunk_id:
+            raise _damage("chunk bytes do not match their hash", entry, checkpoint, item)
+
+    def _check_header(self, entry: PackEntry, head, n: int, checkpoint, item) -> None:
+        """Check an entry's header and length read (``n`` bytes in all) against the index."""
         if n != HEADER_SIZE + entry.stored_len:
             raise _damage("pack is truncated", entry, checkpoint, item)
         # The header the index's fields make, compared whole (0.3 us); only a mismatch is parsed (0.8 us), to
@@ -259,17 +322,6 @@ class ChunkSource:
             if (cid, cod, es, rlen, slen, base_id) != (entry.chunk_id, entry.codec, entry.elem_size,
                                                       entry.raw_len, entry.stored_len, entry.base_id):
                 raise _damage("entry header disagrees with the index", entry, checkpoint, item)
-        if entry.codec == codec.RAW:
-            if entry.stored_len != entry.raw_len:
-                raise _damage("raw entry lengths disagree", entry, checkpoint, item)
-        else:
-            try:
-                codec.decode(entry.codec, payload, entry.raw_len, entry.elem_size, base, out=out,
-                             scratch=self._buffer("planes", entry.raw_len))
-            except ValueError as e:
-                raise _damage(f"cannot decode ({e})", entry, checkpoint, item) from None
-        if chunk_id_of(out) != entry.chunk_id:
-            raise _damage("chunk bytes do not match their hash", entry, checkpoint, item)
 
     def differs(self, cid: bytes, skip: int, mine: np.ndarray) -> bool:
         """Whether the bytes of chunk ``cid`` from ``skip`` surely differ from ``mine`` (a uint8 array), judged

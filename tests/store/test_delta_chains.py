@@ -11,12 +11,15 @@ import pytest
 from deltackpt.errors import CorruptChunkError, UnsupportedFormatError
 from deltackpt.store import MemoryBackend, Store, codec
 from deltackpt.store import config as config_mod
+from deltackpt.store import source as source_mod
 from deltackpt.store.chunking import chunk_id_of
 from deltackpt.store.copy import copy_checkpoints
 from deltackpt.store.gc import plan_gc
 from deltackpt.store.manifest import ChunkRef, Item, Manifest, Stats, encode_manifest
-from deltackpt.store.pack import PackBuilder, pack_key
+from deltackpt.store.pack import HEADER_SIZE, PackBuilder, pack_key
 from deltackpt.store.verify import verify_store
+
+from store_helpers import mutate_object
 
 CHUNK = 16384
 
@@ -239,3 +242,49 @@ def test_a_delta_against_a_chained_base_is_weighed_against_the_keyframe(tmp_path
     grown = 4 * mid.stored_len  # a delta covering several steps of change: far above the base's own size
     assert grown < 0.5 * key.stored_len
     assert policy.accepts(grown, base, key.raw_len)
+
+
+def _change_a_stored_value(store: Store, cid: bytes) -> None:
+    """Replace one nonzero value of delta chunk ``cid``'s zero-sparse planes (stored as is) by another nonzero
+    one: the chunk still decodes, to bytes that no longer match its hash."""
+    entry = store.index.lookup(cid)
+    key, start = pack_key(entry.pack), entry.offset + HEADER_SIZE
+    data = bytearray(store.backend.get(key))
+    payload = bytes(data[start:start + entry.stored_len])
+    for mode, off, _slen in codec.plane_layout(payload, entry.raw_len, entry.elem_size):
+        if mode == codec.SEG_SPARSE:
+            nnz, _bm_mode, bm_len, vals_mode = codec._SPARSE.unpack_from(payload, off)
+            if nnz and vals_mode == codec.SEG_RAW:
+                at = start + off + codec._SPARSE.size + bm_len
+                data[at] = 0x55 if data[at] != 0x55 else 0x66
+                mutate_object(store.backend, key, lambda _old: data)
+                return
+    raise AssertionError("no plane with values stored as is")
+
+
+def test_a_chain_restore_checks_the_hash_of_the_chunk_it_restores_only(tmp_path, monkeypatch):
+    store, states = _chained_store(tmp_path / "s", 8, 9)
+    ids = _chunk_ids(store, "c8")
+    assert {_depth(store, c) for c in ids} == {8}
+    hashed = []
+    real = source_mod.chunk_id_of
+    monkeypatch.setattr(source_mod, "chunk_id_of", lambda buf: (hashed.append(1), real(buf))[1])
+    np.testing.assert_array_equal(Store.open(tmp_path / "s").load("c8")["w"], states[8])
+    assert len(hashed) == len(set(ids)), "one hash per restored chunk, none for the 8 chunks below each"
+
+
+def test_damage_in_the_middle_of_a_chain_is_caught_by_the_tip_and_named_at_its_link(tmp_path):
+    store, states = _chained_store(tmp_path / "s", 4, 4)
+    ids = [_chunk_ids(store, f"c{i}")[0] for i in range(4)]
+    assert [_depth(store, c) for c in ids] == [0, 1, 2, 3]
+    _change_a_stored_value(store, ids[1])  # decodes cleanly, to the wrong bytes
+    reopened = Store.open(tmp_path / "s")
+    np.testing.assert_array_equal(reopened.load("c0")["w"], states[0])
+    for name in ("c1", "c3"):
+        with pytest.raises(CorruptChunkError) as ei:
+            Store.open(tmp_path / "s").load(name)
+        err = ei.value if name == "c1" else ei.value.__cause__
+        assert err.chunk_id == ids[1].hex() and "do not match their hash" in str(err)
+    assert ei.value.chunk_id == ids[3].hex() and ei.value.base_chunk_id == ids[2].hex()
+    report = verify_store(reopened, level=2)
+    assert ids[1].hex() in {p.chunk_id for p in report.problems}

@@ -371,13 +371,45 @@ def _unpack_planes(stored, raw_len: int, elem_size: int, planes: np.ndarray | No
         planes = np.empty(raw_len, dtype=np.uint8)
     elif planes.size != raw_len:
         raise ValueError(f"planes buffer has {planes.size} bytes, expected {raw_len}")
-    if segments is None:
-        segments = _container(stored, raw_len, elem_size)
-    if segments is None:
-        _zstd_into(memoryview(stored).cast("B"), memoryview(planes))
+    if segments is not None:
+        for i, (start, length, mode, body) in enumerate(segments):
+            _segment_into(i, length, mode, body, planes[start:start + length])
         return planes
-    for i, (start, length, mode, body) in enumerate(segments):
-        _segment_into(i, length, mode, body, planes[start:start + length])
+    # The same as _container then _segment_into, inline: a keyframe's decode is on every load's path, and the
+    # per-segment tuples and calls cost a tenth of a small chunk's decode.
+    stored = memoryview(stored).cast("B")
+    dest = memoryview(planes)
+    head = stored[:4]
+    if head == ZSTD_MAGIC:
+        _zstd_into(stored, dest)
+        return planes
+    if head != PLANES_MAGIC:
+        raise ValueError("stored bytes are neither a plane container nor a zstd frame")
+    segs = _segments(raw_len, elem_size)
+    table = _seg_table(len(segs))
+    pos = 4 + table.size
+    if len(stored) < pos:
+        raise ValueError("plane container header is truncated")
+    fields = table.unpack_from(stored, 4)  # (mode, stored length) of each segment, in one call
+    for i, ((start, length), mode, slen) in enumerate(zip(segs, fields[::2], fields[1::2])):
+        if not (length or slen or mode):
+            continue  # no tail (raw_len a multiple of elem_size), stored as nothing
+        body = stored[pos:pos + slen]
+        if len(body) != slen:
+            raise ValueError(f"plane {i} is truncated ({len(body)} of {slen} bytes)")
+        pos += slen
+        if mode == SEG_RAW:
+            if slen != length:
+                raise ValueError(f"raw plane {i} has {slen} bytes, expected {length}")
+            dest[start:start + length] = body
+        elif mode == SEG_ZSTD:
+            _zstd_into(body, dest[start:start + length])
+        elif mode == SEG_SPARSE:
+            _sparse_into(body, planes[start:start + length], i)
+        else:
+            raise ValueError(f"plane {i} has unknown mode {mode}")
+    if pos != len(stored):
+        raise ValueError(f"plane container has {len(stored) - pos} trailing bytes")
     return planes
 
 

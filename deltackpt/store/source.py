@@ -3,7 +3,8 @@
 Every chunk read is verified: its decoded bytes must hash to its id, else :class:`CorruptChunkError`
 names the chunk, its pack and (when known) the checkpoint and item. A delta chunk is decoded through its
 base (and a chained base through the chunks down its chain, at most ``config.chain_limit(cfg)`` deltas,
-to a keyframe); damage in the chain is reported with the delta's and its base's ids. Used by the read path
+to a keyframe; the links' own hashes are not checked: the delta's covers them, see ``_get_base``); damage in
+the chain is reported with the delta's and its base's ids. Used by the read path
 (:mod:`.reader`), the write path (slices of the parent, delta bases), ``verify`` and ``repair``.
 """
 

@@ -9,7 +9,8 @@ is the optional :class:`LocalFiles` capability, which the engine checks with ``i
 
 ``LocalBackend`` makes each ``put`` atomic and durable: write a temp file in the same directory, fsync it,
 rename it over the key, fsync the directory. A crash therefore leaves either the old object, the new one,
-or a stray ``*.tmp-*`` file that ``list`` ignores and ``gc`` removes.
+or a stray ``*.tmp-*`` file that ``list`` ignores and ``gc`` removes. ``put_transient`` (lock objects) is
+atomic the same way but skips the fsyncs: such an object speaks only for running processes, which a crash ends.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Store ``data`` under ``key`` atomically; replaces an existing object."""
+
+    def put_transient(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """:meth:`put` for an object that only coordinates running processes (a lock): as atomic, but it need
+        not survive a crash, which ends every process it speaks for. Backends may skip making it durable."""
+        self.put(key, data)
 
     @abc.abstractmethod
     def put_new(self, key: str, data: bytes | bytearray | memoryview) -> None:
@@ -331,14 +337,14 @@ class LocalBackend(Backend, LocalFiles):
         with self._dirs_lock:
             self._made_dirs.add(d)
 
-    def _write_temp(self, path: Path, data) -> Path:
-        """Write ``data`` durably to a temp file beside ``path``; the caller links or renames it into place."""
+    def _write_temp(self, path: Path, data, durable: bool = True) -> Path:
+        """Write ``data`` (durably) to a temp file beside ``path``; the caller links or renames it into place."""
         tmp = path.with_name(f"{path.name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
         try:
             self._ensure_dir(path.parent)
             with open(tmp, "wb") as f:
                 f.write(data)
-                if self.fsync:
+                if self.fsync and durable:
                     f.flush()
                     os.fsync(f.fileno())
         except BaseException as e:
@@ -348,16 +354,24 @@ class LocalBackend(Backend, LocalFiles):
             raise
         return tmp
 
-    @_writes
     def put(self, key, data):
+        self._put(key, data, durable=True)
+
+    def put_transient(self, key, data):
+        # Two fsyncs (file, directory) were 10-18 ms of a save's lock on a busy disk; a lock lost to a crash
+        # is one whose holder died with it, and a lock that vanished is caught by StoreLock.check.
+        self._put(key, data, durable=False)
+
+    @_writes
+    def _put(self, key, data, durable: bool):
         path = self._path(key)
-        tmp = self._write_temp(path, data)
+        tmp = self._write_temp(path, data, durable)
         try:
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        if self.fsync:
+        if self.fsync and durable:
             _fsync_dir(path.parent)
 
     @_writes

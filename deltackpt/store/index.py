@@ -115,13 +115,16 @@ class ChunkIndex(LmdbCache):
             return {bytes(k).decode(): bytes(v) for k, v in txn.cursor()}
 
     @guarded(best_effort=True)
-    def put_summaries(self, summaries: dict[str, bytes], drop=()) -> None:
-        self.env
+    def put_summaries(self, summaries: dict[str, bytes], drop=(), meta: dict[bytes, bytes] | None = None) -> None:
+        """Store checkpoint summaries (and ``meta`` keys, in the same transaction: one disk sync, not two)."""
+        _, _, meta_db = self._dbs()
         with self.env.begin(write=True, db=self._db[b"ckpts"]) as txn:
             for name in drop:
                 txn.delete(name.encode())
             for name, value in summaries.items():
                 txn.put(name.encode(), value)
+            for key, value in (meta or {}).items():
+                txn.put(key, value, db=meta_db)
 
     # -- reads -------------------------------------------------------------------------------------------
     @guarded()

@@ -17,7 +17,9 @@ chunks to reuse (its *claims*: the index's chunks it deduplicates against, its p
 bases) until its manifest is written. gc deletes only under the exclusive lock, after re-checking its plan
 against the manifests present at that moment, so no chunk a committed checkpoint or an in-flight save
 needs is ever deleted. Lock objects are written through temp files; gc never removes a temp file under
-``locks/`` younger than ``STALE_AFTER_S`` (it may be a lock being taken right now).
+``locks/`` younger than ``STALE_AFTER_S`` (it may be a lock being taken right now). They are not fsynced
+(``Backend.put_transient``): a lock speaks only for its running holder, which a crash ends too; one that a
+crash damaged is garbage that the next taker removes, and one lost under a live holder fails its ``check``.
 
 A lock is *stale* when its time is older than ``stale_after_s`` (its holder stopped refreshing it), or when it
 was taken on this host by a process that no longer exists. Stale locks are ignored and removed by whoever
@@ -116,7 +118,7 @@ class StoreLock:
     def _acquire_shared(self, deadline: float) -> None:
         pause, waited = _POLL_S[0], False
         while True:
-            self.backend.put(self.key, self._payload())
+            self.backend.put_transient(self.key, self._payload())
             try:
                 other = self._conflict()
             except BaseException:
@@ -139,7 +141,7 @@ class StoreLock:
         self._start_refresh()
 
     def _acquire_exclusive(self, deadline: float) -> None:
-        self.backend.put(self.key, self._payload())
+        self.backend.put_transient(self.key, self._payload())
         self._start_refresh()  # a long wait for saves must not let our own lock go stale
         pause, waited = _POLL_S[0], False
         try:
@@ -205,7 +207,7 @@ class StoreLock:
         while not self._stop.wait(self.stale_after_s / 4):
             try:
                 if self.backend.exists(self.key):  # never resurrect a lock someone removed as stale
-                    self.backend.put(self.key, self._payload())
+                    self.backend.put_transient(self.key, self._payload())
             except OSError:
                 pass
 

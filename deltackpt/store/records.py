@@ -21,6 +21,9 @@ RECORD_DTYPE = np.dtype([("pack", "V16"), ("offset", "<u8"), ("stored_len", "<u8
                          ("codec", "u1"), ("elem_size", "u1"), ("base", "V16"), ("age", "<u2")])
 assert RECORD_DTYPE.itemsize == _RECORD.size
 NO_BASE_VOID = np.void(_NO_BASE)
+# Per u1 value: a known codec / element size / delta codec (table look-ups: np.isin took 3 x 15 us a batch).
+_KNOWN_CODEC, _VALID_ELEM, _IS_DELTA = (np.isin(np.arange(256), list(v)) for v in
+                                        (CODEC_NAMES, VALID_ELEM_SIZES, DELTA_CODECS))
 
 
 def encode_record(e: PackEntry) -> bytes:
@@ -42,8 +45,8 @@ def check_record_array(chunk_ids, recs: np.ndarray, found: np.ndarray | None = N
     """Raise ManifestFormatError naming the first of ``recs`` (those where ``found``) that decode_record would
     refuse: the same rules, checked in arrays."""
     codecs, sizes = recs["codec"], recs["elem_size"]
-    bad = (~np.isin(codecs, list(CODEC_NAMES)) | ~np.isin(sizes, VALID_ELEM_SIZES)
-           | (np.isin(codecs, DELTA_CODECS) != (recs["base"] != NO_BASE_VOID))
+    bad = (~_KNOWN_CODEC[codecs] | ~_VALID_ELEM[sizes]
+           | (_IS_DELTA[codecs] != (recs["base"] != NO_BASE_VOID))
            | (recs["raw_len"] > MAX_CHUNK_BYTES) | (recs["stored_len"] > MAX_CHUNK_BYTES + (1 << 20)))
     if found is not None:
         bad &= found

@@ -377,8 +377,9 @@ class Store:
         crash_point("commit:after-manifest")
         obj = self._manifest_object(name)
         mtime_s = obj.mtime_s if obj else 0.0
-        self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s))})
-        self.index.set_meta(LAST_COMMIT_KEY, name.encode())  # this cache holds every pack up to this commit
+        # LAST_COMMIT_KEY: this cache holds every pack up to this commit.
+        self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s))},
+                                 meta={LAST_COMMIT_KEY: name.encode()})
         return manifest
 
     def save(self, name: str, items: Mapping[str, Any], *, metadata=None, overwrite: bool = False,

@@ -190,6 +190,29 @@ def test_store_holds_both_delta_codecs_and_a_place_keeps_its_codec(tmp_path, mon
         assert out["ulp"].tobytes() == ulp.tobytes() and out["flip"].tobytes() == flip.tobytes()
 
 
+@pytest.mark.parametrize("last_codec, sampled, want", [
+    (None, {codec.ZDELTA, codec.DELTA}, codec.ZDELTA),  # the first delta after a keyframe: both sampled
+    (codec.DELTA, {codec.DELTA}, codec.DELTA),  # a place whose last delta was XOR stays XOR: one sample
+])
+def test_a_place_with_a_delta_behind_it_samples_only_its_own_codec(tmp_path, monkeypatch, last_codec, sampled,
+                                                                    want):
+    from deltackpt.store.pack import PackEntry
+
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", chunk_size_bytes=1 << 20)
+    base, new = _ulp_moves(1 << 18, 5)  # 1 MiB: sampled; zdelta is the smaller codec here
+    n = base.nbytes
+    keyframe = PackEntry(b"k" * 16, "00" * 16, 0, n, n, codec.RAW, 4)
+    # The last delta came in under the line but not far enough to skip the sample.
+    last = None if last_codec is None else int(0.88 * n)
+    delta_base = deltapolicy.DeltaBase(keyframe, 2, last, last_codec, 0, n, None)
+    calls = _count_delta_codings(monkeypatch)
+    verdict = deltapolicy.DeltaPolicy(store).verdict(memoryview(new).cast("B"), 4, delta_base,
+                                                     memoryview(base).cast("B"))
+    assert {kind for kind, _n in calls} == sampled
+    assert all(size < n // 8 for _kind, size in calls)  # samples, not the chunk
+    assert verdict == (True, want)
+
+
 def test_xor_deltas_of_a_store_written_before_zdelta_still_load(tmp_path, monkeypatch):
     """A store whose deltas are all XOR (as every writer before ``zigzag-delta`` made them) loads, and this
     code's next delta at a place where XOR paid off stays XOR (its history), while new places may use zdelta."""

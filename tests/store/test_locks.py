@@ -26,6 +26,27 @@ def _keys(backend) -> list[str]:
     return [i.key for i in backend.list("locks/")]
 
 
+def test_a_lock_object_is_written_without_fsync_but_whole(tmp_path, monkeypatch):
+    """A lock speaks only for its running holder, which a crash ends too: taking one costs no fsync (the
+    store's other objects still get theirs), and the object is never seen half written."""
+    from deltackpt.store import LocalBackend
+
+    backend = LocalBackend(tmp_path / "s")
+    for key in ("locks/.keep-dir", "tags/t"):  # the folders exist, as in any store (made, and synced, once)
+        backend.put(key, b"[]")
+    backend.delete("locks/.keep-dir")
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    with StoreLock(backend, SHARED, refresh=False) as lock:
+        assert synced == []
+        assert json.loads(backend.get(lock.key))["id"] == lock.id
+        lock.check()
+        assert [i.key for i in backend.list("locks/")] == [lock.key]  # no temp file left beside it
+    backend.put("tags/t", b"[]")
+    assert len(synced) == 2  # an ordinary put: the file and its folder
+
+
 def test_lock_object_lifecycle(mem_store):
     be = mem_store.backend
     lock = StoreLock(be, SHARED, refresh=False)

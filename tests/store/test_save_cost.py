@@ -77,6 +77,25 @@ def test_one_percent_save_looks_up_chunks_once_plus_its_changes(store, rng, look
     assert lookups["ids"] <= m.stats.num_chunks + 4 * changed
 
 
+def test_chunks_the_store_holds_never_reach_the_coding_threads(store, rng, monkeypatch):
+    """The caller hashes and looks up each batch itself: a save of known chunks (a fine-tune's frozen base)
+    hands the coding pool nothing, and one changed chunk among them is the only span coded."""
+    items = _state(rng)
+    store.save("a", items)
+    jobs, coded = [], []
+    real_submit, real_store = writer_mod.ThreadPoolExecutor.submit, writer_mod.ChunkWriter._store_chunk
+    monkeypatch.setattr(writer_mod.ThreadPoolExecutor, "submit", lambda self, fn, *a: (
+        self._thread_name_prefix == "deltackpt-write" and jobs.append(fn), real_submit(self, fn, *a))[1])
+    monkeypatch.setattr(writer_mod.ChunkWriter, "_store_chunk",
+                        lambda self, cid, *a, **k: (coded.append(cid), real_store(self, cid, *a, **k))[1])
+    m = store.save("b", {f"renamed.{k}": a for k, a in items.items()}, num_threads=2)
+    assert (m.stats.new_chunks, jobs, coded) == (0, [], [])
+    items["w1"][5] += 1.0
+    m = store.save("c", items, num_threads=2)
+    assert (m.stats.new_chunks, len(jobs), len(coded)) == (1, 1, 1)
+    assert_items_equal(items, store.load("c"))
+
+
 def test_items_split_across_batches_get_the_refs_of_one_batch_each(make_store, rng, monkeypatch):
     """A writer submits runs of an item's spans (pieces) in batches; however the items are cut into
     pieces, a save refers to the same chunks and loads back exact."""

@@ -203,9 +203,9 @@ class CheckpointReader:
     def _read_bundle(self, parts: list, recs: np.ndarray, pack: str) -> None:
         """Read a bundle's chunks (``parts``: their jobs, of one ``pack``, by offset; ``recs``: their index
         records) with one ranged read of the stretch of the pack that holds them (the bundle's gaps are
-        small), and the bases of its deltas, into scratch; copy each raw chunk into place, then check and
-        decode them all (:meth:`ChunkSource.check_reads`: per-chunk work in arrays, an 8 KiB chunk costs a
-        few us). A chunk that does not pass, and a delta, is checked on its own (``decode_read``), which
+        small), and the bases of its deltas, into scratch; then check them all, copying raw chunks into place
+        and decoding zstd keyframes in a batch (:meth:`ChunkSource.check_reads`: per-chunk work in arrays, an
+        8 KiB chunk costs a few us). A chunk that does not pass, and a delta, is checked on its own (``decode_read``), which
         names the damage; one that fails that is read again on its own, which reports the damage as a
         single chunk's read would (and looks again through an index rebuilt from the packs when the
         cache's location was wrong)."""

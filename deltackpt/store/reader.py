@@ -203,9 +203,9 @@ class CheckpointReader:
     def _read_bundle(self, parts: list, recs: np.ndarray, pack: str) -> None:
         """Read a bundle's chunks (``parts``: their jobs, of one ``pack``, by offset; ``recs``: their index
         records) with one ranged read of the stretch of the pack that holds them (the bundle's gaps are
-        small), and the bases of its deltas, into scratch; copy each raw chunk into place, then check and
-        decode them all (:meth:`ChunkSource.check_reads`: per-chunk work in arrays, an 8 KiB chunk costs a
-        few us). A chunk that does not pass, and a delta, is checked on its own (``decode_read``), which
+        small), and the bases of its deltas, into scratch; then check them all, copying raw chunks into place
+        and decoding zstd keyframes in a batch (:meth:`ChunkSource.check_reads`: per-chunk work in arrays, an
+        8 KiB chunk costs a few us). A chunk that does not pass, and a delta, is checked on its own (``decode_read``), which
         names the damage; one that fails that is read again on its own, which reports the damage as a
         single chunk's read would (and looks again through an index rebuilt from the packs when the
         cache's location was wrong)."""
@@ -238,34 +238,30 @@ class CheckpointReader:
         at = offsets[uniq] - start
         counts = np.clip(got - at, 0, HEADER_SIZE + stored[uniq]).tolist()  # bytes of each entry the read returned
         heads = buf[at[:, None] + np.arange(HEADER_SIZE)]  # (chunks, HEADER_SIZE): every header, gathered
-        raw = (recs["codec"] == codec.RAW).tolist()
-        stored, uniq = stored.tolist(), uniq.tolist()
         dests = {}  # id(destination array) -> a byte memoryview of it (cheap to slice)
-        payloads, outs = [], []
-        for i, pos in zip(uniq, (at + HEADER_SIZE).tolist()):
+        outs = []
+        for i in uniq.tolist():
             _item, dst, _ref, _skip, dst_off, n = parts[i]
-            payload = scratch[pos:pos + stored[i]]
-            if raw[i]:
-                dmv = dests.get(id(dst))
-                if dmv is None:
-                    dmv = dests[id(dst)] = memoryview(dst)
-                out = dmv[dst_off:dst_off + n]
-                if stored[i] == n:
-                    out[:] = payload
-                payload = out  # a raw chunk is checked where it is (decode_read's convention)
-            else:
-                out = dst[dst_off:dst_off + n]
-            payloads.append(payload)
-            outs.append(out)
-        ok = self.source.check_reads(recs[uniq], b"".join([parts[i][2].id for i in uniq]), heads, counts,
-                                     payloads, outs).tolist()
+            dmv = dests.get(id(dst))
+            if dmv is None:
+                dmv = dests[id(dst)] = memoryview(dst)
+            outs.append(dmv[dst_off:dst_off + n])
+        ok = self.source.check_reads(recs[uniq], b"".join([parts[i][2].id for i in uniq.tolist()]), heads, counts,
+                                     buf, at + HEADER_SIZE, outs).tolist()
+        raw = (recs["codec"] == codec.RAW).tolist()
+        stored, uniq, at = stored.tolist(), uniq.tolist(), (at + HEADER_SIZE).tolist()
         failed = set()
         for j, i in enumerate(uniq):
             if ok[j]:
                 continue
             job = parts[i]
+            payload, out = scratch[at[j]:at[j] + stored[i]], np.frombuffer(outs[j], dtype=np.uint8)
+            if raw[i]:
+                if stored[i] == job[5]:
+                    out[:] = payload
+                payload = out  # a raw chunk is checked where it is (decode_read's convention)
             try:
-                self.source.decode_read(entry(i), heads[j], payloads[j], counts[j], outs[j], checkpoint=self.name,
+                self.source.decode_read(entry(i), heads[j], payload, counts[j], out, checkpoint=self.name,
                                         item=job[0].key, fetched=fetched)
             except (CorruptChunkError, MissingChunkError):
                 failed.add(i)

@@ -384,6 +384,19 @@ def test_damage_in_a_bundle_is_named_as_a_single_read_names_it(tmp_path, where, 
     assert where == "truncated" or (errors[0][0], errors[0][3]) == (CorruptChunkError, e.pack), errors[0]
 
 
+def _read_entries(store, entries):
+    """(buf, at, heads, counts): the entries read one after another into one buffer, as a bundle reads them."""
+    buf = np.zeros(sum(e.span for e in entries), np.uint8)
+    heads = np.zeros((len(entries), HEADER_SIZE), np.uint8)
+    at, counts, pos = [], [], 0
+    for k, e in enumerate(entries):
+        counts.append(store.backend.get_range_into(pack_key(e.pack), e.offset, [buf[pos:pos + e.span]]))
+        heads[k] = buf[pos:pos + HEADER_SIZE]
+        at.append(pos + HEADER_SIZE)
+        pos += e.span
+    return buf, np.array(at), heads, counts
+
+
 def test_check_reads_passes_good_keyframes_and_leaves_the_rest(tmp_path):
     """check_reads decodes and hashes keyframes itself and says False (raising nothing) for damage."""
     store, want = _mixed_store(tmp_path / "st")
@@ -391,19 +404,13 @@ def test_check_reads_passes_good_keyframes_and_leaves_the_rest(tmp_path):
     entries = [store.index.lookup(ref.id) for ref in refs]
     recs, found = store.index.records([ref.id for ref in refs])
     assert found.all()
-    heads = np.zeros((len(refs), HEADER_SIZE), np.uint8)
-    payloads, outs, counts = [], [], []
-    for k, e in enumerate(entries):
-        buf = np.empty(e.span, np.uint8)
-        counts.append(store.backend.get_range_into(pack_key(e.pack), e.offset, [buf]))
-        heads[k] = buf[:HEADER_SIZE]
-        payloads.append(buf[HEADER_SIZE:])
-        outs.append(np.empty(e.raw_len, np.uint8))
+    buf, at, heads, counts = _read_entries(store, entries)
+    outs = [np.empty(e.raw_len, np.uint8) for e in entries]
     assert recs["codec"].tolist() == [codec.ZSTD] * 6
     heads[1, 20] ^= 1  # a damaged header (its hash no longer matches)
-    payloads[2][-1] ^= 0xFF  # damaged stored bytes
+    buf[at[2] + entries[2].stored_len - 1] ^= 0xFF  # damaged stored bytes
     counts[3] -= 1  # a short read
-    ok = ChunkSource(store).check_reads(recs, b"".join(ref.id for ref in refs), heads, counts, payloads, outs)
+    ok = ChunkSource(store).check_reads(recs, b"".join(ref.id for ref in refs), heads, counts, buf, at, outs)
     assert ok.tolist() == [True, False, False, False, True, True]
     for k in np.flatnonzero(ok):
         assert outs[k].tobytes() == want["d"][4096 * k:4096 * (k + 1)].tobytes()

@@ -471,3 +471,7 @@ def _numpy_unshuffle_into(src, elem_size: int, out) -> None:
 # unshuffle(src, elem_size, out) for a hot path that owns both buffers: C-contiguous, of equal byte length (still
 # checked), never overlapping (not checked); the wrapper's checks cost 2 us, 8x the kernel, on an 8 KiB chunk.
 unshuffle_into = _native.unshuffle if BACKEND == "native" else _numpy_unshuffle_into
+
+# chunk_refs(refs, out, offset) -> (count, total length) | None: a manifest item's chunk ids read from its
+# msgpack in C with no object per ref (native only: store/manifest.py decodes with msgspec where it is None).
+chunk_refs = _native.chunk_refs if BACKEND == "native" else None

@@ -144,11 +144,12 @@ def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | No
     m = _decode(body, _RefsManifest, corrupt)
     # Room for the ids at the fewest bytes a ref takes (20), written in place by the C reader: no join.
     ids = np.empty(len(body) // 20, dtype=idset.ID)
-    ends, totals, at = np.empty(len(m.items), dtype=np.int64), [], 0
-    for i, it in enumerate(m.items):
-        n, total = _read_refs(it, ids, at, corrupt)
+    native, ends, totals, at = kernels.chunk_refs, [], [], 0
+    for it in m.items:
+        got = native(it.chunks, ids, 16 * at) if native is not None else None
+        n, total = got if got is not None else _read_refs(it, ids, at, corrupt)
         at += n
-        ends[i] = at
+        ends.append(at)
         totals.append(total)
     problem = _manifest_problem(m, totals)
     if problem:
@@ -156,15 +157,12 @@ def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | No
     name = m.name
     del m  # the items' raw refs (views of the body)
     ids.resize(at, refcheck=False)  # in place: no view of it was kept; an owning array (idset.Collector grows it)
-    return ManifestRefs(name, ids, ends)
+    return ManifestRefs(name, ids, np.array(ends, dtype=np.int64))
 
 
 def _read_refs(item, out: np.ndarray, at: int, corrupt) -> tuple[int, int]:
-    """(number of refs, sum of their lengths) of ``item`` (a _RefsItem), their ids written to ``out[at:]``:
-    in C when they are in the canonical form, else decoded and validated by msgspec against ChunkRef."""
-    fast = kernels.chunk_refs(item.chunks, out, 16 * at) if kernels.chunk_refs is not None else None
-    if fast is not None:
-        return fast
+    """(number of refs, sum of their lengths) of ``item`` (a _RefsItem), their ids written to ``out[at:]``,
+    decoded and validated by msgspec against ChunkRef: refs the C reader left (not in the canonical form)."""
     try:
         refs = _REFS_DECODER.decode(item.chunks)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
@@ -245,7 +243,7 @@ def _manifest_problem(m: Manifest, totals) -> str | None:
         at = f"item {it.key!r}"
         if it.elem_size not in VALID_ELEM_SIZES:
             return f"{at}: invalid element size {it.elem_size}"
-        if it.nbytes < 0 or it.global_offset < 0 or any(d < 0 for d in it.shape):
+        if it.nbytes < 0 or it.global_offset < 0 or min(it.shape, default=0) < 0:
             return f"{at}: negative size or offset"
         if total != it.nbytes:
             return f"{at}: chunk lengths sum to {total}, expected {it.nbytes}"

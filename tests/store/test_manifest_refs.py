@@ -136,6 +136,7 @@ def test_collector_is_the_sorted_unique_union(rng):
     assert c.result().size == 0  # the set was handed over
 
 
+@native  # without the C reader the refs are decoded into objects (~300 B each): correct, not lean
 def test_verify_level_0_memory_per_unique_chunk(make_store, rng):
     """A checkpoint of 20k chunks: verify level 0 holds ~1-2 arrays of ids and one manifest's bytes at a time
     (it took ~290 B per chunk when each manifest was decoded into objects)."""

@@ -474,4 +474,5 @@ unshuffle_into = _native.unshuffle if BACKEND == "native" else _numpy_unshuffle_
 
 # chunk_refs(refs, out, offset) -> (count, total length) | None: a manifest item's chunk ids read from its
 # msgpack in C with no object per ref (native only: store/manifest.py decodes with msgspec where it is None).
-chunk_refs = _native.chunk_refs if BACKEND == "native" else None
+# getattr: an extension built before native/refs.c existed lacks it; then refs are read the general way.
+chunk_refs = getattr(_native, "chunk_refs", None) if BACKEND == "native" else None

@@ -11,7 +11,7 @@ setup(
     ext_modules=[
         Extension(
             "deltackpt._native",
-            sources=["native/binding.c", "native/shuffle.c", "native/sparse.c", "native/fastcdc.c"],
+            sources=["native/binding.c", "native/shuffle.c", "native/sparse.c", "native/fastcdc.c", "native/refs.c"],
             include_dirs=["native"],
             extra_compile_args=extra,
         )

@@ -511,3 +511,8 @@ def _numpy_unshuffle_into(src, elem_size: int, out) -> None:
 # unshuffle(src, elem_size, out) for a hot path that owns both buffers: C-contiguous, of equal byte length (still
 # checked), never overlapping (not checked); the wrapper's checks cost 2 us, 8x the kernel, on an 8 KiB chunk.
 unshuffle_into = _native.unshuffle if BACKEND == "native" else _numpy_unshuffle_into
+
+# chunk_refs(refs, out, offset) -> (count, total length) | None: a manifest item's chunk ids read from its
+# msgpack in C with no object per ref (native only: store/manifest.py decodes with msgspec where it is None).
+# getattr: an extension built before native/refs.c existed lacks it; then refs are read the general way.
+chunk_refs = getattr(_native, "chunk_refs", None) if BACKEND == "native" else None

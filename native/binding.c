@@ -401,6 +401,38 @@ static PyObject *py_gear_table(PyObject *self, PyObject *noargs)
                                      256 * (Py_ssize_t)sizeof(uint64_t));
 }
 
+PyDoc_STRVAR(chunk_refs_doc,
+"chunk_refs(refs, out, offset) -> (count, total length) or None\n\n"
+"The ids of a msgpack array of chunk refs in deltackpt's canonical form, written to the writable buffer\n"
+"out from byte offset on (16 bytes each), and the sum of their lengths; None where the refs are in\n"
+"another form or do not fit in out (decode those the general way).");
+static PyObject *py_chunk_refs(PyObject *self, PyObject *args)
+{
+    PyObject *refs_obj, *out_obj;
+    Py_ssize_t offset;
+    Py_buffer refs, out;
+    int64_t n = -1;
+    uint64_t total = 0;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOn:chunk_refs", &refs_obj, &out_obj, &offset))
+        return NULL;
+    if (get_in(refs_obj, &refs, "refs") < 0)
+        return NULL;
+    if (get_out(out_obj, &out) < 0) {
+        PyBuffer_Release(&refs);
+        return NULL;
+    }
+    if (offset >= 0 && offset <= out.len)
+        n = dc_chunk_refs((const uint8_t *)refs.buf, (size_t)refs.len, (uint8_t *)out.buf + offset,
+                          (size_t)(out.len - offset) / 16, &total);
+    PyBuffer_Release(&refs);
+    PyBuffer_Release(&out);
+    if (n < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("LK", (long long)n, (unsigned long long)total);
+}
+
 static PyMethodDef native_methods[] = {
     {"shuffle", py_shuffle, METH_VARARGS, shuffle_doc},
     {"unshuffle", py_unshuffle, METH_VARARGS, unshuffle_doc},
@@ -413,6 +445,7 @@ static PyMethodDef native_methods[] = {
     {"sparse_merge", py_sparse_merge, METH_VARARGS, sparse_merge_doc},
     {"sparse_apply", py_sparse_apply, METH_VARARGS, sparse_apply_doc},
     {"gear_table", py_gear_table, METH_NOARGS, gear_table_doc},
+    {"chunk_refs", py_chunk_refs, METH_VARARGS, chunk_refs_doc},
     {NULL, NULL, 0, NULL},
 };
 

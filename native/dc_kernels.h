@@ -100,6 +100,11 @@ size_t dc_fastcdc_cuts(const uint8_t *data, size_t len, size_t min_size,
                        size_t avg_size, size_t max_size, int64_t *cuts,
                        size_t cap);
 
+/* Chunk refs (refs.c): the ids of a msgpack array of refs into ids (room for cap) and the sum of their
+ * lengths; the count, or -1 where the refs are not in the canonical form (the caller decodes those the
+ * general way). */
+int64_t dc_chunk_refs(const uint8_t *buf, size_t len, uint8_t *ids, size_t cap, uint64_t *total);
+
 #ifdef __cplusplus
 }
 #endif

@@ -242,10 +242,9 @@ def live_chunk_ids(store, names=None) -> np.ndarray:
     refs = idset.Collector()
     for name in store.checkpoint_names() if names is None else names:
         try:
-            manifest = store.read_manifest(name)
+            refs.add(store.read_manifest_refs(name).ids)
         except CheckpointNotFoundError:
             continue  # forgotten since it was listed (forget takes no lock): it makes nothing live
-        refs.add(idset.from_ids([ref.id for item in manifest.items for ref in item.chunks]))
     return with_chain_bases(store, refs.result())
 
 

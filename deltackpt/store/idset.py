@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 ID = np.dtype("V16")
+_BLOCK = 1 << 14  # ids per vectorised pass where a pass's temporaries would otherwise grow with the input
 
 
 def from_ids(ids) -> np.ndarray:
@@ -31,11 +32,18 @@ def union(sorted_ids: np.ndarray, *more: np.ndarray) -> np.ndarray:
 
 
 def isin(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """A bool per id of ``query``: whether it is in ``sorted_ids`` (sorted unique), in one pass."""
-    if not sorted_ids.size or not query.size:
-        return np.zeros(query.size, dtype=bool)
-    pos = np.searchsorted(sorted_ids, query)
-    return sorted_ids[np.minimum(pos, sorted_ids.size - 1)] == query
+    """A bool per id of ``query``: whether it is in ``sorted_ids`` (sorted unique), in vectorised passes over
+    blocks of ``query`` (a pass holds ~33 bytes per id it looks up: a block's worth, not the query's)."""
+    out = np.zeros(query.size, dtype=bool)
+    if not sorted_ids.size:
+        return out
+    last = sorted_ids.size - 1
+    for start in range(0, query.size, _BLOCK):
+        q = query[start:start + _BLOCK]
+        pos = np.searchsorted(sorted_ids, q)
+        np.minimum(pos, last, out=pos)
+        out[start:start + q.size] = sorted_ids[pos] == q
+    return out
 
 
 def contains(sorted_ids: np.ndarray, cid: bytes) -> bool:
@@ -44,30 +52,63 @@ def contains(sorted_ids: np.ndarray, cid: bytes) -> bool:
 
 
 class Collector:
-    """Gathers ids into a sorted unique set, merging whenever the ids waiting pass a quarter of it: memory
-    O(unique ids + one batch) however often an id repeats (each checkpoint of a history), time
-    O(total log total)."""
+    """Gathers ids into a sorted unique set: memory ~16 bytes per unique id and a batch, however often an id
+    repeats (each checkpoint of a history). An added batch is first cut to the ids not in the set yet; they
+    are merged in whenever they pass a quarter of it, by growing the set in place (realloc) and sorting it
+    in place, so a merge never holds the set twice. Time O(total log unique)."""
 
     def __init__(self) -> None:
-        self._set = np.empty(0, dtype=ID)
+        self._set = np.empty(0, dtype=ID)  # owns its memory: grown in place, no view of it is ever handed out
         self._waiting: list[np.ndarray] = []
         self._num_waiting = 0
 
     def add(self, ids: np.ndarray) -> None:
-        self._waiting.append(ids)
-        self._num_waiting += ids.size
-        if self._num_waiting > max(self._set.size // 4, 1 << 14):
-            self._merge()
+        """Add ``ids``; the collector may keep the array and reorder it."""
+        if self._set.size:
+            ids = ids[~isin(self._set, ids)]
+        if ids.size:
+            self._waiting.append(ids)
+            self._num_waiting += ids.size
+        if self._num_waiting > (max(self._set.size // 4, 1 << 14) if self._set.size else 0):
+            self._merge()  # at once when the set is empty: the batches after the first are cut against it
 
     def _merge(self) -> None:
-        # The new ids are inserted at their places, not the whole set sorted again: a merge holds the set
-        # twice at most (a sort of set + new ids would hold it four times).
-        new = unique(np.concatenate(self._waiting)) if self._waiting else self._set[:0]
-        self._waiting, self._num_waiting = [], 0
-        new = new[~isin(self._set, new)]
-        if new.size:
-            self._set = np.insert(self._set, np.searchsorted(self._set, new), new)
+        waiting, self._waiting, self._num_waiting = self._waiting, [], 0
+        if not waiting:
+            return
+        first = waiting[0]
+        if not self._set.size and len(waiting) == 1 and first.base is None and first.flags.writeable:
+            grown = first  # the first batch becomes the set as it is: no copy of it
+        else:
+            size = self._set.size
+            grown, self._set = self._set, np.empty(0, dtype=ID)
+            grown.resize(size + sum(w.size for w in waiting), refcheck=False)  # ours alone
+            for w in waiting:
+                grown[size:size + w.size] = w
+                size += w.size
+        del waiting, first
+        grown.sort()  # in place (quicksort), unlike np.unique
+        self._set = _drop_repeats(grown)
 
     def result(self) -> np.ndarray:
+        """The set (sorted unique); the collector is empty after."""
         self._merge()
-        return self._set
+        out, self._set = self._set, np.empty(0, dtype=ID)
+        return out
+
+
+def _drop_repeats(ids: np.ndarray) -> np.ndarray:
+    """``ids`` (sorted, owning its memory) without repeats, compacted in place block by block and shrunk."""
+    if ids.size < 2:
+        return ids
+    keep = ids[1:] != ids[:-1]
+    if keep.all():
+        return ids
+    at = 1
+    for start in range(0, keep.size, _BLOCK):
+        kept = ids[1 + start:1 + start + _BLOCK][keep[start:start + _BLOCK]]  # read before anything past it is written
+        ids[at:at + kept.size] = kept
+        at += kept.size
+    del keep, kept
+    ids.resize(at, refcheck=False)
+    return ids

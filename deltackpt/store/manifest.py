@@ -16,14 +16,18 @@ from __future__ import annotations
 import re
 import struct
 from operator import attrgetter
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
+import numpy as np
 import xxhash
 import zstandard
 
+from .. import kernels
 from ..errors import CorruptManifestError, InvalidNameError, UnsupportedFormatError
+from . import idset
 from .codec import VALID_ELEM_SIZES
+from .pausegc import paused_gc
 
 MANIFEST_MAGIC = b"DCMF"
 MANIFEST_VERSION = 1
@@ -106,10 +110,75 @@ def encode_manifest(m: Manifest) -> bytes:
 
 def decode_manifest(data: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> Manifest:
     """Parse and validate a stored manifest; any damage raises CorruptManifestError naming ``checkpoint``."""
+    return manifest_from_body(manifest_body(data, where, checkpoint=checkpoint), where, checkpoint=checkpoint)
 
-    def corrupt(msg: str) -> CorruptManifestError:
-        return CorruptManifestError(f"{where}: {msg}", checkpoint=checkpoint)
 
+def manifest_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> Manifest:
+    """:func:`decode_manifest` of the body :func:`manifest_body` took out of a stored manifest."""
+    corrupt = _corrupt(where, checkpoint)
+    m = _decode(body, Manifest, corrupt)
+    # Each ref's fields were checked by the schema.
+    problem = _manifest_problem(m, (sum(map(_LENGTH, it.chunks)) for it in m.items))
+    if problem:
+        raise corrupt(problem)
+    return m
+
+
+class ManifestRefs(NamedTuple):
+    """The chunk refs of a manifest in arrays: what verify and gc need of a checkpoint, read without an object
+    per ref or per item's ref list (a 1M-chunk manifest decoded whole costs ~150 B of Python objects a ref)."""
+
+    name: str
+    ids: np.ndarray  # V16: every ref's chunk id, item after item, in manifest order
+    item_end: np.ndarray  # int64 per item: its refs are ids[item_end[i - 1]:item_end[i]]
+
+
+def decode_manifest_refs(data: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> ManifestRefs:
+    """:func:`decode_manifest`'s checks, all of them, but only the chunk refs kept, in arrays."""
+    return refs_from_body(manifest_body(data, where, checkpoint=checkpoint), where, checkpoint=checkpoint)
+
+
+def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> ManifestRefs:
+    """:func:`decode_manifest_refs` of the body :func:`manifest_body` took out of a stored manifest."""
+    corrupt = _corrupt(where, checkpoint)
+    m = _decode(body, _RefsManifest, corrupt)
+    # Room for the ids at the fewest bytes a ref takes (20), written in place by the C reader: no join.
+    ids = np.empty(len(body) // 20, dtype=idset.ID)
+    native, ends, totals, at = kernels.chunk_refs, [], [], 0
+    for it in m.items:
+        got = native(it.chunks, ids, 16 * at) if native is not None else None
+        n, total = got if got is not None else _read_refs(it, ids, at, corrupt)
+        at += n
+        ends.append(at)
+        totals.append(total)
+    problem = _manifest_problem(m, totals)
+    if problem:
+        raise corrupt(problem)
+    name = m.name
+    del m  # the items' raw refs (views of the body)
+    ids.resize(at, refcheck=False)  # in place: no view of it was kept; an owning array (idset.Collector grows it)
+    return ManifestRefs(name, ids, np.array(ends, dtype=np.int64))
+
+
+def _read_refs(item, out: np.ndarray, at: int, corrupt) -> tuple[int, int]:
+    """(number of refs, sum of their lengths) of ``item`` (a _RefsItem), their ids written to ``out[at:]``,
+    decoded and validated by msgspec against ChunkRef: refs the C reader left (not in the canonical form)."""
+    try:
+        refs = _REFS_DECODER.decode(item.chunks)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
+        raise corrupt(f"item {item.key!r}: chunks: {e}") from None
+    out[at:at + len(refs)] = idset.from_ids([ref.id for ref in refs])  # fits: a ref takes 20 bytes or more
+    return len(refs), sum(map(_LENGTH, refs))
+
+
+def _corrupt(where: str, checkpoint: str | None):
+    return lambda msg: CorruptManifestError(f"{where}: {msg}", checkpoint=checkpoint)
+
+
+def manifest_body(data: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> bytes:
+    """The msgpack body of a stored manifest, its envelope (magic, version, checksum, zstd frame) checked: a
+    caller that drops ``data`` then holds the manifest once, not twice, while it is decoded."""
+    corrupt = _corrupt(where, checkpoint)
     if len(data) < 13 or data[:4] != MANIFEST_MAGIC:
         raise corrupt("not a deltackpt manifest (bad magic)")
     # The version comes first: a newer format may lay out the rest (checksum included) differently.
@@ -129,32 +198,53 @@ def decode_manifest(data: bytes, where: str = "manifest", *, checkpoint: str | N
         # zstd allocates the declared size up front; a forged header must not make us allocate gigabytes
         raise corrupt(f"implausible manifest size {declared}")
     try:
-        body = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_MANIFEST_BYTES)
+        return zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_MANIFEST_BYTES)
     except zstandard.ZstdError as e:
         raise corrupt(f"damaged manifest ({e})") from None
+
+
+def _decode(body: bytes, schema, corrupt):
     try:
-        m = msgspec.msgpack.decode(body, type=Manifest)
+        with paused_gc():  # an object or more per item, none in a cycle: collections would rescan them all
+            return msgspec.msgpack.decode(body, type=schema)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
         raise corrupt(str(e)) from None
-    problem = _manifest_problem(m)
-    if problem:
-        raise corrupt(problem)
-    return m
 
 
-def _manifest_problem(m: Manifest) -> str | None:
-    """What is invalid in a decoded manifest, or None."""
+def _variant(cls, field: str, typ):
+    """``cls`` with ``field`` decoded as ``typ`` and every other field, and the config, as they are: one schema
+    for both readings."""
+    fields = []
+    for f in msgspec.structs.fields(cls):
+        t = typ if f.name == field else f.type
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, t, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, t, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, t))
+    cfg = cls.__struct_config__
+    return msgspec.defstruct(f"_Refs{cls.__name__}", fields, kw_only=True, array_like=cfg.array_like,
+                             forbid_unknown_fields=cfg.forbid_unknown_fields, omit_defaults=cfg.omit_defaults)
+
+
+_RefsItem = _variant(Item, "chunks", msgspec.Raw)  # an item's refs left as msgpack, read by _read_refs
+_RefsManifest = _variant(Manifest, "items", list[_RefsItem])
+_REFS_DECODER = msgspec.msgpack.Decoder(list[ChunkRef])
+
+
+def _manifest_problem(m: Manifest, totals) -> str | None:
+    """What is invalid in a decoded manifest (``totals``: the sum of each item's ref lengths), or None."""
     try:
         validate_name(m.name)
     except InvalidNameError as e:
         return str(e)
-    for it in m.items:
+    for it, total in zip(m.items, totals):
         at = f"item {it.key!r}"
         if it.elem_size not in VALID_ELEM_SIZES:
             return f"{at}: invalid element size {it.elem_size}"
-        if it.nbytes < 0 or it.global_offset < 0 or any(d < 0 for d in it.shape):
+        if it.nbytes < 0 or it.global_offset < 0 or min(it.shape, default=0) < 0:
             return f"{at}: negative size or offset"
-        total = sum(map(_LENGTH, it.chunks))  # each ref's fields were checked by the schema
         if total != it.nbytes:
             return f"{at}: chunk lengths sum to {total}, expected {it.nbytes}"
     return None

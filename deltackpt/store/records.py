@@ -44,15 +44,20 @@ def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
 def check_record_array(chunk_ids, recs: np.ndarray, found: np.ndarray | None = None) -> None:
     """Raise ManifestFormatError naming the first of ``recs`` (those where ``found``) that decode_record would
     refuse: the same rules, checked in arrays."""
-    codecs, sizes = recs["codec"], recs["elem_size"]
-    bad = (~_KNOWN_CODEC[codecs] | ~_VALID_ELEM[sizes]
-           | (_IS_DELTA[codecs] != (recs["base"] != NO_BASE_VOID))
-           | (recs["raw_len"] > MAX_CHUNK_BYTES) | (recs["stored_len"] > MAX_CHUNK_BYTES + (1 << 20)))
+    bad = malformed(recs)
     if found is not None:
         bad &= found
     if bad.any():
         cid = chunk_ids[int(np.argmax(bad))]
         raise ManifestFormatError(f"index record for chunk {bytes(cid).hex()} is malformed")
+
+
+def malformed(recs: np.ndarray) -> np.ndarray:
+    """A bool per record of ``recs`` (RECORD_DTYPE): whether decode_record would refuse it."""
+    codecs, sizes = recs["codec"], recs["elem_size"]
+    return (~_KNOWN_CODEC[codecs] | ~_VALID_ELEM[sizes]
+            | (_IS_DELTA[codecs] != (recs["base"] != NO_BASE_VOID))
+            | (recs["raw_len"] > MAX_CHUNK_BYTES) | (recs["stored_len"] > MAX_CHUNK_BYTES + (1 << 20)))
 
 
 def decode_records(chunk_ids: list[bytes], recs: list[bytes]) -> np.ndarray:

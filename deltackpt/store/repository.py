@@ -36,7 +36,8 @@ from .commit import build_manifest, check_chunks, index_new_packs
 from .location import open_backend
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config, writer_features
 from .index import ChunkIndex
-from .manifest import LATEST, Item, Manifest, decode_manifest, encode_manifest, manifest_key, validate_name
+from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
+                       manifest_key, refs_from_body, validate_name)
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, SHARED, StoreLock
 from .pack import PackEntry
@@ -306,13 +307,22 @@ class Store:
         return None
 
     def read_manifest(self, name: str) -> Manifest:
+        return self._read_manifest_as(name, manifest_from_body)
+
+    def read_manifest_refs(self, name: str) -> ManifestRefs:
+        """The chunk refs of checkpoint ``name`` in arrays (see ManifestRefs), its manifest held to every check
+        of read_manifest: for verify and gc, which need no object per item or per ref."""
+        return self._read_manifest_as(name, refs_from_body)
+
+    def _read_manifest_as(self, name: str, from_body):
         name = self.resolve(name) if name == LATEST else validate_name(name)
+        where = f"manifest {name!r}"
         try:
-            data = self.backend.get(manifest_key(name))
+            body = manifest_body(self.backend.get(manifest_key(name)), where, checkpoint=name)  # stored bytes freed
         except FileNotFoundError:
             self.resolve(name)  # raises CheckpointNotFoundError with nearby names
             raise CheckpointNotFoundError(name) from None
-        m = decode_manifest(data, f"manifest {name!r}", checkpoint=name)
+        m = from_body(body, where, checkpoint=name)
         if m.name != name:
             raise CorruptManifestError(f"manifest {name!r} says its name is {m.name!r}", checkpoint=name)
         return m

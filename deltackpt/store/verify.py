@@ -178,8 +178,8 @@ def _needed_chunks(store, names: list[str], found: _Findings, report: VerifyRepo
 
 
 def _refs_of(store, name: str) -> np.ndarray:
-    """The ids checkpoint ``name`` references (its decoded manifest is freed on return, before any merge)."""
-    return idset.from_ids([ref.id for item in store.read_manifest(name).items for ref in item.chunks])
+    """The ids checkpoint ``name`` references, in manifest order (read into an array, no object per ref)."""
+    return store.read_manifest_refs(name).ids
 
 
 def _refresh_cache(store, users: np.ndarray, level: int, progress) -> tuple[dict[str, int], tuple]:
@@ -445,15 +445,20 @@ def _dependents(store, found: _Findings, targets: set[bytes]) -> dict[bytes, set
         for j in np.flatnonzero(idset.isin(wanted, found.delta_base)).tolist():
             via.setdefault(found.users[found.delta_at[j]].tobytes(), []).append(found.delta_base[j].tobytes())
     out: dict[bytes, set[str]] = {}
+    keys = idset.unique(idset.from_ids(list(targets | via.keys())))
     for name in found.names:
         try:
-            manifest = store.read_manifest(name)
+            refs = store.read_manifest_refs(name)
+            hits = np.flatnonzero(idset.isin(keys, refs.ids))
+            items = store.read_manifest(name).items if hits.size else []  # item names: only where damage is used
         except (ManifestFormatError, DeltackptError):
             continue  # forgotten or damaged since the first read
-        for item in manifest.items:
-            for ref in item.chunks:
-                for cid in ([ref.id] if ref.id in targets else []) + via.get(ref.id, []):
-                    out.setdefault(cid, set()).add(f"{name}:{item.key}")
+        if hits.size and len(items) != refs.item_end.size:
+            continue  # replaced between the two reads (forgotten and saved again)
+        for k, at in zip(hits.tolist(), np.searchsorted(refs.item_end, hits, side="right").tolist()):
+            cid = refs.ids[k].tobytes()
+            for target in ([cid] if cid in targets else []) + via.get(cid, []):
+                out.setdefault(target, set()).add(f"{name}:{items[at].key}")
     return out
 
 

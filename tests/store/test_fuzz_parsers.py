@@ -22,8 +22,10 @@ from deltackpt.errors import ManifestFormatError
 from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, codec
 from deltackpt.store.config import FORMAT_VERSION, decode_config, encode_config, new_config
 from deltackpt.store.records import decode_record, decode_records, encode_record
-from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest, encode_manifest, manifest_key
-from fuzz_helpers import FUZZ, MiB, attempt, mutate, mutations
+from deltackpt import kernels
+from deltackpt.store.manifest import (MANIFEST_MAGIC, decode_manifest, decode_manifest_refs, encode_manifest,
+                                      manifest_key)
+from fuzz_helpers import FUZZ, OUR_ERRORS, MiB, attempt, mutate, mutations
 
 from deltackpt.store.pack import (
     FOOTER_SIZE,
@@ -128,6 +130,58 @@ def _frame_header_len(frame: bytes) -> int:
     return 4 + zstandard.frame_header_size(frame)
 
 
+def _outcome(fn, data):
+    """(the error's type, None) or (None, the result) of fn(data); only our errors are caught."""
+    try:
+        return None, fn(data)
+    except OUR_ERRORS as e:
+        return type(e), None
+
+
+def _refs_agree_with_full_decode(data: bytes) -> None:
+    """decode_manifest_refs accepts exactly what decode_manifest accepts, with the same refs and the same error
+    type, in C and in the general (msgspec) reading of the refs."""
+    error, m = _outcome(decode_manifest, data)
+    native = kernels.chunk_refs
+    for impl in ({native, None} if native else {None}):
+        kernels.chunk_refs = impl
+        try:
+            refs_error, refs = _outcome(decode_manifest_refs, data)
+        finally:
+            kernels.chunk_refs = native
+        assert refs_error is error, (impl, refs_error, error)
+        if m is not None:
+            assert refs.name == m.name
+            assert refs.ids.tobytes() == b"".join(r.id for it in m.items for r in it.chunks)
+            assert refs.item_end.tolist() == np.cumsum([len(it.chunks) for it in m.items]).tolist()
+
+
+def test_refs_of_valid_samples():
+    for data in (VALID_MANIFEST, seal_body(BODY), seal_body(msgspec.msgpack.encode(_builtins()))):
+        _refs_agree_with_full_decode(data)
+        assert decode_manifest_refs(data).ids.size == 6
+
+
+@FUZZ
+@given(mutations)
+def test_manifest_refs_mutated_body_resealed(ops):
+    """Past the checksum, the refs-only reading refuses exactly what the strict schema refuses."""
+    _refs_agree_with_full_decode(seal_body(mutate(BODY, ops)))
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.binary(min_size=14, max_size=18), st.integers(-2, 2**64 - 1),
+                          st.integers(-2, 2**64 - 1), st.booleans()), max_size=6),
+       st.integers(0, 2**64 - 1))
+def test_manifest_refs_forms_resealed(refs, nbytes):
+    """Refs in every msgpack form (2 or 3 fields, ids of the wrong length, negative or huge integers)."""
+    d = _builtins()
+    d["items"][0]["chunks"] = [[i, n] if two else [i, n, k] for i, n, k, two in refs]
+    total = sum(n for _i, n, _k, _t in refs)
+    d["items"][0]["nbytes"] = nbytes if nbytes % 2 or not 0 <= total < 2**64 else total
+    _refs_agree_with_full_decode(seal_body(msgspec.msgpack.encode(d)))
+
+
 @FUZZ
 @given(mutations)
 def test_manifest_mutated_zstd_frame_resealed(ops):
@@ -175,9 +229,10 @@ def test_forged_msgpack_lengths_allocate_nothing():
                    b"\xa5items\xdf\xff\xff\xff\xff",  # map32
                    b"\xa5items\xc6\xff\xff\xff\xff"):  # bin32 of 4 GiB
         data = seal_body(body.replace(marker, forged))
-        with pytest.raises(ManifestFormatError):
-            decode_manifest(data)
-        assert _peak_while(decode_manifest, data) < 64 * MiB
+        for decode in (decode_manifest, decode_manifest_refs):
+            with pytest.raises(ManifestFormatError):
+                decode(data)
+            assert _peak_while(decode, data) < 64 * MiB
 
 
 def _forged_frame(content_size: int) -> bytes:

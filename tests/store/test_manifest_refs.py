@@ -1,0 +1,156 @@
+"""A checkpoint's chunk refs read into arrays (Store.read_manifest_refs, for verify and gc): the C reader of the
+canonical form, the general reading it defers to, damaged manifests on that path, and the id-set collector
+that gathers the refs of a history."""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+
+import msgspec
+import numpy as np
+import pytest
+import xxhash
+import zstandard
+
+from deltackpt import kernels
+from deltackpt.errors import CorruptManifestError
+from deltackpt.store import ChunkRef, idset
+from deltackpt.store.gc import live_chunk_ids, plan_gc
+from deltackpt.store.manifest import MANIFEST_MAGIC, manifest_key
+from deltackpt.store.verify import verify_store
+from store_helpers import random_array
+
+native = pytest.mark.skipif(kernels.chunk_refs is None, reason="the native kernels are not in use")
+
+
+def _ids(n: int, seed: int = 0) -> list[bytes]:
+    return [xxhash.xxh3_128_digest(struct.pack("<QQ", seed, i)) for i in range(n)]
+
+
+@native
+def test_native_reads_the_canonical_form():
+    refs = [ChunkRef(cid, length, skip) for cid, length, skip in zip(_ids(300), [0, 5, 127, 128, 70_000, 2**40] * 50,
+                                                                     [0, 1, 2**33] * 100)]
+    out = np.zeros(301, dtype=idset.ID)
+    assert kernels.chunk_refs(msgspec.msgpack.encode(refs), out, 16) == (300, sum(r.length for r in refs))
+    assert out[1:].tobytes() == b"".join(r.id for r in refs) and out[0] == np.zeros(1, dtype=idset.ID)[0]
+
+
+@native
+@pytest.mark.parametrize("raw", [
+    b"\x91\x92\xc5\x00\x10" + bytes(16) + b"\x01",  # bin16 header: valid msgpack, not the canonical form
+    b"\x91\x93\xc4\x10" + bytes(16) + b"\x01\xd0\x01",  # a signed encoding of a non-negative skip
+    b"\x91\x93\xc4\x10" + bytes(16) + b"\x01\xff",  # a negative skip
+    b"\x91\x93\xc4\x0f" + bytes(15) + b"\x01\x00",  # a 15-byte id
+    b"\x91\x94\xc4\x10" + bytes(16) + b"\x01\x00\x00",  # four fields
+    b"\x92\x92\xc4\x10" + bytes(16) + b"\x01",  # two refs announced, one present
+    b"\x91\x92\xc4\x10" + bytes(16) + b"\x01\x00",  # a trailing byte
+    b"\xdd\xff\xff\xff\xff\x92\xc4\x10" + bytes(16) + b"\x01",  # a forged count: nothing is sized from it
+    b"\x92\x92\xc4\x10" + bytes(16) + b"\xcf" + b"\xff" * 8 + b"\x92\xc4\x10" + bytes(16) + b"\x01",  # sum > 64 bits
+])
+def test_native_defers_every_other_form(raw):
+    """None: the caller reads these with msgspec, which accepts or refuses them (never the C reader)."""
+    assert kernels.chunk_refs(raw, np.zeros(4, dtype=idset.ID), 0) is None
+
+
+@native
+def test_native_refuses_to_write_past_the_buffer():
+    raw = msgspec.msgpack.encode([ChunkRef(cid, 1) for cid in _ids(4)])
+    assert kernels.chunk_refs(raw, np.zeros(4, dtype=idset.ID), 16) is None
+    assert kernels.chunk_refs(raw, np.zeros(4, dtype=idset.ID), 80) is None
+
+
+def _reseal(store, name: str, edit) -> None:
+    """Rewrite checkpoint ``name``'s manifest with ``edit`` applied to its fields, the envelope kept valid:
+    damage only the strict schema can find."""
+    key = manifest_key(name)
+    data = store.backend.get(key)
+    d = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(data[5:-8]))
+    edit(d)
+    out = MANIFEST_MAGIC + b"\x01" + zstandard.ZstdCompressor().compress(msgspec.msgpack.encode(d))
+    store.backend.put(key, out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out)))
+
+
+DAMAGE = {
+    "length sum": lambda d: d["items"][0]["chunks"][0].__setitem__(1, d["items"][0]["chunks"][0][1] + 1),
+    "short id": lambda d: d["items"][0]["chunks"][0].__setitem__(0, b"x" * 15),
+    "negative skip": lambda d: d["items"][0]["chunks"][-1].append(-1) if len(d["items"][0]["chunks"][-1]) == 2
+    else d["items"][0]["chunks"][-1].__setitem__(2, -1),
+    "ref as a map": lambda d: d["items"][0]["chunks"].__setitem__(0, {"id": b"x" * 16}),
+    "unknown item field": lambda d: d["items"][0].__setitem__("extra", 1),
+    "elem size": lambda d: d["items"][0].__setitem__("elem_size", 3),
+    "stats type": lambda d: d["stats"].__setitem__("num_chunks", "many"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_manifest_is_refused_on_the_refs_path(make_store, rng, damage):
+    store = make_store("memory", "m")
+    w = random_array(rng, "float32", (40 * 1024,))
+    store.save("a", {"w": w, "v": w[:1000] + 1})
+    store.save("b", {"w": w + 1})
+    _reseal(store, "b", DAMAGE[damage])
+    with pytest.raises(CorruptManifestError) as full:
+        store.read_manifest("b")
+    with pytest.raises(CorruptManifestError) as refs:
+        store.read_manifest_refs("b")
+    assert refs.value.checkpoint == full.value.checkpoint == "b"
+    r = verify_store(store, level=0)
+    assert [(p.kind.value, p.checkpoints) for p in r.problems] == [("manifest", ["b"])]
+    assert r.num_checkpoints == 1
+    with pytest.raises(CorruptManifestError):
+        live_chunk_ids(store)  # gc never plans from a manifest it cannot read
+    with pytest.raises(CorruptManifestError):
+        plan_gc(store, grace_s=0)
+
+
+def test_refs_path_matches_the_manifest_and_keeps_gc_and_verify_right(make_store, rng):
+    store = make_store("memory", "m")
+    w = random_array(rng, "float32", (64 * 1024,))
+    store.save("a", {"w": w, "empty": np.zeros(0, np.float32), "b": b"bytes"})
+    w2 = w.copy()
+    w2[::4096] += 1
+    store.save("b", {"w": w2})
+    for name in ("a", "b"):
+        m, refs = store.read_manifest(name), store.read_manifest_refs(name)
+        assert refs.ids.tobytes() == b"".join(r.id for it in m.items for r in it.chunks)
+        assert refs.item_end.tolist() == np.cumsum([len(it.chunks) for it in m.items]).tolist()
+        assert refs.ids.base is None  # an array of its own, which the id-set collector may grow in place
+    every = {r.id for name in ("a", "b") for it in store.read_manifest(name).items for r in it.chunks}
+    live = live_chunk_ids(store)
+    assert set(idset.from_ids(sorted(every)).tolist()) <= set(live.tolist())
+    assert verify_store(store, level=2).clean
+
+
+def test_collector_is_the_sorted_unique_union(rng):
+    c = idset.Collector()
+    pool = idset.from_ids(b"".join(_ids(50_000)))
+    batches = [pool[rng.integers(0, pool.size, size=int(rng.integers(0, 30_000)))].copy() for _ in range(12)]
+    batches.append(pool[:0].copy())
+    batches.append(idset.from_ids(b"".join(_ids(3))))  # read-only: kept by copy, never written
+    for b in batches:
+        c.add(b)
+    got = c.result()
+    assert got.tobytes() == np.unique(np.concatenate(batches)).tobytes()
+    assert c.result().size == 0  # the set was handed over
+
+
+@native  # without the C reader the refs are decoded into objects (~300 B each): correct, not lean
+def test_verify_level_0_memory_per_unique_chunk(make_store, rng):
+    """A checkpoint of 20k chunks: verify level 0 holds ~1-2 arrays of ids and one manifest's bytes at a time
+    (it took ~290 B per chunk when each manifest was decoded into objects)."""
+    store = make_store("memory", "m", chunk_size_bytes=4096)
+    w = random_array(rng, "float32", (20_000 * 1024,))
+    store.save("a", {"w": w})
+    w[::1024 * 100] += 1
+    store.save("b", {"w": w})
+    unique = store.index.num_chunks()
+    verify_store(store, level=0)  # warm (the index, imports)
+    tracemalloc.start()
+    try:
+        assert verify_store(store, level=0).clean
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak / unique < 100, peak / unique

@@ -6,12 +6,17 @@ and ``prepare_local_plan``; on the coordinator ``create_global_plan`` and ``prep
 same methods in the same order, with one writer (its own Store, as a rank process opens) and one planner per
 simulated rank, and no process group: each rank's state is its row-shard of every tensor, planned as DCP plans
 a shard (a SHARD write item with the shard's offsets in the whole tensor). Times are per phase, summed over
-ranks; the coordinator's two steps separately.
+ranks; the coordinator's two steps separately. Each simulated rank's objects are moved out of the cyclic
+collector's sight once its step is done (``gc.freeze``), as in a rank process, whose heap holds no other rank's:
+in one heap the collector rescanned every earlier rank's objects (1 % save at 1,024 ranks: 0.7 of 2.1 s in
+the collector; the ranks' plan step took 0.63 s, 0.22 s with each rank's objects frozen).
 """
 
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -46,6 +51,16 @@ class ShardPlanner(DefaultSavePlanner):
         return self.shards[write_item.index.fqn]
 
 
+@contextmanager
+def _rank_heaps():
+    """A function to call when a simulated rank's step is done: its objects leave the collector's sight (the
+    frozen generation) until the save ends."""
+    try:
+        yield gc.freeze
+    finally:
+        gc.unfreeze()
+
+
 def simulated_dcp_save(store_path, name: str, state: dict[str, np.ndarray], ranks: int) -> dict:
     """Save ``state`` (2-D arrays whose rows ``ranks`` divides) as ``ranks`` simulated ranks would; returns
     {phase: {"time_s", "mem_bytes"}}: "ranks" (each rank's plan and write, summed), "plan", "write",
@@ -55,7 +70,7 @@ def simulated_dcp_save(store_path, name: str, state: dict[str, np.ndarray], rank
     per = rows // ranks
     planners, writers, plans = [], [], []
     plan_s = write_s = 0.0
-    with PeakRSS() as mem:
+    with PeakRSS() as mem, _rank_heaps() as rank_done:
         t_start = time.perf_counter()
         for r in range(ranks):
             shards = {k: torch.from_numpy(v[r * per:(r + 1) * per]) for k, v in state.items()}
@@ -68,6 +83,7 @@ def simulated_dcp_save(store_path, name: str, state: dict[str, np.ndarray], rank
             plan_s += time.perf_counter() - t0
             planners.append(planner)
             writers.append(writer)
+            rank_done()
         t0 = time.perf_counter()
         global_plans, metadata = planners[0].create_global_plan(plans)
         global_plans = writers[0].prepare_global_plan(global_plans)
@@ -78,6 +94,7 @@ def simulated_dcp_save(store_path, name: str, state: dict[str, np.ndarray], rank
             final = planners[r].finish_plan(global_plans[r])
             results.append(writers[r].write_data(final, planners[r]).wait())
             write_s += time.perf_counter() - t0
+            rank_done()
         t0 = time.perf_counter()
         writers[0].finish(metadata=metadata, results=results)
         commit_s = time.perf_counter() - t0

@@ -171,31 +171,34 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             check_replicas([p.storage_data.get("replica_digests", {}) for p in plans], self.replica_check)
         hosts = Counter(p.storage_data.get("host") for p in plans)
         with paused_gc():  # the parent's manifest and map: a few objects per chunk of every rank
-            parent = self._read_parent(store)
+            parent, head = self._read_parent(store)
             self._parent_name = parent.name if parent is not None else None
             pmap = ParentMap(parent)
             out = [dataclasses.replace(p, storage_data={
-                "agreed_parent": self._parent_name, "ranks": len(plans),
+                "agreed_parent": self._parent_name, "head": head, "ranks": len(plans),
                 "host_ranks": hosts[p.storage_data.get("host")],
                 "parent_refs": pmap.encode_part(_item_ranges(p)) if pmap else None}) for p in plans]
         log.debug("save %s: plan %.3f s (%d ranks, parent %s)", self.checkpoint_id, time.perf_counter() - t0,
                   len(plans), self._parent_name)
         return out
 
-    def _read_parent(self, store: Store) -> Manifest | None:
+    def _read_parent(self, store: Store) -> tuple[Manifest | None, str | None]:
         """The newest readable checkpoint other than the one being saved (read under the lock: one
-        forgotten since cannot be chosen), the save's parent."""
-        for info in reversed(store.list_checkpoints()):
+        forgotten since cannot be chosen), the save's parent; and the name of the newest checkpoint, the
+        commit every rank's index catches up to (None in a store without one)."""
+        infos = store.list_checkpoints()
+        head = infos[-1].name if infos else None
+        for info in reversed(infos):
             if info.name == self.checkpoint_id:
                 continue
             try:
-                return store.read_manifest(info.name)
+                return store.read_manifest(info.name), head
             except CheckpointNotFoundError:
                 continue  # forgotten meanwhile
             except CorruptManifestError as e:
                 log.warning("save %s: not diffing against damaged checkpoint %s (%s)", self.checkpoint_id,
                             info.name, e)
-        return None
+        return None, head
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t0 = time.perf_counter()
@@ -224,14 +227,18 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
     def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         host_ranks = ranks = 1
         parent = ParentMap(None)
+        index = None  # a plan not from this writer's prepare_global_plan: refreshed on first use
         if isinstance(plan.storage_data, dict) and "agreed_parent" in plan.storage_data:
             data = plan.storage_data
             self._parent_name, host_ranks, ranks = data["agreed_parent"], data["host_ranks"], data["ranks"]
             if data.get("parent_refs"):
                 parent = ParentMap.decode_part(self._parent_name, data["parent_refs"])
-        # No listing of every pack when this cache indexed the parent's commit itself; and the coordinator
-        # holds the lock: a gc elsewhere may have deleted packs before it (sync).
-        store.index_as_of(self._parent_name).sync()
+            # Caught up to exactly the commit the coordinator saw newest: no listing of every pack when this
+            # cache indexed it itself, none in a store without checkpoints (the packs other ranks are writing
+            # meanwhile are never needed to deduplicate against).
+            index = store.index_as_of(data.get("head", self._parent_name))
+        # The coordinator holds the lock: a gc elsewhere may have deleted packs before it (sync).
+        (store.index if index is None else index).sync()
         if ranks > 1:
             # A multi-rank save is a training job's: keep this save's keyframes for the next one from the
             # first save on, else the second save after every (re)start reads all its bases back. (A single

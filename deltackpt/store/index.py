@@ -48,6 +48,7 @@ _BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, b
 
 # Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
 GC_EPOCH_KEY = "gc-epoch"
+LAST_COMMIT_KEY = b"last_commit"  # meta: the checkpoint whose commit this cache indexed last (Store.index_as_of)
 _envs, _close_env = lmdbenv._envs, close_env  # the registry, under the names the tests close it by
 
 
@@ -110,7 +111,8 @@ class ChunkIndex(LmdbCache):
     # -- checkpoint summaries (a cache of what ``ls`` needs, keyed by manifest name) ------------------------
     @guarded()
     def get_summaries(self) -> dict[str, bytes]:
-        self.env
+        if self._is_foreign():  # read before any refresh (ls): another store's summaries are not ours
+            return {}
         with self.env.begin(db=self._db[b"ckpts"]) as txn:
             return {bytes(k).decode(): bytes(v) for k, v in txn.cursor()}
 
@@ -289,6 +291,14 @@ class ChunkIndex(LmdbCache):
         with self.env.begin(write=True, db=meta) as txn:
             txn.put(key, value)
 
+    @guarded()
+    def has_seen(self, commit: str | None) -> bool:
+        """Whether this cache is this store's and indexed ``commit``'s commit itself (None: a store without
+        checkpoints, nothing to have seen): then it holds every pack that commit's checkpoint relies on."""
+        if self._is_foreign():
+            return False
+        return commit is None or self.get_meta(LAST_COMMIT_KEY) == commit.encode()
+
     def sync(self) -> None:
         """Refresh this cache if a gc deleted packs since it last looked (call holding a shared store lock,
         so no gc deletes while the caller relies on it). One small read when nothing changed."""
@@ -353,6 +363,14 @@ class ChunkIndex(LmdbCache):
                 present = self._listed()
             before = len(self._known_packs())
             chunks, packs_db, meta = self._dbs()
+            # A cache refilled from every pack still holds what the commit it recorded indexed (not so another
+            # store's): a failed commit's refresh must not make the next save list every pack again.
+            if not self._is_foreign():
+                with self.env.begin(db=meta) as txn:
+                    last_commit = txn.get(LAST_COMMIT_KEY)
+                    last_commit = None if last_commit is None else bytes(last_commit)
+            else:
+                last_commit = None
             with self.env.begin(write=True) as txn:
                 txn.drop(chunks, delete=False)
                 txn.drop(packs_db, delete=False)
@@ -363,6 +381,9 @@ class ChunkIndex(LmdbCache):
                                   bar)
             # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
             self._add([], {})
+            if last_commit is not None:  # only once every pack is indexed: an interrupted rebuild claims nothing
+                with self.env.begin(write=True, db=meta) as txn:
+                    txn.put(LAST_COMMIT_KEY, last_commit)
             self._trusted = True
             self._gen += 1
             return len(present), max(0, before - len(present))

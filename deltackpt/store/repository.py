@@ -35,7 +35,7 @@ from .cachedir import default_cache_dir, user_cache_dirs
 from .commit import build_manifest, check_chunks, index_new_packs
 from .location import open_backend
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config, writer_features
-from .index import ChunkIndex
+from .index import LAST_COMMIT_KEY, ChunkIndex
 from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
                        manifest_key, refs_from_body, validate_name)
 from .crashpoints import crash_point
@@ -53,7 +53,6 @@ def _as_backend(location, storage_options: dict | None = None) -> Backend:
 
 
 
-LAST_COMMIT_KEY = b"last_commit"  # index meta: the checkpoint whose commit this cache indexed last
 _RECEIVED_CACHES: dict[str, BaseCache] = {}  # store id -> the cache of Stores unpickled in this process
 _RECEIVED_LOCK = threading.Lock()
 
@@ -69,6 +68,7 @@ class Store:
         self._fallback_cache_dirs = [] if cache_dir or settings.cache_dir() else \
             user_cache_dirs(config.store_id)
         self._index: ChunkIndex | None = None
+        self._index_current = False  # refreshed, or brought up to a commit by index_as_of, in this process
         self._index_lock = threading.Lock()
         self.base_cache = BaseCache.from_settings()  # keyframes this object's saves keep for its next save
 
@@ -79,6 +79,7 @@ class Store:
         # The LMDB environment is per process; it is reopened lazily after unpickling.
         state = self.__dict__.copy()
         state["_index"] = None
+        state["_index_current"] = False
         del state["_index_lock"]
         cache = state.pop("base_cache")  # per process, like the index; its cap travels
         state["_base_cache_cap"] = (cache.cap_bytes, cache.fixed)
@@ -178,30 +179,40 @@ class Store:
     # -- index ---------------------------------------------------------------------------------------------
     @property
     def index(self) -> ChunkIndex:
+        """The index, refreshed from a listing of every pack on first use (unless :meth:`index_as_of` brought
+        it up to a commit first)."""
+        index = self._cache_index()
+        if not self._index_current:
+            with self._index_lock:
+                if not self._index_current:
+                    index.refresh()
+                    self._index_current = True
+        return index
+
+    def _cache_index(self) -> ChunkIndex:
+        """The index as its cache holds it, not refreshed: for what the cache keeps beside the chunks (the
+        checkpoint summaries), which a listing of every pack does not change."""
         if self._index is None:
             with self._index_lock:
                 if self._index is None:
-                    index = self._new_index()
-                    index.refresh()
-                    self._index = index
+                    self._index_current = False
+                    self._index = self._new_index()
         return self._index
 
-    def index_as_of(self, checkpoint: str | None) -> ChunkIndex:
-        """The index, brought up to ``checkpoint``'s commit: refreshed from a listing of every pack only when
-        its cache has not seen that commit. A DCP rank names the parent its coordinator sent: a cache the
-        coordinator commits into is current without a listing per rank (O(ranks x packs) per save), and a
-        node-local cache on another host catches up before every save (else it re-stores what it lacks)."""
-        with self._index_lock:
-            fresh = self._index is None
-            if fresh:
-                self._index = self._new_index()
-            index = self._index
-        if checkpoint is None:
-            if fresh:
-                index.refresh()
-        elif index.get_meta(LAST_COMMIT_KEY) != checkpoint.encode():
+    def index_as_of(self, head: str | None) -> ChunkIndex:
+        """The index, brought up to the commit of ``head`` (the store's newest checkpoint when a save began,
+        None when it had none): refreshed from a listing of every pack only when its cache has not seen that
+        commit. Packs written since (other ranks' of the same save) are never needed to deduplicate against.
+        A DCP rank names the head its coordinator sent: a cache the coordinator commits into is current
+        without a listing per rank (O(ranks x packs) per save, and on a first save each rank listed the
+        packs the ranks before it had written), and a cache on another host, or of another process, catches
+        up before every save (else it re-stores what it lacks)."""
+        index = self._cache_index()
+        if not index.has_seen(head):
             index.refresh()
-            index.set_meta(LAST_COMMIT_KEY, checkpoint.encode())
+            if head is not None:
+                index.set_meta(LAST_COMMIT_KEY, head.encode())
+        self._index_current = True
         return index
 
     def refresh_index(self) -> tuple[int, int]:
@@ -209,9 +220,9 @@ class Store:
 
     def rebuild_index(self, progress: Progress | None = None) -> tuple[int, int]:
         """Drop the index cache and re-read every pack table. Returns (packs indexed, packs dropped)."""
-        if self._index is None:
-            self._index = self._new_index()
-        return self._index.rebuild(progress=progress)
+        out = self._cache_index().rebuild(progress=progress)
+        self._index_current = True
+        return out
 
     def _new_index(self) -> ChunkIndex:
         return ChunkIndex(self.backend, self.cache_dir, self.config.store_id, self._fallback_cache_dirs)
@@ -232,7 +243,7 @@ class Store:
         ``damage`` set, placed by its manifest's modification time.
         """
         listed = {info.key[len("manifests/"):]: info for info in self.backend.list("manifests/")}
-        cached = self.index.get_summaries()
+        cached = self._cache_index().get_summaries()
         out, fresh = [], {}
         for name, obj in listed.items():
             info = None
@@ -259,7 +270,7 @@ class Store:
             out.append(info)
         stale = [n for n in cached if n not in listed]
         if fresh or stale:
-            self.index.put_summaries(fresh, drop=stale)
+            self._cache_index().put_summaries(fresh, drop=stale)
         out.sort(key=lambda i: (i.created_ns, i.name))
         return out
 
@@ -406,8 +417,10 @@ class Store:
             return self._save_locked(name, items, metadata, overwrite, lock, writer_kwargs)
 
     def _save_locked(self, name, items, metadata, overwrite, lock, writer_kwargs) -> Manifest:
-        self.index.sync()  # under the lock: a gc in another process (own cache) may have deleted packs
         parent = self.latest_manifest()
+        # Under the lock: caught up with the commits other processes made since this cache's last one (a
+        # stale cache costs only dedup: it re-stores what it lacks), and with a gc that may have deleted packs.
+        self.index_as_of(parent.name if parent is not None else None).sync()
         w = self.writer(parent=parent, **writer_kwargs)
         try:
             for key, value in items.items():

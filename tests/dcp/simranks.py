@@ -49,14 +49,15 @@ class SaveTimes:
     coordinator_s: float = 0.0  # global plan + finish (commit)
 
 
-def simulate_save(stores: list, name: str, state: dict[str, torch.Tensor]) -> SaveTimes:
-    """Save ``state`` as checkpoint ``name`` over ``len(stores)`` simulated ranks (``stores[r]``: rank r's)."""
+def simulate_save(stores: list, name: str, state: dict[str, torch.Tensor], **writer_kwargs) -> SaveTimes:
+    """Save ``state`` as checkpoint ``name`` over ``len(stores)`` simulated ranks (``stores[r]``: rank r's);
+    ``writer_kwargs`` go to each rank's DeltaStorageWriter."""
     ranks = len(stores)
     times = SaveTimes()
     writers, plans, planners = [], [], []
     for r, store in enumerate(stores):
         t0, c0 = time.perf_counter(), time.process_time()
-        w = DeltaStorageWriter(store, name)
+        w = DeltaStorageWriter(store, name, **writer_kwargs)
         w.set_up_storage_writer(r == 0, rank=r)
         plan, planner = _local_plan(state, r, ranks)
         plans.append(w.prepare_local_plan(plan))

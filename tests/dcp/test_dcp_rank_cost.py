@@ -206,3 +206,36 @@ def test_a_node_local_cache_catches_up_before_every_save(tmp_path, lookups):
     assert stores[0].read_manifest("s1").stats.new_chunks > 0
     simulate_save(stores, "s2", state1)  # nothing changed
     assert stores[0].read_manifest("s2").stats.new_chunks == 0
+
+
+def test_a_first_save_lists_no_packs(tmp_path, lookups):
+    """A first save (a store without checkpoints) has nothing to deduplicate against, and the packs other
+    ranks are writing meanwhile are never needed: no rank lists the store's packs (in one process, ranks one
+    after another, rank r listed and indexed the r packs written before it: O(ranks^2) per first save)."""
+    path = tmp_path / "s"
+    Store.init(path, chunk_size_bytes=CHUNK)
+    stores = [Store.open(ListingBackend(path)) for _ in range(7)]
+    stores.append(Store.open(ListingBackend(path), cache_dir=tmp_path / "other-host"))
+    state0 = make_state(STATE_BYTES, rows=512)
+    simulate_save(stores, "s0", state0)
+    assert [s.backend.reads["list:packs"] for s in stores] == [0] * 8
+    fresh = Store.open(LocalBackend(path), cache_dir=tmp_path / "fresh-cache")  # index from the packs
+    for key, shard in fresh.load("s0").items():
+        fqn, offsets = key.split("@")
+        row = int(offsets.split(",")[0])
+        assert shard.tobytes() == state0[fqn][row:row + shard.shape[0]].numpy().tobytes()
+
+
+def test_ranks_catch_up_to_the_newest_checkpoint_even_when_it_is_overwritten(tmp_path, lookups):
+    """The commit every rank's cache catches up to is the store's newest, not the save's parent: overwriting
+    the only checkpoint (no parent), a rank with a cache that never saw it still deduplicates against it."""
+    path = tmp_path / "s"
+    Store.init(path, chunk_size_bytes=CHUNK)
+    state0 = make_state(STATE_BYTES, rows=512)
+    simulate_save([Store.open(LocalBackend(path)) for _ in range(8)], "s0", state0)
+    stores = [Store.open(ListingBackend(path)) for _ in range(7)]
+    stores.append(Store.open(ListingBackend(path), cache_dir=tmp_path / "other-host"))
+    simulate_save(stores, "s0", state0, overwrite=True)
+    m = stores[0].read_manifest("s0")
+    assert m.parent is None and m.stats.new_chunks == 0
+    assert [s.backend.reads["list:packs"] for s in stores] == [0] * 7 + [1]

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deltackpt.store import LocalBackend, Store
+from deltackpt.store import LocalBackend, MemoryBackend, Store
+from deltackpt.store.gc import plan_gc
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.pack import pack_key
 
@@ -246,3 +247,59 @@ def test_records_rebuild_a_malformed_cache_record(local_store, rng, at, value):
         txn.put(victim.chunk_id, bytes(rec))
     recs, found = index.records([victim.chunk_id])
     assert found[0] and recs[0]["codec"] == victim.codec and recs[0]["offset"] == victim.offset
+
+
+# -- catching up with other processes' commits (Store.save: index_as_of the newest checkpoint) -----------------
+def _listing(monkeypatch, backend) -> list[str]:
+    """The prefixes ``backend`` (its class) is asked to list from now on."""
+    listed: list[str] = []
+    real_list = type(backend).list
+    monkeypatch.setattr(type(backend), "list", lambda self, prefix="": listed.append(prefix) or real_list(self, prefix))
+    return listed
+
+
+def test_a_save_catches_up_with_a_commit_another_process_made(tmp_path, rng, monkeypatch):
+    """Two processes with caches of their own (two hosts) save into one store: the one whose cache has not
+    seen the newest commit lists the packs once before it saves, and so re-stores nothing the other wrote
+    (it refreshed its index on first use only, and stored such chunks again)."""
+    a = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache-a", **SMALL)
+    b = Store.open(a.backend, cache_dir=tmp_path / "cache-b")
+    x, y = random_array(rng, "float32", (20_000,)), random_array(rng, "float32", (20_000,))
+    a.save("s1", {"x": x})
+    b.save("s2", {"x": x, "y": y})
+    listed = _listing(monkeypatch, a.backend)
+    m = a.save("s3", {"x": x, "y": y})
+    assert m.parent == "s2" and m.stats.new_chunks == 0
+    assert listed.count("packs/") == 1
+    listed.clear()
+    assert a.save("s4", {"x": x, "y": y}).stats.new_chunks == 0
+    assert "packs/" not in listed  # its own commit: nothing to catch up with
+    assert_items_equal({"x": x, "y": y}, b.load("s4"))
+
+
+def test_a_new_process_saves_without_listing_the_packs_its_cache_committed(local_store, rng, monkeypatch):
+    """A process whose cache indexed the newest commit itself (the last save on this host) lists no pack to
+    open its index for a save, and still deduplicates against that checkpoint."""
+    x = random_array(rng, "float32", (20_000,))
+    local_store.save("s1", {"x": x})
+    close_index(local_store)
+    fresh = Store.open(local_store.backend.root)
+    listed = _listing(monkeypatch, fresh.backend)
+    assert fresh.save("s2", {"x": x}).stats.new_chunks == 0
+    assert "packs/" not in listed
+
+
+def test_a_cache_that_saw_the_newest_commit_still_learns_of_another_process_gc(tmp_path, rng):
+    """The guarantee that a save never references what a gc swept does not rest on a listing: a gc in a
+    process with a cache of its own deleted packs this cache still indexes, the save's cache has seen the
+    newest commit (no listing), and the gc epoch sends it to refresh before it deduplicates."""
+    a = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache-a", **SMALL)
+    b = Store.open(a.backend, cache_dir=tmp_path / "cache-b")
+    x, y = random_array(rng, "float32", (20_000,)), random_array(rng, "float32", (20_000,))
+    a.save("s0", {"x": x})
+    a.save("s1", {"y": y})
+    b.forget("s0")
+    assert plan_gc(b, grace_s=0).execute().deleted_packs > 0
+    m = a.save("s2", {"x": x})  # x's chunks: indexed in a's cache, in packs gc deleted
+    assert m.parent == "s1" and m.stats.new_chunks > 0  # written again, not deduplicated against swept packs
+    assert_items_equal({"x": x}, Store.open(a.backend, cache_dir=tmp_path / "cache-c").load("s2"))

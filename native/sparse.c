@@ -14,7 +14,10 @@
  *
  * SSSE3 path (x86-64-v2): 8 bytes per step through a 256-entry byte-shuffle
  * table indexed by the step's bitmap byte (compact on split, expand on
- * merge). The scalar code is the reference and handles the ends.
+ * merge). apply goes 8 elements per step the same way (each plane expanded,
+ * the planes interleaved into elements) and skips 256 elements at a time
+ * where every plane's bitmap is zero. The scalar code is the reference and
+ * handles the ends.
  */
 #include "dc_kernels.h"
 
@@ -165,6 +168,128 @@ static uint64_t bitmap_word(const uint8_t *p, size_t w)
     return x;
 }
 
+#if DC_SPARSE_SIMD
+/* Unzigzag the k-byte little-endian integers in v: (z >> 1) ^ -(z & 1). */
+static __m128i unzig(__m128i v, size_t k)
+{
+    const __m128i zero = _mm_setzero_si128();
+    switch (k) {
+    case 1:
+        return _mm_xor_si128(_mm_and_si128(_mm_srli_epi16(v, 1), _mm_set1_epi8(0x7F)),
+                             _mm_sub_epi8(zero, _mm_and_si128(v, _mm_set1_epi8(1))));
+    case 2:
+        return _mm_xor_si128(_mm_srli_epi16(v, 1), _mm_sub_epi16(zero, _mm_and_si128(v, _mm_set1_epi16(1))));
+    case 4:
+        return _mm_xor_si128(_mm_srli_epi32(v, 1), _mm_sub_epi32(zero, _mm_and_si128(v, _mm_set1_epi32(1))));
+    default:
+        return _mm_xor_si128(_mm_srli_epi64(v, 1),
+                             _mm_sub_epi64(zero, _mm_and_si128(v, _mm_set_epi64x(1, 1))));
+    }
+}
+
+/* dst's k-byte integers plus (zig) or XOR d: the k-byte lanes of one 16-byte vector. */
+static __m128i combine(__m128i e, __m128i d, size_t k, int zig)
+{
+    if (!zig)
+        return _mm_xor_si128(e, d);
+    d = unzig(d, k);
+    switch (k) {
+    case 1:
+        return _mm_add_epi8(e, d);
+    case 2:
+        return _mm_add_epi16(e, d);
+    case 4:
+        return _mm_add_epi32(e, d);
+    default:
+        return _mm_add_epi64(e, d);
+    }
+}
+
+/* One 64-element window of dc_sparse_apply, 8 elements (one bitmap byte of each plane) per step: each plane's
+ * values are expanded to 8 bytes by the merge table, the k planes interleaved into 8 k-byte elements and
+ * combined with dst's. Returns nonzero when a value stored as nonzero is zero. The caller checked the counts
+ * and that every 8-byte load at vals + j * n + pos[j] (and up to 56 bytes further) stays inside vals. */
+static inline __attribute__((always_inline)) unsigned
+apply_window_k(const uint64_t *words_in, const uint8_t *vals, size_t n, size_t *pos_io, uint8_t *dst, const size_t k,
+               const int zig, uint64_t any)
+{
+    const __m128i zero = _mm_setzero_si128();
+    unsigned bad = 0;
+    uint64_t words[8];
+    size_t pos[8]; /* locals, which the stores to dst cannot alias: kept in registers */
+    for (size_t j = 0; j < k; j++) {
+        words[j] = words_in[j];
+        pos[j] = pos_io[j];
+    }
+    while (any) {
+        unsigned byte = (unsigned)__builtin_ctzll(any) >> 3;
+        __m128i p[8], x[8];
+        uint8_t *e = dst + (size_t)byte * 8 * k;
+        any &= ~((uint64_t)0xFF << (8 * byte));
+        for (size_t j = 0; j < k; j++) {
+            unsigned m = (unsigned)(words[j] >> (8 * byte)) & 0xFFu;
+            __m128i v = _mm_loadl_epi64((const __m128i *)(vals + j * n + pos[j]));
+            p[j] = _mm_shuffle_epi8(v, _mm_loadu_si128((const __m128i *)expand_tab[m]));
+            bad |= (unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(p[j], zero)) & m;
+            pos[j] += (size_t)__builtin_popcount(m);
+        }
+        /* interleave: plane bytes -> elements (low 8 bytes of each p[j] used) */
+        switch (k) {
+        case 1: {
+            __m128i d = combine(_mm_loadl_epi64((const __m128i *)e), p[0], 1, zig);
+            _mm_storel_epi64((__m128i *)e, d);
+            continue;
+        }
+        case 2:
+            x[0] = _mm_unpacklo_epi8(p[0], p[1]);
+            break;
+        case 4: {
+            __m128i a = _mm_unpacklo_epi8(p[0], p[1]), b = _mm_unpacklo_epi8(p[2], p[3]);
+            x[0] = _mm_unpacklo_epi16(a, b);
+            x[1] = _mm_unpackhi_epi16(a, b);
+            break;
+        }
+        default: {
+            __m128i a = _mm_unpacklo_epi8(p[0], p[1]), b = _mm_unpacklo_epi8(p[2], p[3]);
+            __m128i c = _mm_unpacklo_epi8(p[4], p[5]), d = _mm_unpacklo_epi8(p[6], p[7]);
+            __m128i lo0 = _mm_unpacklo_epi16(a, b), hi0 = _mm_unpackhi_epi16(a, b);
+            __m128i lo1 = _mm_unpacklo_epi16(c, d), hi1 = _mm_unpackhi_epi16(c, d);
+            x[0] = _mm_unpacklo_epi32(lo0, lo1);
+            x[1] = _mm_unpackhi_epi32(lo0, lo1);
+            x[2] = _mm_unpacklo_epi32(hi0, hi1);
+            x[3] = _mm_unpackhi_epi32(hi0, hi1);
+            break;
+        }
+        }
+        for (size_t q = 0; q < k / 2; q++) {
+            __m128i *eq = (__m128i *)(e + 16 * q);
+            _mm_storeu_si128(eq, combine(_mm_loadu_si128(eq), x[q], k, zig));
+        }
+    }
+    for (size_t j = 0; j < k; j++)
+        pos_io[j] = pos[j];
+    return bad;
+}
+
+/* apply_window_k with k and zig as constants (unrolled over the planes). */
+static unsigned apply_window(const uint64_t *words, const uint8_t *vals, size_t n, size_t *pos, uint8_t *dst,
+                             size_t k, int zig, uint64_t any)
+{
+#define DC_APPLY_CASE(K)                                                                                       \
+    case K:                                                                                                    \
+        return zig ? apply_window_k(words, vals, n, pos, dst, K, 1, any)                                       \
+                   : apply_window_k(words, vals, n, pos, dst, K, 0, any);
+    switch (k) {
+        DC_APPLY_CASE(1)
+        DC_APPLY_CASE(2)
+        DC_APPLY_CASE(4)
+        DC_APPLY_CASE(8)
+    }
+#undef DC_APPLY_CASE
+    return 1;
+}
+#endif
+
 int dc_sparse_apply(const uint8_t *bitmaps, const uint8_t *vals, const uint64_t *counts, uint8_t *dst,
                     size_t n, size_t k, int zig)
 {
@@ -176,6 +301,21 @@ int dc_sparse_apply(const uint8_t *bitmaps, const uint8_t *vals, const uint64_t 
     for (size_t b = 0; b < bm_len; b += 8) {
         size_t w = bm_len - b < 8 ? bm_len - b : 8, first = b * 8;
         uint64_t words[8], any = 0;
+#if DC_SPARSE_SIMD
+        /* most of a sparse plane set's bitmaps are zero: skipped 256 elements (4 windows) at a time */
+        if (b % 32 == 0 && b + 32 <= bm_len) {
+            __m128i acc = _mm_setzero_si128();
+            for (size_t j = 0; j < k; j++) {
+                const uint8_t *p = bitmaps + j * bm_len + b;
+                acc = _mm_or_si128(acc, _mm_or_si128(_mm_loadu_si128((const __m128i *)p),
+                                                     _mm_loadu_si128((const __m128i *)(p + 16))));
+            }
+            if (_mm_movemask_epi8(_mm_cmpeq_epi8(acc, _mm_setzero_si128())) == 0xFFFF) {
+                b += 24;
+                continue;
+            }
+        }
+#endif
         for (size_t j = 0; j < k; j++) {
             words[j] = bitmap_word(bitmaps + j * bm_len + b, w);
             any |= words[j];
@@ -188,6 +328,20 @@ int dc_sparse_apply(const uint8_t *bitmaps, const uint8_t *vals, const uint64_t 
         for (size_t j = 0; j < k; j++)
             if ((uint64_t)__builtin_popcountll(words[j]) > counts[j] - pos[j])
                 return -1; /* more positions than values: every read below stays inside vals */
+#if DC_SPARSE_SIMD
+        /* A full window whose 8-byte value loads all stay inside vals (each plane reads at most 64 bytes
+         * from its position on; plane j's slot ends at vals + (k - j) * n from its start) goes block by
+         * block: 8 elements per step, whatever the density. */
+        if (tabs_ready && w == 8) {
+            size_t j = 0;
+            while (j < k && pos[j] + 64 <= (k - j) * n)
+                j++;
+            if (j == k) {
+                bad |= apply_window(words, vals, n, pos, dst + first * k, k, zig, any);
+                continue;
+            }
+        }
+#endif
         if (!zig) {
             /* XOR is bytewise: each plane on its own, one step per nonzero byte */
             for (size_t j = 0; j < k; j++) {

@@ -533,13 +533,15 @@ def test_sparse_apply_turns_the_base_into_the_new_bytes(impl, k, n, density, see
 
 
 @pytest.mark.parametrize("zigzag", [False, True])
-@pytest.mark.parametrize("density", [0.001, 0.05, 0.6])
-def test_sparse_apply_native_matches_numpy_on_large_chunks(density, zigzag):
+@pytest.mark.parametrize("k", ELEM_SIZES)
+@pytest.mark.parametrize("density", [0.001, 0.05, 0.6, 1.0])
+def test_sparse_apply_native_matches_numpy_on_large_chunks(density, k, zigzag):
+    # 1.0: the last plane's values reach the end of vals, where the native kernel leaves its 8-element blocks
     nat = native()
-    base, new, bitmaps, vals, counts = sparse_delta(4, (1 << 18) + 13, density, 7, zigzag)
+    base, new, bitmaps, vals, counts = sparse_delta(k, (1 << 16) + 13, density, 7, zigzag)
     a, b = base.copy(), base.copy()
-    nat.sparse_apply(bitmaps, vals, counts, a, 4, zigzag)
-    kernels.numpy_impl.sparse_apply(bitmaps, vals, counts, b, 4, zigzag)
+    nat.sparse_apply(bitmaps, vals, counts, a, k, zigzag)
+    kernels.numpy_impl.sparse_apply(bitmaps, vals, counts, b, k, zigzag)
     assert np.array_equal(a, new) and np.array_equal(b, new)
 
 

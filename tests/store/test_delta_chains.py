@@ -288,3 +288,36 @@ def test_damage_in_the_middle_of_a_chain_is_caught_by_the_tip_and_named_at_its_l
     assert ei.value.chunk_id == ids[3].hex() and ei.value.base_chunk_id == ids[2].hex()
     report = verify_store(reopened, level=2)
     assert ids[1].hex() in {p.chunk_id for p in report.problems}
+
+
+def test_a_loads_bundles_count_the_links_down_each_chain(tmp_path):
+    # A bundle is one thread's job: counting a delta's own bytes and its base's only packed a deep chain's
+    # load into a few bundles that 2 threads could not share; each bundle must stay within its byte budget
+    # counted over every link it decodes.
+    from deltackpt.store.reader import _BUNDLE, BUNDLE_BYTES, CheckpointReader
+
+    store = Store.init(tmp_path / "s", chunk_size_bytes=CHUNK, max_chain=8)
+    for i, w in enumerate(_sparse_steps(3, 9, n=16 * CHUNK // 4)):
+        store.save(f"c{i}", {"w": w})
+    ids = _chunk_ids(store, "c8")
+    assert min(_depth(store, cid) for cid in ids) >= 4
+
+    def chain_bytes(cid: bytes) -> int:
+        entry, total = store.index.lookup(cid), 0
+        while True:
+            total += entry.span
+            if not codec.is_delta(entry.codec):
+                return total
+            entry = store.index.lookup(entry.base_id)
+
+    with CheckpointReader(store, store.read_manifest("c8"), num_threads=2) as reader:
+        out = np.empty(reader.item("w").nbytes, dtype=np.uint8)
+        jobs = reader.coalesce(reader.chunk_jobs("w", out))
+        limit = min(BUNDLE_BYTES, -(-sum(chain_bytes(cid) for cid in ids) // 2))
+        bundles = [job for job in jobs if job[0] is _BUNDLE]
+        assert bundles and len(jobs) >= 4
+        for job in bundles:
+            assert sum(chain_bytes(part[2].id) for part in job[1]) <= limit
+        for job in jobs:
+            reader.run_job(job)
+    assert np.array_equal(out.view(np.float32), _sparse_steps(3, 9, n=16 * CHUNK // 4)[-1])

@@ -65,12 +65,21 @@ class Collector:
     def add(self, ids: np.ndarray) -> None:
         """Add ``ids``; the collector may keep the array and reorder it."""
         if self._set.size:
-            ids = ids[~isin(self._set, ids)]
+            keep = ~isin(self._set, ids)
+            ids = ids if keep.all() else ids[keep]
         if ids.size:
             self._waiting.append(ids)
             self._num_waiting += ids.size
         if self._num_waiting > (max(self._set.size // 4, 1 << 14) if self._set.size else 0):
             self._merge()  # at once when the set is empty: the batches after the first are cut against it
+
+    def fresh(self, ids: np.ndarray) -> np.ndarray:
+        """The ones of ``ids`` not in the set yet (ids waiting to be merged are not looked at): ``ids`` itself
+        when that is all of them, else a copy."""
+        if not self._set.size:
+            return ids
+        keep = ~isin(self._set, ids)
+        return ids if keep.all() else ids[keep]
 
     def _merge(self) -> None:
         waiting, self._waiting, self._num_waiting = self._waiting, [], 0

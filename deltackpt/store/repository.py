@@ -38,7 +38,9 @@ from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_c
 from .index import ChunkIndex
 from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
                        manifest_key, refs_from_body, validate_name)
+from . import idset
 from .crashpoints import crash_point
+from .refstream import stream_manifest_ids
 from .lock import DEFAULT_WAIT_S, SHARED, StoreLock
 from .pack import PackEntry
 from .pausegc import paused_gc
@@ -313,6 +315,14 @@ class Store:
         """The chunk refs of checkpoint ``name`` in arrays (see ManifestRefs), its manifest held to every check
         of read_manifest: for verify and gc, which need no object per item or per ref."""
         return self._read_manifest_as(name, refs_from_body)
+
+    def add_manifest_ids(self, name: str, collector: idset.Collector) -> None:
+        """Add every chunk id checkpoint ``name`` references to ``collector`` (verify's and gc's sets), its
+        manifest held to every check of read_manifest_refs: nothing is added when one fails, and the same error
+        is raised. Read as a stream in bounded memory (see :mod:`.refstream`) where it can be."""
+        name = self.resolve(name) if name == LATEST else validate_name(name)
+        staged = stream_manifest_ids(self.backend, manifest_key(name), name, collector.fresh)
+        collector.add(self.read_manifest_refs(name).ids if staged is None else staged)  # None: any doubt
 
     def _read_manifest_as(self, name: str, from_body):
         name = self.resolve(name) if name == LATEST else validate_name(name)

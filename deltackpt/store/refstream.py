@@ -5,7 +5,8 @@ ref). Here the object is read in ranges and hashed as they come (xxh3 streams), 
 a small piece at a time and walked in C (``kernels.walk_refs``): the ids go to a stage, the items (their refs
 left out) to msgspec in batches against the manifest's own schema, the rest of the manifest (small) to msgspec
 at the end, and every check of :func:`.manifest.decode_manifest_refs` is made. The caller adds the stage to
-its set only when all of it passed.
+its set only when all of it passed (handing it over: it has room for every ref, untouched past the ids in it,
+where the set can grow without being copied).
 
 Only what the walk can prove canonical is read so. Anything else (damage, a form deltackpt does not write, a
 read that fails) returns None, and the caller reads the manifest the general way, which then accepts it or
@@ -41,10 +42,11 @@ class _Refused(Exception):
     """The stream cannot prove the manifest good: read it the general way."""
 
 
-def stream_manifest_ids(backend, key: str, name: str, fresh) -> np.ndarray | None:
-    """The ids manifest ``key`` of checkpoint ``name`` references that ``fresh`` keeps (``fresh(ids)``: those of
-    a batch not known yet; it may return ``ids`` itself), all checks of read_manifest_refs made; None when the
-    manifest must be read the general way (not the native kernels, damage, anything unusual)."""
+def stream_manifest_ids(backend, key: str, name: str, fresh) -> tuple[np.ndarray, int] | None:
+    """``(buf, n)``: in ``buf[:n]`` the ids manifest ``key`` of checkpoint ``name`` references that ``fresh``
+    keeps (``fresh(ids)``: those of a batch not known yet; it may return ``ids`` itself), in manifest order, all
+    checks of read_manifest_refs made (``buf``: an array of its own with room past ``n``, never touched); None
+    when the manifest must be read the general way (not the native kernels, damage, anything unusual)."""
     if kernels.walk_refs is None:
         return None
     try:
@@ -65,7 +67,7 @@ class _Stream:
         self.stage, self.staged = None, 0
         self.dobj, self.declared, self.body_bytes, self.done = None, 0, 0, False
 
-    def read(self, backend, key: str) -> np.ndarray:
+    def read(self, backend, key: str) -> tuple[np.ndarray, int]:
         buf = np.empty(_FIRST_READ, dtype=np.uint8)  # np.empty: a page is touched only when read into
         n = backend.get_range_into(key, 0, [buf])
         size = n if n < _FIRST_READ else backend.size(key)
@@ -99,8 +101,7 @@ class _Stream:
             raise _Refused
         self.declared = declared
         self.dobj = zstandard.ZstdDecompressor().decompressobj()
-        # A ref takes 20 bytes or more; pages of the stage never written are never touched.
-        self.stage = np.empty(declared // 20, dtype=idset.ID)
+        self.stage = np.empty(0, dtype=idset.ID)
 
     def _decompress(self, view: memoryview) -> None:
         for start in range(0, len(view), _FEED):
@@ -131,9 +132,10 @@ class _Stream:
         """Empty the walker's outputs (or grow one an unbroken value fills)."""
         at = self.at
         if at[_IDS_AT]:
-            new = self.fresh(self.ids[:at[_IDS_AT]])
+            batch = self.ids[:at[_IDS_AT]]
+            new = self.fresh(batch)
             if self.staged + new.size > self.stage.size:
-                raise _Refused
+                self._grow(self.staged + new.size, all_new=new is batch)
             self.stage[self.staged:self.staged + new.size] = new
             self.staged += new.size
             at[_IDS_AT] = 0
@@ -143,6 +145,17 @@ class _Stream:
             self.items.extend(bytes(len(self.items)))  # one item longer than the buffer
         if len(self.top) - at[_TOP_AT] < _HEADROOM:
             self.top.extend(bytes(len(self.top)))
+
+    def _grow(self, need: int, all_new: bool) -> None:
+        """Room in the stage for ``need`` ids: for every ref at once if the first batch was all new (likely the
+        whole manifest: pages never written are never touched), else doubling (most ids are known)."""
+        most = self.declared // 20  # a ref takes 20 bytes or more
+        if need > most:
+            raise _Refused
+        size = most if all_new and not self.staged else min(most, max(need, 2 * self.stage.size, 1 << 12))
+        stage = np.empty(size, dtype=idset.ID)  # not resize(): it writes zeros over the room, touching it all
+        stage[:self.staged] = self.stage[:self.staged]
+        self.stage = stage
 
     def _check_items(self) -> None:
         """Decode the whole items in the buffer against the schema and check each (their refs were walked)."""
@@ -160,7 +173,7 @@ class _Stream:
         self.items[:rest] = self.items[end:end + rest]
         at[_ITEMS_AT], at[_ITEMS_END], at[_RECS_AT] = rest, 0, 0
 
-    def _finish(self) -> np.ndarray:
+    def _finish(self) -> tuple[np.ndarray, int]:
         if not (self.done and self.dobj.eof and not self.tail and self.body_bytes == self.declared):
             raise _Refused
         self._drain()
@@ -171,7 +184,5 @@ class _Stream:
             raise _Refused from None
         if m.items or m.name != self.name:
             raise _Refused
-        stage = self.stage
-        self.stage = None
-        stage.resize(self.staged, refcheck=False)  # in place: no view of it was handed out
-        return stage
+        stage, self.stage = self.stage, None
+        return stage, self.staged

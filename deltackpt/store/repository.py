@@ -322,7 +322,10 @@ class Store:
         is raised. Read as a stream in bounded memory (see :mod:`.refstream`) where it can be."""
         name = self.resolve(name) if name == LATEST else validate_name(name)
         staged = stream_manifest_ids(self.backend, manifest_key(name), name, collector.fresh)
-        collector.add(self.read_manifest_refs(name).ids if staged is None else staged)  # None: any doubt
+        if staged is None:  # any doubt: the general reading decides
+            collector.add(self.read_manifest_refs(name).ids)
+        else:
+            collector.take(*staged)
 
     def _read_manifest_as(self, name: str, from_body):
         name = self.resolve(name) if name == LATEST else validate_name(name)

@@ -34,6 +34,8 @@ from .pack import PackTable, pack_bytes_ok, walk_entries, pack_key, pack_name_fr
 from .progress import Progress, phase
 from .source import ChunkSource
 
+_BLOCK = 1 << 14  # ids per vectorised pass where a pass's temporaries would otherwise grow with all the ids
+
 
 class ProblemKind(str, Enum):
     """What a :class:`Problem` is (its ``kind`` in the JSON report is the value)."""
@@ -247,7 +249,10 @@ def _check_structure(store, found: _Findings, last_seen, packs, level: int, prog
     _check_bases(found, users, loc, present, extra, packs, limit)
     found.live_packs = set(unreadable)
     for where in (loc, extra):
-        counts = np.bincount(where.pack_of[where.pack_of >= 0], minlength=len(where.packs))
+        counts = np.zeros(len(where.packs), dtype=np.int64)
+        for start in range(0, where.pack_of.size, _BLOCK):  # bincount's index copy (8 B an id): a block's worth
+            block = where.pack_of[start:start + _BLOCK]
+            counts += np.bincount(block[block >= 0], minlength=len(where.packs))
         for name, n in zip(where.packs, counts.tolist()):
             if n:
                 found.live_packs.add(name)
@@ -256,7 +261,11 @@ def _check_structure(store, found: _Findings, last_seen, packs, level: int, prog
 
 def _in_packs(loc, packs) -> np.ndarray:
     """A bool per located chunk: whether it is indexed in a pack that exists."""
-    return np.array([p in packs for p in loc.packs] + [False], dtype=bool)[loc.pack_of]
+    exists = np.array([p in packs for p in loc.packs] + [False], dtype=bool)  # pack_of -1: the last, False
+    out = np.empty(loc.pack_of.size, dtype=bool)
+    for start in range(0, out.size, _BLOCK):  # indexing copies the indices as int64: a block's worth at a time
+        out[start:start + _BLOCK] = exists[loc.pack_of[start:start + _BLOCK]]
+    return out
 
 
 def _follow_chains(index, found: _Findings, users: np.ndarray, extra, limit: int) -> None:

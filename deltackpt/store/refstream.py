@@ -27,7 +27,7 @@ from . import idset
 from .manifest import MANIFEST_MAGIC, MANIFEST_VERSION, MAX_MANIFEST_BYTES, RefsItem, RefsManifest, item_problem, \
     validate_name
 
-_FIRST_READ = 1 << 16  # a small manifest is one read; a larger one is read in ~16 ranges (a request each)
+_FIRST_READ = 1 << 16  # a smaller manifest is read whole; a larger one in ~16 ranges (a request each)
 _MAX_READ = 1 << 23
 _FEED = 1 << 14  # compressed bytes given to zstd at once: each call's output stays small
 _IDS, _RECS, _ITEMS, _TOP = 2048, 512, 1 << 15, 1 << 12  # the walker's outputs (ids, items, bytes)
@@ -42,11 +42,13 @@ class _Refused(Exception):
     """The stream cannot prove the manifest good: read it the general way."""
 
 
-def stream_manifest_ids(backend, key: str, name: str, fresh) -> tuple[np.ndarray, int] | None:
+def stream_manifest_ids(backend, key: str, name: str, fresh) -> tuple[np.ndarray, int] | bytes | None:
     """``(buf, n)``: in ``buf[:n]`` the ids manifest ``key`` of checkpoint ``name`` references that ``fresh``
     keeps (``fresh(ids)``: those of a batch not known yet; it may return ``ids`` itself), in manifest order, all
-    checks of read_manifest_refs made (``buf``: an array of its own with room past ``n``, never touched); None
-    when the manifest must be read the general way (not the native kernels, damage, anything unusual)."""
+    checks of read_manifest_refs made (``buf``: an array of its own with room past ``n``, never touched). Else
+    the manifest is to be read the general way: from these bytes, the whole object when it came in one small
+    read (streaming it would cost more than it saves), or None (not the native kernels, damage, anything
+    unusual)."""
     if kernels.walk_refs is None:
         return None
     try:
@@ -67,11 +69,13 @@ class _Stream:
         self.stage, self.staged = None, 0
         self.dobj, self.declared, self.body_bytes, self.done = None, 0, 0, False
 
-    def read(self, backend, key: str) -> tuple[np.ndarray, int]:
+    def read(self, backend, key: str) -> tuple[np.ndarray, int] | bytes:
         buf = np.empty(_FIRST_READ, dtype=np.uint8)  # np.empty: a page is touched only when read into
         n = backend.get_range_into(key, 0, [buf])
-        size = n if n < _FIRST_READ else backend.size(key)
-        first = buf[:n].tobytes() if n < 32 else bytes(buf[:32])
+        if n < _FIRST_READ:
+            return buf[:n].tobytes()
+        size = backend.size(key)
+        first = bytes(buf[:32])
         if size < 13 or first[:4] != MANIFEST_MAGIC or first[4] != MANIFEST_VERSION:
             raise _Refused
         self._start(first, size - 13)

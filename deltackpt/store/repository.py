@@ -322,16 +322,19 @@ class Store:
         is raised. Read as a stream in bounded memory (see :mod:`.refstream`) where it can be."""
         name = self.resolve(name) if name == LATEST else validate_name(name)
         staged = stream_manifest_ids(self.backend, manifest_key(name), name, collector.fresh)
-        if staged is None:  # any doubt: the general reading decides
-            collector.add(self.read_manifest_refs(name).ids)
-        else:
+        if isinstance(staged, tuple):
             collector.take(*staged)
+        else:  # any doubt, or a small manifest read whole: the general reading decides
+            collector.add(self._read_manifest_as(name, refs_from_body, staged).ids)
 
-    def _read_manifest_as(self, name: str, from_body):
+    def _read_manifest_as(self, name: str, from_body, data: bytes | None = None):
+        """``from_body`` of checkpoint ``name``'s manifest, its stored bytes ``data`` when already read."""
         name = self.resolve(name) if name == LATEST else validate_name(name)
         where = f"manifest {name!r}"
         try:
-            body = manifest_body(self.backend.get(manifest_key(name)), where, checkpoint=name)  # stored bytes freed
+            stored = self.backend.get(manifest_key(name)) if data is None else data
+            body = manifest_body(stored, where, checkpoint=name)  # stored bytes freed
+            del stored, data
         except FileNotFoundError:
             self.resolve(name)  # raises CheckpointNotFoundError with nearby names
             raise CheckpointNotFoundError(name) from None

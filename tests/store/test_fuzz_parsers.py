@@ -161,6 +161,9 @@ def _streamed(data: bytes, name: str):
     backend = MemoryBackend()
     backend.put("manifests/x", data)
     got = refstream.stream_manifest_ids(backend, "manifests/x", name, lambda ids: ids)
+    if isinstance(got, bytes):  # small: read whole, the general way
+        assert got == data
+        return None
     return None if got is None else got[0][:got[1]]
 
 
@@ -198,10 +201,9 @@ def test_refs_of_valid_samples():
         _refs_agree_with_full_decode(data)
         assert decode_manifest_refs(data).ids.size == 6
         if kernels.walk_refs is not None:  # the canonical form is read by the stream, not left to the general way
-            for tiny in (False, True):
-                with tiny_stream_buffers() if tiny else contextmanager(lambda: (yield))():
-                    assert _streamed(data, MANIFEST.name).tobytes() == decode_manifest_refs(data).ids.tobytes()
-            assert _streamed(data, "another-name") is None  # a manifest under another name is not this one
+            with tiny_stream_buffers():  # (at the usual sizes a manifest this small is read whole)
+                assert _streamed(data, MANIFEST.name).tobytes() == decode_manifest_refs(data).ids.tobytes()
+                assert _streamed(data, "another-name") is None  # a manifest under another name is not this one
 
 
 @FUZZ

@@ -30,7 +30,8 @@ from .manifest import MANIFEST_MAGIC, MANIFEST_VERSION, MAX_MANIFEST_BYTES, Refs
 _FIRST_READ = 1 << 16  # a smaller manifest is read whole; a larger one in ~16 ranges (a request each)
 _MAX_READ = 1 << 23
 _FEED = 1 << 14  # compressed bytes given to zstd at once: each call's output stays small
-_IDS, _RECS, _ITEMS, _TOP = 2048, 512, 1 << 15, 1 << 12  # the walker's outputs (ids, items, bytes)
+_CARRY = 64  # more than a value the walker waits on to see whole (a ref: <= 37 bytes, a header: <= 10)
+_IDS, _RECS, _ITEMS, _TOP = 1024, 256, 1 << 13, 1 << 12  # the walker's outputs (ids, items, bytes; grown)
 _HEADROOM = 16  # the walker writes a value's header (<= 10 bytes) and a nil whole, or waits for room
 _TOP_AT, _ITEMS_AT, _ITEMS_END, _IDS_AT, _RECS_AT = range(5)
 _FAILED, _NEED_INPUT, _FULL, _DONE = -1, 0, 1, 2
@@ -92,7 +93,8 @@ class _Stream:
             if offset >= size:
                 break
             if offset == n:
-                buf = np.empty(min(max(_FIRST_READ, size // 16), _MAX_READ), dtype=np.uint8)  # reused for the rest
+                del data, buf  # the first buffer freed before the one reused for the rest is made
+                buf = np.empty(min(max(_FIRST_READ, size // 16), _MAX_READ), dtype=np.uint8)
             n = backend.get_range_into(key, offset, [buf])
         if offset != size or digest.intdigest() != int.from_bytes(last8, "little"):
             raise _Refused
@@ -119,18 +121,31 @@ class _Stream:
                 self._walk(body)
 
     def _walk(self, piece: bytes) -> None:
-        view = memoryview(self.tail + piece if self.tail else piece)
+        if self.tail:  # the value cut at the end of the last piece, finished with a few bytes of this one
+            tail, self.tail = self.tail, b""
+            head = tail + piece[:_CARRY]
+            used = self._walk_view(memoryview(head))
+            if len(piece) <= _CARRY:
+                self.tail = head[used:]
+                return
+            piece = memoryview(piece)[max(used - len(tail), 0):]
+        used = self._walk_view(memoryview(piece))
+        self.tail = bytes(piece[used:])
+
+    def _walk_view(self, view: memoryview) -> int:
+        """Walk ``view`` as far as it holds whole values; the bytes used."""
+        done = 0
         while True:
-            status, used = kernels.walk_refs(self.state, view, self.top, self.items, self.ids, self.recs, self.at)
-            view = view[used:]
+            status, used = kernels.walk_refs(self.state, view[done:], self.top, self.items, self.ids, self.recs,
+                                             self.at)
+            done += used
             if status == _FAILED:
                 raise _Refused
             if status == _DONE:
                 self.done = True
             if status != _FULL:
-                break
+                return done
             self._drain()
-        self.tail = bytes(view)
 
     def _drain(self) -> None:
         """Empty the walker's outputs (or grow one an unbroken value fills)."""

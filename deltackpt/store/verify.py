@@ -34,7 +34,7 @@ from .pack import PackTable, pack_bytes_ok, walk_entries, pack_key, pack_name_fr
 from .progress import Progress, phase
 from .source import ChunkSource
 
-_BLOCK = 1 << 14  # ids per vectorised pass where a pass's temporaries would otherwise grow with all the ids
+_BLOCK = 1 << 12  # ids per vectorised pass where a pass's temporaries would otherwise grow with all the ids
 
 
 class ProblemKind(str, Enum):

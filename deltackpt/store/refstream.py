@@ -101,7 +101,7 @@ class _Stream:
         return self._finish()
 
     def _start(self, first: bytes, frame_bytes: int) -> None:
-        """Check the frame's declared size as decode_manifest does, and make the stage room for every ref."""
+        """Check the frame's declared size as decode_manifest does (it bounds the refs: 20 bytes each at least)."""
         declared = zstandard.frame_content_size(first[5:5 + min(18, frame_bytes)])  # a header is <= 18 bytes
         if not (0 <= declared <= MAX_MANIFEST_BYTES) or declared > 1024 * frame_bytes + (1 << 20):
             raise _Refused

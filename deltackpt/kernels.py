@@ -516,3 +516,8 @@ unshuffle_into = _native.unshuffle if BACKEND == "native" else _numpy_unshuffle_
 # msgpack in C with no object per ref (native only: store/manifest.py decodes with msgspec where it is None).
 # getattr: an extension built before native/refs.c existed lacks it; then refs are read the general way.
 chunk_refs = getattr(_native, "chunk_refs", None) if BACKEND == "native" else None
+# walk_refs(state, piece, top, items, ids, recs, at) -> (status, consumed): a resumable walk over a whole manifest
+# body fed in pieces (native only; store/refstream.py reads manifests whole where it is None). WALKER_BYTES: the
+# size of its state.
+walk_refs = getattr(_native, "walk_refs", None) if BACKEND == "native" else None
+WALKER_BYTES = getattr(_native, "WALKER_BYTES", 0) if BACKEND == "native" else 0

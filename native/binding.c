@@ -433,6 +433,70 @@ static PyObject *py_chunk_refs(PyObject *self, PyObject *args)
     return Py_BuildValue("LK", (long long)n, (unsigned long long)total);
 }
 
+PyDoc_STRVAR(walk_refs_doc,
+"walk_refs(state, piece, top, items, ids, recs, at) -> (status, consumed)\n\n"
+"One step of a resumable walk over a manifest's msgpack body (dc_walk in dc_kernels.h). state: a\n"
+"zeroed writable buffer of WALKER_BYTES kept between calls; top, items: writable byte buffers; ids:\n"
+"writable, 16 bytes an id; recs: writable uint64, two a record; at: writable int64 [top, items,\n"
+"items_end, ids, recs], the fill of each output, read and updated. status: -1 not canonical (read the\n"
+"manifest the general way), 0 piece used up, 1 an output full, 2 the manifest ended.");
+static PyObject *py_walk_refs(PyObject *self, PyObject *args)
+{
+    PyObject *objs[7];
+    Py_buffer v[7];
+    int taken = 0, rc;
+    size_t consumed = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOOOO:walk_refs", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &objs[6]))
+        return NULL;
+    for (; taken < 7; taken++) {
+        if ((taken == 1 ? get_in(objs[taken], &v[taken], "piece") : get_out(objs[taken], &v[taken])) < 0)
+            goto fail;
+    }
+    if (v[0].len != (Py_ssize_t)sizeof(dc_walker) || v[6].len != 5 * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "walk_refs: state must hold WALKER_BYTES and at 5 int64");
+        goto fail;
+    }
+    dc_walker *w = (dc_walker *)v[0].buf;
+    int64_t *at = (int64_t *)v[6].buf;
+    w->top = (uint8_t *)v[2].buf;
+    w->top_cap = (size_t)v[2].len;
+    w->items = (uint8_t *)v[3].buf;
+    w->items_cap = (size_t)v[3].len;
+    w->ids = (uint8_t *)v[4].buf;
+    w->ids_cap = (size_t)v[4].len / 16;
+    w->recs = (uint64_t *)v[5].buf;
+    w->recs_cap = (size_t)v[5].len / (2 * sizeof(uint64_t));
+    size_t *fill[5] = {&w->top_at, &w->items_at, &w->items_end, &w->ids_at, &w->recs_at};
+    size_t caps[5] = {w->top_cap, w->items_cap, w->items_cap, w->ids_cap, w->recs_cap};
+    for (int i = 0; i < 5; i++) {
+        if (at[i] < 0 || (size_t)at[i] > caps[i]) {
+            PyErr_SetString(PyExc_ValueError, "walk_refs: a fill count past its output");
+            goto fail;
+        }
+        *fill[i] = (size_t)at[i];
+    }
+    if (v[1].len >= DC_GIL_THRESHOLD) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = dc_walk(w, (const uint8_t *)v[1].buf, (size_t)v[1].len, &consumed);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = dc_walk(w, (const uint8_t *)v[1].buf, (size_t)v[1].len, &consumed);
+    }
+    for (int i = 0; i < 5; i++)
+        at[i] = (int64_t)*fill[i];
+    w->top = w->items = w->ids = NULL;
+    w->recs = NULL;
+    while (taken-- > 0)
+        PyBuffer_Release(&v[taken]);
+    return Py_BuildValue("in", rc, (Py_ssize_t)consumed);
+fail:
+    while (taken-- > 0)
+        PyBuffer_Release(&v[taken]);
+    return NULL;
+}
+
 static PyMethodDef native_methods[] = {
     {"shuffle", py_shuffle, METH_VARARGS, shuffle_doc},
     {"unshuffle", py_unshuffle, METH_VARARGS, unshuffle_doc},
@@ -446,6 +510,7 @@ static PyMethodDef native_methods[] = {
     {"sparse_apply", py_sparse_apply, METH_VARARGS, sparse_apply_doc},
     {"gear_table", py_gear_table, METH_NOARGS, gear_table_doc},
     {"chunk_refs", py_chunk_refs, METH_VARARGS, chunk_refs_doc},
+    {"walk_refs", py_walk_refs, METH_VARARGS, walk_refs_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -465,6 +530,10 @@ PyMODINIT_FUNC PyInit__native(void)
         return NULL;
     dc_sparse_init();
     if (PyModule_AddIntConstant(m, "GIL_RELEASE_THRESHOLD", (long)DC_GIL_THRESHOLD) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "WALKER_BYTES", (long)sizeof(dc_walker)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

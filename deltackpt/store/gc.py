@@ -242,7 +242,7 @@ def live_chunk_ids(store, names=None) -> np.ndarray:
     refs = idset.Collector()
     for name in store.checkpoint_names() if names is None else names:
         try:
-            refs.add(store.read_manifest_refs(name).ids)
+            store.add_manifest_ids(name, refs)
         except CheckpointNotFoundError:
             continue  # forgotten since it was listed (forget takes no lock): it makes nothing live
     return with_chain_bases(store, refs.result())

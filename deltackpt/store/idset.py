@@ -54,61 +54,92 @@ def contains(sorted_ids: np.ndarray, cid: bytes) -> bool:
 class Collector:
     """Gathers ids into a sorted unique set: memory ~16 bytes per unique id and a batch, however often an id
     repeats (each checkpoint of a history). An added batch is first cut to the ids not in the set yet; they
-    are merged in whenever they pass a quarter of it, by growing the set in place (realloc) and sorting it
-    in place, so a merge never holds the set twice. Time O(total log unique)."""
+    are merged in whenever they pass a quarter of it, into the room the set's buffer has past its end (grown
+    in place, realloc, when that is used up) and sorted in place, so a merge never holds the set twice.
+    Time O(total log unique)."""
 
     def __init__(self) -> None:
-        self._set = np.empty(0, dtype=ID)  # owns its memory: grown in place, no view of it is ever handed out
+        # The set is the first _n ids of _buf, which owns its memory; the rest is room (never touched, no
+        # memory, until merged into). No view of _buf is handed out while the collector has it.
+        self._buf, self._n = np.empty(0, dtype=ID), 0
         self._waiting: list[np.ndarray] = []
         self._num_waiting = 0
+        self._room: np.ndarray | None = None  # a buffer handed over with take(), to hold the set as it grows
+
+    @property
+    def _set(self) -> np.ndarray:
+        return self._buf[:self._n]
 
     def add(self, ids: np.ndarray) -> None:
         """Add ``ids``; the collector may keep the array and reorder it."""
-        if self._set.size:
-            ids = ids[~isin(self._set, ids)]
+        if self._n:
+            keep = ~isin(self._set, ids)
+            ids = ids if keep.all() else ids[keep]
         if ids.size:
             self._waiting.append(ids)
             self._num_waiting += ids.size
-        if self._num_waiting > (max(self._set.size // 4, 1 << 14) if self._set.size else 0):
+        if self._num_waiting > (max(self._n // 4, 1 << 14) if self._n else 0):
             self._merge()  # at once when the set is empty: the batches after the first are cut against it
+
+    def take(self, buf: np.ndarray, n: int) -> None:
+        """Add ``buf[:n]`` (``buf``: an array of ids of its own, not a view), handing ``buf`` over: the first
+        becomes the set's buffer, which later ids grow into; any later one is shrunk to its ids."""
+        if self._n or self._waiting:
+            buf.resize(n, refcheck=False)  # in place: its room would only be held while it waits
+            self.add(buf)
+        else:
+            self._room = buf
+            self.add(buf[:n])
+
+    def fresh(self, ids: np.ndarray) -> np.ndarray:
+        """The ones of ``ids`` not in the set yet (ids waiting to be merged are not looked at): ``ids`` itself
+        when that is all of them, else a copy."""
+        if not self._n:
+            return ids
+        keep = ~isin(self._set, ids)
+        return ids if keep.all() else ids[keep]
 
     def _merge(self) -> None:
         waiting, self._waiting, self._num_waiting = self._waiting, [], 0
+        room, self._room = self._room, None
         if not waiting:
             return
-        first = waiting[0]
-        if not self._set.size and len(waiting) == 1 and first.base is None and first.flags.writeable:
-            grown = first  # the first batch becomes the set as it is: no copy of it
+        first, size = waiting[0], self._n
+        need = size + sum(w.size for w in waiting)
+        if not size and len(waiting) == 1 and (room is not None or (first.base is None and first.flags.writeable)):
+            buf = room if room is not None else first  # the first batch becomes the set where it is: no copy
+            waiting = []
         else:
-            size = self._set.size
-            grown, self._set = self._set, np.empty(0, dtype=ID)
-            grown.resize(size + sum(w.size for w in waiting), refcheck=False)  # ours alone
+            buf, self._buf, self._n = self._buf, np.empty(0, dtype=ID), 0
+            if need > buf.size:
+                buf.resize(need, refcheck=False)  # ours alone; only as far as is written now (it zero-fills)
             for w in waiting:
-                grown[size:size + w.size] = w
+                buf[size:size + w.size] = w
                 size += w.size
-        del waiting, first
-        grown.sort()  # in place (quicksort), unlike np.unique
-        self._set = _drop_repeats(grown)
+        del waiting, first, room
+        view = buf[:need]
+        view.sort()  # in place (quicksort), unlike np.unique
+        self._buf, self._n = buf, _drop_repeats(view)
 
     def result(self) -> np.ndarray:
-        """The set (sorted unique); the collector is empty after."""
+        """The set (sorted unique, an array of its own); the collector is empty after."""
         self._merge()
-        out, self._set = self._set, np.empty(0, dtype=ID)
+        out, n = self._buf, self._n
+        self._buf, self._n = np.empty(0, dtype=ID), 0
+        out.resize(n, refcheck=False)  # the room given back (shrunk in place)
         return out
 
 
-def _drop_repeats(ids: np.ndarray) -> np.ndarray:
-    """``ids`` (sorted, owning its memory) without repeats, compacted in place block by block and shrunk."""
+def _drop_repeats(ids: np.ndarray) -> int:
+    """Compact ``ids`` (sorted) in place, block by block, to its first occurrences; returns how many."""
     if ids.size < 2:
-        return ids
+        return ids.size
     keep = ids[1:] != ids[:-1]
     if keep.all():
-        return ids
+        return ids.size
     at = 1
     for start in range(0, keep.size, _BLOCK):
         kept = ids[1 + start:1 + start + _BLOCK][keep[start:start + _BLOCK]]  # read before anything past it is written
         ids[at:at + kept.size] = kept
         at += kept.size
-    del keep, kept
-    ids.resize(at, refcheck=False)
-    return ids
+    return at

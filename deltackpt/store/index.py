@@ -45,6 +45,7 @@ log = logging.getLogger("deltackpt.store")
 _MAP_SIZE = 1 << 36  # virtual; the file grows as needed
 INDEX_VERSION = b"2"
 _BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, bounded memory
+_CHECK_RECORDS = 512  # records checked at once by check_records (~30 KiB)
 
 # Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
 GC_EPOCH_KEY = "gc-epoch"
@@ -175,18 +176,27 @@ class ChunkIndex(LmdbCache):
     def check_records(self) -> int:
         """Number of malformed records in the cache (a damaged cache is rebuilt, never trusted)."""
         chunks, _, _ = self._dbs()
-        bad, batch, full = 0, bytearray(), RECORD_SIZE << 12
+        bad, n, batch = 0, 0, np.empty(_CHECK_RECORDS, dtype=RECORD_DTYPE)  # one buffer: memory O(1)
+        raw = memoryview(batch.view(np.uint8))
         with self.env.begin(db=chunks) as txn:
             for k, v in txn.cursor():
                 if len(k) != 16 or len(v) != RECORD_SIZE:
                     bad += 1
                     continue
-                batch += v
-                if len(batch) >= full:  # decode_record's rules in arrays, 4096 records at a time
-                    bad += int(malformed(np.frombuffer(batch, RECORD_DTYPE)).sum())
-                    batch = bytearray()
-            bad += int(malformed(np.frombuffer(batch, RECORD_DTYPE)).sum())
+                raw[n * RECORD_SIZE:(n + 1) * RECORD_SIZE] = v
+                n += 1
+                if n == batch.size:  # decode_record's rules in arrays, a batch at a time
+                    bad += int(malformed(batch).sum())
+                    n = 0
+            bad += int(malformed(batch[:n]).sum())
         return bad
+
+    @guarded()
+    def write_token(self):
+        """A value that changes whenever the cache is written, by any process (LMDB's last transaction id);
+        None for a cache in memory, which has none (a caller then assumes it changed)."""
+        self.env
+        return None if self.in_memory else self.env.info()["last_txnid"]
 
     @guarded()
     def known_packs(self) -> set[str]:

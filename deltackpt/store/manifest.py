@@ -102,9 +102,15 @@ def manifest_key(name: str) -> str:
     return f"manifests/{validate_name(name)}"
 
 
+# Level 3 with a 64 KiB window: a reader that streams the body (refstream.py) holds the window, not the body
+# (a level-3 frame's window is the whole body up to 2 MiB); the ids that fill most of a body never repeat.
+_COMPRESSION = zstandard.ZstdCompressionParameters.from_level(3, window_log=16)
+
+
 def encode_manifest(m: Manifest) -> bytes:
     body = msgspec.msgpack.encode(m)
-    out = MANIFEST_MAGIC + bytes([MANIFEST_VERSION]) + zstandard.ZstdCompressor(level=3).compress(body)
+    out = MANIFEST_MAGIC + bytes([MANIFEST_VERSION]) + zstandard.ZstdCompressor(
+        compression_params=_COMPRESSION).compress(body)
     return out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out))
 
 
@@ -141,7 +147,7 @@ def decode_manifest_refs(data: bytes, where: str = "manifest", *, checkpoint: st
 def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> ManifestRefs:
     """:func:`decode_manifest_refs` of the body :func:`manifest_body` took out of a stored manifest."""
     corrupt = _corrupt(where, checkpoint)
-    m = _decode(body, _RefsManifest, corrupt)
+    m = _decode(body, RefsManifest, corrupt)
     # Room for the ids at the fewest bytes a ref takes (20), written in place by the C reader: no join.
     ids = np.empty(len(body) // 20, dtype=idset.ID)
     native, ends, totals, at = kernels.chunk_refs, [], [], 0
@@ -161,7 +167,7 @@ def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | No
 
 
 def _read_refs(item, out: np.ndarray, at: int, corrupt) -> tuple[int, int]:
-    """(number of refs, sum of their lengths) of ``item`` (a _RefsItem), their ids written to ``out[at:]``,
+    """(number of refs, sum of their lengths) of ``item`` (a RefsItem), their ids written to ``out[at:]``,
     decoded and validated by msgspec against ChunkRef: refs the C reader left (not in the canonical form)."""
     try:
         refs = _REFS_DECODER.decode(item.chunks)
@@ -228,8 +234,8 @@ def _variant(cls, field: str, typ):
                              forbid_unknown_fields=cfg.forbid_unknown_fields, omit_defaults=cfg.omit_defaults)
 
 
-_RefsItem = _variant(Item, "chunks", msgspec.Raw)  # an item's refs left as msgpack, read by _read_refs
-_RefsManifest = _variant(Manifest, "items", list[_RefsItem])
+RefsItem = _variant(Item, "chunks", msgspec.Raw)  # an item's refs left as msgpack, read by _read_refs
+RefsManifest = _variant(Manifest, "items", list[RefsItem])
 _REFS_DECODER = msgspec.msgpack.Decoder(list[ChunkRef])
 
 
@@ -240,11 +246,19 @@ def _manifest_problem(m: Manifest, totals) -> str | None:
     except InvalidNameError as e:
         return str(e)
     for it, total in zip(m.items, totals):
-        at = f"item {it.key!r}"
-        if it.elem_size not in VALID_ELEM_SIZES:
-            return f"{at}: invalid element size {it.elem_size}"
-        if it.nbytes < 0 or it.global_offset < 0 or min(it.shape, default=0) < 0:
-            return f"{at}: negative size or offset"
-        if total != it.nbytes:
-            return f"{at}: chunk lengths sum to {total}, expected {it.nbytes}"
+        problem = item_problem(it, total)
+        if problem:
+            return problem
+    return None
+
+
+def item_problem(it: Item, total: int) -> str | None:
+    """What is invalid in a decoded item whose refs' lengths sum to ``total``, or None."""
+    at = f"item {it.key!r}"
+    if it.elem_size not in VALID_ELEM_SIZES:
+        return f"{at}: invalid element size {it.elem_size}"
+    if it.nbytes < 0 or it.global_offset < 0 or min(it.shape, default=0) < 0:
+        return f"{at}: negative size or offset"
+    if total != it.nbytes:
+        return f"{at}: chunk lengths sum to {total}, expected {it.nbytes}"
     return None

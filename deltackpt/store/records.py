@@ -96,16 +96,16 @@ def locate_in(get, ids: np.ndarray) -> Located:
     bytes or None, e.g. an LMDB transaction's); only the fields a structure check needs are read."""
     raw = memoryview(np.ascontiguousarray(ids).view(np.uint8))  # no copy of the ids
     names: dict[bytes, int] = {}
-    pack_of, delta_at, bases = array("i"), array("i"), bytearray()
+    # Sized up front: grown an append at a time, its reallocations held it twice at moments.
+    pack_of, delta_at, bases = array("i", [-1]) * (len(raw) // 16), array("i"), bytearray()
     for k in range(0, len(raw), 16):
         rec = get(raw[k:k + 16])
         if rec is None:
-            pack_of.append(-1)
             continue
         base = rec[42:58]  # see _RECORD: pack, 3 x u64, codec (byte 40), elem size, base
         if len(rec) != _RECORD.size or is_delta(rec[40]) != (base != _NO_BASE):
             raise ManifestFormatError(f"index record for chunk {raw[k:k + 16].hex()} is malformed")
-        pack_of.append(names.setdefault(rec[:16], len(names)))
+        pack_of[k // 16] = names.setdefault(rec[:16], len(names))
         if is_delta(rec[40]):
             delta_at.append(k // 16)
             bases += base

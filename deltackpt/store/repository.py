@@ -38,7 +38,9 @@ from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_c
 from .index import LAST_COMMIT_KEY, ChunkIndex
 from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
                        manifest_key, refs_from_body, validate_name)
+from . import idset
 from .crashpoints import crash_point
+from .refstream import stream_manifest_ids
 from .lock import DEFAULT_WAIT_S, SHARED, StoreLock
 from .pack import PackEntry
 from .pausegc import paused_gc
@@ -325,11 +327,25 @@ class Store:
         of read_manifest: for verify and gc, which need no object per item or per ref."""
         return self._read_manifest_as(name, refs_from_body)
 
-    def _read_manifest_as(self, name: str, from_body):
+    def add_manifest_ids(self, name: str, collector: idset.Collector) -> None:
+        """Add every chunk id checkpoint ``name`` references to ``collector`` (verify's and gc's sets), its
+        manifest held to every check of read_manifest_refs: nothing is added when one fails, and the same error
+        is raised. Read as a stream in bounded memory (see :mod:`.refstream`) where it can be."""
+        name = self.resolve(name) if name == LATEST else validate_name(name)
+        staged = stream_manifest_ids(self.backend, manifest_key(name), name, collector.fresh)
+        if isinstance(staged, tuple):
+            collector.take(*staged)
+        else:  # any doubt, or a small manifest read whole: the general reading decides
+            collector.add(self._read_manifest_as(name, refs_from_body, staged).ids)
+
+    def _read_manifest_as(self, name: str, from_body, data: bytes | None = None):
+        """``from_body`` of checkpoint ``name``'s manifest, its stored bytes ``data`` when already read."""
         name = self.resolve(name) if name == LATEST else validate_name(name)
         where = f"manifest {name!r}"
         try:
-            body = manifest_body(self.backend.get(manifest_key(name)), where, checkpoint=name)  # stored bytes freed
+            stored = self.backend.get(manifest_key(name)) if data is None else data
+            body = manifest_body(stored, where, checkpoint=name)  # stored bytes freed
+            del stored, data
         except FileNotFoundError:
             self.resolve(name)  # raises CheckpointNotFoundError with nearby names
             raise CheckpointNotFoundError(name) from None

@@ -34,6 +34,8 @@ from .pack import PackTable, pack_bytes_ok, walk_entries, pack_key, pack_name_fr
 from .progress import Progress, phase
 from .source import ChunkSource
 
+_BLOCK = 1 << 12  # ids per vectorised pass where a pass's temporaries would otherwise grow with all the ids
+
 
 class ProblemKind(str, Enum):
     """What a :class:`Problem` is (its ``kind`` in the JSON report is the value)."""
@@ -165,7 +167,7 @@ def _needed_chunks(store, names: list[str], found: _Findings, report: VerifyRepo
     with phase(progress, "verify manifests", len(names), "checkpoint") as bar:
         for name in names:
             try:
-                refs = _refs_of(store, name)
+                store.add_manifest_ids(name, users)
             except (ManifestFormatError, DeltackptError) as e:
                 report.problems.append(Problem(ProblemKind.MANIFEST, str(e), checkpoints=[name]))
                 continue
@@ -173,21 +175,16 @@ def _needed_chunks(store, names: list[str], found: _Findings, report: VerifyRepo
                 bar.advance(1)
             report.num_checkpoints += 1
             found.names.append(name)
-            users.add(refs)
     found.users = users.result()
-
-
-def _refs_of(store, name: str) -> np.ndarray:
-    """The ids checkpoint ``name`` references, in manifest order (read into an array, no object per ref)."""
-    return store.read_manifest_refs(name).ids
 
 
 def _refresh_cache(store, users: np.ndarray, level: int, progress) -> tuple[dict[str, int], tuple]:
     """Bring the index cache in line with the packs; returns (pack name -> size, where the cache located each
-    of ``users`` before: (pack names, pack number per chunk or -1))."""
+    of ``users`` before: (pack names, pack number per chunk or -1), None when that is where it locates them now)."""
     # Where the cache last saw each chunk, before refreshing it: a pack that vanished since is then
     # reported by name, not just as chunks that are nowhere.
     index = store.index
+    token = index.write_token()
     try:
         before = index.locate(users)
         last_seen = (before.packs, before.pack_of)
@@ -200,6 +197,8 @@ def _refresh_cache(store, users: np.ndarray, level: int, progress) -> tuple[dict
         index.reconcile(progress=progress)
     else:
         store.refresh_index()
+    if token is not None and index.write_token() == token:
+        last_seen = None  # the cache was not written meanwhile: where it located them is where it locates them
     packs = {pack_name_from_key(i.key): i.size_bytes for i in store.backend.list("packs/")}
     packs.pop(None, None)
     return packs, last_seen
@@ -221,14 +220,14 @@ def _check_structure(store, found: _Findings, last_seen, packs, level: int, prog
             present = _in_packs(loc, packs)
         bar.advance(users.size)
     unreadable: set[str] = set()
-    seen_packs, seen_at = last_seen
+    seen_packs, seen_at = last_seen if last_seen is not None else ([], None)
     for i in np.flatnonzero(~present):
         cid = users[i].tobytes()
         if loc.pack_of[i] >= 0:
             bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing",
                                pack=loc.packs[loc.pack_of[i]], chunk_id=cid.hex())
             continue
-        gone = seen_packs[seen_at[i]] if seen_at[i] >= 0 else None
+        gone = seen_packs[seen_at[i]] if seen_at is not None and seen_at[i] >= 0 else None
         if gone is not None and gone not in packs:
             bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=gone,
                                chunk_id=cid.hex())
@@ -250,7 +249,10 @@ def _check_structure(store, found: _Findings, last_seen, packs, level: int, prog
     _check_bases(found, users, loc, present, extra, packs, limit)
     found.live_packs = set(unreadable)
     for where in (loc, extra):
-        counts = np.bincount(where.pack_of[where.pack_of >= 0], minlength=len(where.packs))
+        counts = np.zeros(len(where.packs), dtype=np.int64)
+        for start in range(0, where.pack_of.size, _BLOCK):  # bincount's index copy (8 B an id): a block's worth
+            block = where.pack_of[start:start + _BLOCK]
+            counts += np.bincount(block[block >= 0], minlength=len(where.packs))
         for name, n in zip(where.packs, counts.tolist()):
             if n:
                 found.live_packs.add(name)
@@ -259,7 +261,11 @@ def _check_structure(store, found: _Findings, last_seen, packs, level: int, prog
 
 def _in_packs(loc, packs) -> np.ndarray:
     """A bool per located chunk: whether it is indexed in a pack that exists."""
-    return np.array([p in packs for p in loc.packs] + [False], dtype=bool)[loc.pack_of]
+    exists = np.array([p in packs for p in loc.packs] + [False], dtype=bool)  # pack_of -1: the last, False
+    out = np.empty(loc.pack_of.size, dtype=bool)
+    for start in range(0, out.size, _BLOCK):  # indexing copies the indices as int64: a block's worth at a time
+        out[start:start + _BLOCK] = exists[loc.pack_of[start:start + _BLOCK]]
+    return out
 
 
 def _follow_chains(index, found: _Findings, users: np.ndarray, extra, limit: int) -> None:

@@ -9,6 +9,7 @@ import os
 import pickle
 import struct
 import tracemalloc
+from contextlib import contextmanager
 
 import msgspec
 import numpy as np
@@ -23,6 +24,7 @@ from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, code
 from deltackpt.store.config import FORMAT_VERSION, decode_config, encode_config, new_config
 from deltackpt.store.records import decode_record, decode_records, encode_record
 from deltackpt import kernels
+from deltackpt.store import refstream
 from deltackpt.store.manifest import (MANIFEST_MAGIC, decode_manifest, decode_manifest_refs, encode_manifest,
                                       manifest_key)
 from fuzz_helpers import FUZZ, OUR_ERRORS, MiB, attempt, mutate, mutations
@@ -138,10 +140,48 @@ def _outcome(fn, data):
         return type(e), None
 
 
+@contextmanager
+def tiny_stream_buffers():
+    """The streaming reader with reads of 32 bytes, 3 compressed bytes fed to zstd at a time and outputs of one
+    id, one item record and 16 bytes: every value and every ref is cut at some point."""
+    names = ("_FIRST_READ", "_FEED", "_IDS", "_RECS", "_ITEMS", "_TOP")
+    saved = [getattr(refstream, n) for n in names]
+    for n, v in zip(names, (32, 3, 1, 1, 16, 16)):
+        setattr(refstream, n, v)
+    try:
+        yield
+    finally:
+        for n, v in zip(names, saved):
+            setattr(refstream, n, v)
+
+
+def _streamed(data: bytes, name: str):
+    """What the streaming reader makes of ``data`` stored as checkpoint ``name``'s manifest: every id in order
+    (nothing is known yet), or None where it leaves the manifest to the general reading."""
+    backend = MemoryBackend()
+    backend.put("manifests/x", data)
+    got = refstream.stream_manifest_ids(backend, "manifests/x", name, lambda ids: ids)
+    if isinstance(got, bytes):  # small: read whole, the general way
+        assert got == data
+        return None
+    return None if got is None else got[0][:got[1]]
+
+
+def _stream_agrees(data: bytes, error, m) -> None:
+    """The streaming reader never accepts what decode_manifest refuses, and what it accepts it reads the same."""
+    for tiny in (False, True):
+        with tiny_stream_buffers() if tiny else contextmanager(lambda: (yield))():
+            got = _streamed(data, m.name if m is not None else MANIFEST.name)
+        if got is not None:
+            assert error is None, (tiny, error)
+            assert got.tobytes() == b"".join(r.id for it in m.items for r in it.chunks), tiny
+
+
 def _refs_agree_with_full_decode(data: bytes) -> None:
     """decode_manifest_refs accepts exactly what decode_manifest accepts, with the same refs and the same error
-    type, in C and in the general (msgspec) reading of the refs."""
+    type, in C and in the general (msgspec) reading of the refs; the streaming reader accepts nothing more."""
     error, m = _outcome(decode_manifest, data)
+    _stream_agrees(data, error, m)
     native = kernels.chunk_refs
     for impl in ({native, None} if native else {None}):
         kernels.chunk_refs = impl
@@ -160,6 +200,20 @@ def test_refs_of_valid_samples():
     for data in (VALID_MANIFEST, seal_body(BODY), seal_body(msgspec.msgpack.encode(_builtins()))):
         _refs_agree_with_full_decode(data)
         assert decode_manifest_refs(data).ids.size == 6
+        if kernels.walk_refs is not None:  # the canonical form is read by the stream, not left to the general way
+            with tiny_stream_buffers():  # (at the usual sizes a manifest this small is read whole)
+                assert _streamed(data, MANIFEST.name).tobytes() == decode_manifest_refs(data).ids.tobytes()
+                assert _streamed(data, "another-name") is None  # a manifest under another name is not this one
+
+
+@FUZZ
+@given(mutations)
+def test_manifest_refs_mutated_stored_object(ops):
+    """Damage to the stored object (the checksum not repaired): the streaming reader, which checks the checksum
+    only at the end, still accepts nothing the whole-object reading refuses."""
+    data = mutate(VALID_MANIFEST, ops)
+    error, m = _outcome(decode_manifest, data)
+    _stream_agrees(data, error, m)
 
 
 @FUZZ
@@ -180,6 +234,41 @@ def test_manifest_refs_forms_resealed(refs, nbytes):
     total = sum(n for _i, n, _k, _t in refs)
     d["items"][0]["nbytes"] = nbytes if nbytes % 2 or not 0 <= total < 2**64 else total
     _refs_agree_with_full_decode(seal_body(msgspec.msgpack.encode(d)))
+
+
+def _map(pairs) -> bytes:
+    """A msgpack map of ``pairs`` (raw msgpack keys and values), repeats allowed, in a map32 header."""
+    return b"\xdf" + len(pairs).to_bytes(4, "big") + b"".join(k + v for k, v in pairs)
+
+
+def _pairs(d: dict) -> list[tuple[bytes, bytes]]:
+    return [(msgspec.msgpack.encode(k), msgspec.msgpack.encode(v)) for k, v in d.items()]
+
+
+@pytest.mark.parametrize("case", ["items twice", "chunks twice", "str8 keys", "items first", "empty item"])
+def test_manifest_refs_repeated_and_unusual_keys_resealed(case):
+    """Keys the walker must not misread: a repeated "items" or "chunks" (whichever msgspec takes), the keys in
+    a longer str encoding, the items before the other fields, an item with no fields."""
+    d = _builtins()
+    other = [[xxhash.xxh3_128_digest(b"other"), 10]]
+    top = _pairs(d)
+    items = [_pairs(it) for it in d["items"]]
+    enc = msgspec.msgpack.encode
+    if case == "chunks twice":
+        items[2].append((enc("chunks"), enc(other)))
+    if case == "empty item":
+        items.append([])
+    if case == "str8 keys":
+        items = [[(b"\xd9" + bytes([len(k) - 1]) + k[1:], v) for k, v in it] for it in items]  # fixstr -> str8
+    top = [(k, b"\xdc" + len(items).to_bytes(2, "big") + b"".join(_map(it) for it in items)) if k == enc("items")
+           else (k, v) for k, v in top]
+    if case == "items twice":
+        top.append((enc("items"), enc([{"key": "o", "kind": "bytes", "nbytes": 10, "chunks": other}])))
+    if case == "items first":
+        top.sort(key=lambda kv: kv[0] != enc("items"))
+    if case == "str8 keys":
+        top = [(b"\xd9" + bytes([len(k) - 1]) + k[1:], v) for k, v in top]
+    _refs_agree_with_full_decode(seal_body(_map(top)))
 
 
 @FUZZ
@@ -205,9 +294,11 @@ def test_manifest_random_msgpack_resealed(tree):
     for field in ("name", "items", "stats", "metadata", "created_ns"):
         d = _builtins()
         d[field] = tree
-        m = attempt(decode_manifest, seal_body(msgspec.msgpack.encode(d)))
+        data = seal_body(msgspec.msgpack.encode(d))
+        m = attempt(decode_manifest, data)
         if m is not None:
             _check_manifest_invariants(m)
+        _stream_agrees(data, None if m is not None else ManifestFormatError, m)
 
 
 def _peak_while(fn, *args) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 import tracemalloc
+from contextlib import contextmanager
 
 import msgspec
 import numpy as np
@@ -15,9 +16,10 @@ import zstandard
 
 from deltackpt import kernels
 from deltackpt.errors import CorruptManifestError
-from deltackpt.store import ChunkRef, idset
+from deltackpt.store import ChunkRef, Item, Manifest, Stats, idset
 from deltackpt.store.gc import live_chunk_ids, plan_gc
-from deltackpt.store.manifest import MANIFEST_MAGIC, manifest_key
+from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest, encode_manifest, manifest_key
+from deltackpt.store.refstream import stream_manifest_ids
 from deltackpt.store.verify import verify_store
 from store_helpers import random_array
 
@@ -59,6 +61,19 @@ def test_native_refuses_to_write_past_the_buffer():
     raw = msgspec.msgpack.encode([ChunkRef(cid, 1) for cid in _ids(4)])
     assert kernels.chunk_refs(raw, np.zeros(4, dtype=idset.ID), 16) is None
     assert kernels.chunk_refs(raw, np.zeros(4, dtype=idset.ID), 80) is None
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _reseal_name(store, name: str, data: bytes) -> None:
+    """Store manifest ``data`` (another checkpoint's) as checkpoint ``name``'s, renamed and resealed."""
+    d = msgspec.msgpack.decode(zstandard.ZstdDecompressor().decompress(data[5:-8]))
+    d["name"] = name
+    out = MANIFEST_MAGIC + b"\x01" + zstandard.ZstdCompressor().compress(msgspec.msgpack.encode(d))
+    store.backend.put(manifest_key(name), out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out)))
 
 
 def _reseal(store, name: str, edit) -> None:
@@ -138,8 +153,10 @@ def test_collector_is_the_sorted_unique_union(rng):
 
 @native  # without the C reader the refs are decoded into objects (~300 B each): correct, not lean
 def test_verify_level_0_memory_per_unique_chunk(make_store, rng):
-    """A checkpoint of 20k chunks: verify level 0 holds ~1-2 arrays of ids and one manifest's bytes at a time
-    (it took ~290 B per chunk when each manifest was decoded into objects)."""
+    """A checkpoint of 20k chunks: verify level 0 holds the set of ids (16 B a chunk, room for ~15 % more
+    reserved but never touched: tracemalloc counts it), its structure arrays (~6 B) and a manifest's stream
+    buffers (~300 KiB whatever its size: 15 B a chunk here, less at scale). It took ~290 B per chunk when each
+    manifest was decoded into objects, ~70 when whole manifests were read into arrays."""
     store = make_store("memory", "m", chunk_size_bytes=4096)
     w = random_array(rng, "float32", (20_000 * 1024,))
     store.save("a", {"w": w})
@@ -153,4 +170,116 @@ def test_verify_level_0_memory_per_unique_chunk(make_store, rng):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak / unique < 100, peak / unique
+    assert peak / unique < 45, peak / unique
+
+
+# -- the streaming reading (refstream) -------------------------------------------------------------------------
+streams = pytest.mark.skipif(kernels.walk_refs is None, reason="the native kernels are not in use")
+
+
+def _history(make_store, rng):
+    store = make_store("memory", "m", chunk_size_bytes=4096)
+    w = random_array(rng, "float32", (64 * 1024,))
+    store.save("a", {"w": w, "empty": np.zeros(0, np.float32), "b": b"bytes", "w2": w[:5000] + 1})
+    w2 = w.copy()
+    w2[::4096] += 1
+    store.save("b", {"w": w2})
+    return store
+
+
+@streams
+@pytest.mark.parametrize("tiny", [False, True])
+def test_streamed_ids_are_the_manifests_refs(make_store, rng, tiny):
+    from test_fuzz_parsers import tiny_stream_buffers
+
+    store = _history(make_store, rng)
+    with tiny_stream_buffers() if tiny else _nothing():
+        for name in ("a", "b"):
+            got = stream_manifest_ids(store.backend, manifest_key(name), name, lambda ids: ids)
+            if tiny:
+                buf, n = got
+                assert buf[:n].tobytes() == store.read_manifest_refs(name).ids.tobytes()
+            else:  # under 64 KiB: read whole (one read), then the general way
+                assert got == store.backend.get(manifest_key(name))
+        c = idset.Collector()
+        for name in ("a", "b"):
+            store.add_manifest_ids(name, c)
+    every = np.concatenate([store.read_manifest_refs(n).ids for n in ("a", "b")])
+    assert c.result().tobytes() == np.unique(every).tobytes()
+
+
+@streams
+def test_a_manifest_replaced_while_streamed_is_read_whole(make_store, rng):
+    """Forgotten and saved again between two ranged reads: the checksum fails, and the general reading decides
+    (here: the new manifest's refs, never a mix of the two)."""
+    from test_fuzz_parsers import tiny_stream_buffers
+
+    store = _history(make_store, rng)
+    key, replacement = manifest_key("a"), store.backend.get(manifest_key("b"))
+    old_ids = store.read_manifest_refs("a").ids
+    real = store.backend.get_range_into
+    calls = []
+
+    def swap_after_first_read(k, offset, buffers):
+        n = real(k, offset, buffers)
+        if k == key and not calls:
+            calls.append(offset)
+            _reseal_name(store, "a", replacement)
+        return n
+
+    store.backend.get_range_into = swap_after_first_read
+    with tiny_stream_buffers():
+        assert stream_manifest_ids(store.backend, key, "a", lambda ids: ids) is None
+        c = idset.Collector()
+        store.add_manifest_ids("a", c)
+    assert calls and c.result().tobytes() == np.unique(store.read_manifest_refs("a").ids).tobytes()
+    assert store.read_manifest_refs("a").ids.tobytes() != old_ids.tobytes()
+
+
+@streams
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_manifest_adds_nothing(make_store, rng, damage):
+    from test_fuzz_parsers import tiny_stream_buffers
+
+    store = _history(make_store, rng)
+    _reseal(store, "b", DAMAGE[damage])
+    c = idset.Collector()
+    with tiny_stream_buffers():  # streamed (the manifests are small), refused, then read the general way
+        assert stream_manifest_ids(store.backend, manifest_key("b"), "b", lambda ids: ids) is None
+        store.add_manifest_ids("a", c)
+        with pytest.raises(CorruptManifestError) as streamed:
+            store.add_manifest_ids("b", c)
+    with pytest.raises(CorruptManifestError) as whole:
+        store.read_manifest_refs("b")
+    assert str(streamed.value) == str(whole.value)
+    assert c.result().tobytes() == np.unique(store.read_manifest_refs("a").ids).tobytes()
+
+
+def test_manifests_are_written_with_a_small_zstd_window():
+    """What lets a streaming reader hold a 64 KiB window instead of the whole decompressed body."""
+    refs = [ChunkRef(cid, 4096) for cid in _ids(8000)]
+    m = Manifest(name="a", store_id="ab" * 16, created_ns=1, stats=Stats(),
+                 items=[Item(key="w", kind="bytes", nbytes=4096 * len(refs), chunks=refs)])
+    frame = encode_manifest(m)[5:-8]
+    params = zstandard.get_frame_parameters(frame)
+    assert params.content_size > 1 << 17 and params.window_size <= 1 << 16
+    assert decode_manifest(encode_manifest(m)) == m
+
+
+def test_collector_grows_into_the_room_it_was_handed(rng):
+    """take(): the first buffer becomes the set where it is, later ids are merged into its room (no copy of the
+    set), and the result is the sorted unique union, shrunk to it."""
+    pool = idset.from_ids(b"".join(_ids(5000)))
+    buf = np.empty(4000, dtype=idset.ID)
+    buf[:3000] = pool[rng.integers(0, 2500, size=3000)]
+    first = buf[:3000].copy()
+    c = idset.Collector()
+    c.take(buf, 3000)
+    assert c._buf is buf  # adopted, not copied
+    more = [pool[rng.integers(0, 5000, size=400)].copy() for _ in range(3)]
+    for m in more:
+        c.add(m)
+    c._merge()
+    assert c._buf is buf  # merged into its room
+    got = c.result()
+    assert got.tobytes() == np.unique(np.concatenate([first, *more])).tobytes() and got.size <= 4000

@@ -1,13 +1,13 @@
 """DeltaStorageWriter: DCP's StorageWriter on a deltackpt store.
 
 Every rank writes the chunks of its own write items into its own packs (no tensor data passes through
-rank 0); its WriteResults carry only the item's chunk refs, the names of the packs it wrote and of those its
-reused chunks are in. The coordinator reads the parent checkpoint's manifest once, while planning, and sends
-each rank the parent's chunk refs its items overlap in its SavePlan: a rank's cost is that of its own items
-whatever the number of ranks. The coordinator's ``finish`` indexes the new packs and writes the manifest,
-which holds DCP's Metadata under a strict schema. If any rank fails, DCP never calls ``finish``, so no
-manifest appears and earlier checkpoints are untouched; the failing rank removes the packs it wrote, the
-other ranks' packs are orphans for ``gc``.
+rank 0); its first WriteResult carries only its items' chunk refs (one list), the names of the packs it
+wrote and of those its reused chunks are in. The coordinator reads the parent checkpoint's manifest once,
+while planning, and sends each rank the parent's chunk refs its items overlap in its SavePlan: a rank's cost
+is that of its own items whatever the number of ranks (a one-rank save keeps the whole map in the process).
+The coordinator's ``finish`` indexes the new packs and writes the manifest, which holds DCP's Metadata under a
+strict schema. If any rank fails, DCP never calls ``finish``, so no manifest appears and earlier checkpoints
+are untouched; the failing rank removes the packs it wrote, the other ranks' packs are orphans for ``gc``.
 
 The writer is picklable (``dcp.async_save`` with PROCESS pickles it per request): the store is opened
 lazily in whichever process runs the save.

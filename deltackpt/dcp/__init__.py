@@ -20,7 +20,9 @@ save plan
     DCP's per-rank ``SavePlan``: the write items a rank will save. Its ``storage_data`` carries this layer's
     per-rank facts to the coordinator (replica digests, host), whose global plan sends back the parent
     checkpoint to diff against, the parent's chunk refs the rank's items overlap (so no rank reads the
-    parent's manifest) and how many ranks share each machine.
+    parent's manifest; a one-rank save keeps the coordinator's whole map in the process instead) and how many
+    ranks share each machine. A rank's first ``WriteResult`` carries its items (one msgpack list), packs and
+    pack entries back to the coordinator.
 replica check
     Before anything is written, the coordinator compares the digests of each replicated tensor across
     ranks; differing replicas (a bit flip in memory or compute) raise ``SilentDataCorruptionError``

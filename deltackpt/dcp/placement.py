@@ -28,6 +28,8 @@ def shard_placement(fqn: str, key: str, offsets: Sequence[int], sizes: Sequence[
     row of a dim-1 shard) is placed in the global tensor's byte space (group = fqn), so its store chunks line
     up whatever the sharding. Any other box is chunked on its own (group = its key, offset 0).
     """
+    if tuple(sizes) == tuple(global_size):  # a whole tensor, the common case (357 of a fine-tune's items)
+        return (fqn, 0) if math.prod(sizes) else (key, 0)
     offsets, sizes, global_size = list(offsets), list(sizes), list(global_size)
     if math.prod(sizes) == 0:
         return key, 0

@@ -40,6 +40,7 @@ from .threads import InlineExecutor, default_write_threads
 
 MiB = 1 << 20
 BATCH_BYTES = 1 * MiB  # spans are submitted for coding in batches of at least this many bytes (or the last)
+INLINE_CHUNK_BYTES = 64 * 1024  # a batch whose spans average fewer bytes is coded in the caller's thread
 
 
 @dataclass
@@ -89,6 +90,7 @@ class ChunkWriter:
         # (one rank's 22 MiB shard saved with 1 coding thread: 0.095-0.104 s in a pool, 0.085-0.090 inline).
         self._pool = (ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")
                       if self.num_threads > 1 else InlineExecutor())
+        self._inline = InlineExecutor()
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
         self._reused_packs: set[str] = set()  # see WriteSummary.reused_packs
@@ -213,10 +215,15 @@ class ChunkWriter:
             fut.set_result(out)
         else:
             n = sum(batch[k][1][-1][1] - batch[k][1][0][0] for k in todo)
+            spans = sum(len(batch[k][1]) for k in todo)
+            # Small chunks are coded here: their cost is Python's, under the GIL, so a coding thread only
+            # contends with this one (a fine-tune's 201 new 12-36 KiB chunks: 0.049 s saves in the pool,
+            # 0.045 s inline, and 20 % less CPU). Large chunks' zstd runs without the GIL, in the pool.
+            pool = self._inline if n < INLINE_CHUNK_BYTES * spans else self._pool
             # Reserved per batch, not per span: a lock round trip per 8 KiB span cost a third of a 1 % save.
             self._reserve(n)
             try:
-                fut = self._pool.submit(lambda: self._write_pieces(batch, ids, reusable, out, todo))
+                fut = pool.submit(lambda: self._write_pieces(batch, ids, reusable, out, todo))
             except BaseException:
                 self._release(n)
                 raise

@@ -312,3 +312,68 @@ def test_writer_and_reader_pickle(store_path):
     dest3 = {"w": torch.zeros(3)}
     dcp.load(dest3, storage_reader=r3, checkpoint_id="y")
     assert torch.equal(dest3["w"], torch.ones(3))
+
+
+# --------------------------------------------------------------------------------------------------------
+# one rank: the parent's map stays whole in the process
+# --------------------------------------------------------------------------------------------------------
+def _fine_tune_of(base: dict) -> dict:
+    """The base renamed (a ``model.`` prefix), ``w`` changed by one ulp in a few elements, and an adapter."""
+    w = base["w"].clone()
+    w.view(-1).view(torch.int32)[::4096] += 1  # in every 64 KiB chunk
+    return {"model.w": w, "model.b": base["b"].clone(), "lora": torch.randn(8, 256)}
+
+
+def _delta_coded(store: Store, name: str, key: str) -> bool:
+    from deltackpt.store.codec import DELTA_CODECS
+
+    item = next(it for it in store.read_manifest(name).items if it.key == key)
+    return all(store.index.lookup(ref.id).codec in DELTA_CODECS for ref in item.chunks)
+
+
+def test_one_rank_save_uses_the_whole_parent_map_without_encoding_it(store_path, monkeypatch):
+    """A one-rank save keeps the coordinator's parent map (no encoded part in the plan) and still finds the
+    base under the renamed keys: the changed tensor is a delta of the base's chunks, the rest is reused."""
+    torch.manual_seed(0)
+    base = {"w": torch.randn(256, 256), "b": torch.randn(256)}
+    store = Store.open(store_path)
+    dcp.save(base, storage_writer=deltackpt.DeltaStorageWriter(store, "base"), planner=deltackpt.DeltaSavePlanner())
+
+    def no_encoding(self, ranges):
+        raise AssertionError("a one-rank save encoded a part of its parent's map")
+
+    monkeypatch.setattr(deltackpt.store.ParentMap, "encode_part", no_encoding)
+    ft = _fine_tune_of(base)
+    dcp.save(ft, storage_writer=deltackpt.DeltaStorageWriter(store, "ft"), planner=deltackpt.DeltaSavePlanner())
+    assert _delta_coded(store, "ft", "model.w@0,0")
+    m = store.read_manifest("ft")
+    assert m.stats.stored_bytes < ft["model.w"].nbytes // 4  # deltas and an adapter, not the base again
+    assert_tree_equal(ft, _loaded(store, "ft", ft))
+
+
+def test_one_rank_plan_written_by_another_writer_reads_the_parent(store_path):
+    """A one-rank plan that another writer object planned (so it has no parent map of its own) reads the
+    parent's manifest itself: the changed tensor is still a delta."""
+
+    torch.manual_seed(1)
+    base = {"w": torch.randn(256, 256), "b": torch.randn(256)}
+    store = Store.open(store_path)
+    dcp.save(base, storage_writer=deltackpt.DeltaStorageWriter(store, "base"), planner=deltackpt.DeltaSavePlanner())
+    ft = _fine_tune_of(base)
+    planner = deltackpt.DeltaSavePlanner()
+    planner.set_up_planner(ft, is_coordinator=True)
+    coordinator, rank = deltackpt.DeltaStorageWriter(store, "ft"), deltackpt.DeltaStorageWriter(store, "ft")
+    coordinator.set_up_storage_writer(True)
+    rank.set_up_storage_writer(False)
+    plans, md = planner.create_global_plan([coordinator.prepare_local_plan(planner.create_local_plan())])
+    plan = planner.finish_plan(coordinator.prepare_global_plan(plans)[0])
+    results = rank.write_data(plan, planner).value()
+    coordinator.finish(md, [results])
+    assert _delta_coded(store, "ft", "model.w@0,0")
+    assert_tree_equal(ft, _loaded(store, "ft", ft))
+
+
+def _loaded(store: Store, name: str, like: dict) -> dict:
+    out = {k: torch.zeros_like(v) for k, v in like.items()}
+    dcp.load(out, storage_reader=deltackpt.DeltaStorageReader(store, name))
+    return out

@@ -225,8 +225,10 @@ def test_one_coding_thread_codes_inline_like_a_pool(mem_store, rng, monkeypatch)
     a two-thread pool, and a failure in coding still surfaces from finish()."""
     import threading
 
+    from deltackpt.store import writer as writer_mod
     from deltackpt.store.writer import ChunkWriter
 
+    monkeypatch.setattr(writer_mod, "INLINE_CHUNK_BYTES", 0)  # these small chunks too go to a pool of two
     items = {f"t{i}": random_array(rng, "float32", (int(n),)) for i, n in enumerate([10, 5000, CHUNK // 2, 300])}
     threads = set()
     real_write_span = ChunkWriter._write_span

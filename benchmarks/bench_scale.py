@@ -306,6 +306,11 @@ def check_targets(summary: dict) -> list[tuple[str, bool | None, str]]:
             checks.append((f"{name}: verify --level 0 <= {VERIFY0_BYTES_PER_CHUNK} B of memory per unique chunk",
                            mem / unique <= VERIFY0_BYTES_PER_CHUNK,
                            f"{mem / MiB:.1f} MiB for {unique} chunks = {mem / unique:.0f} B"))
+            # The growth alone (no target): a fixed cost (a zstd context, Python objects) weighs on few chunks.
+            mem0, unique0 = s["ops"]["verify 0"]["mem_bytes"][0], s["unique_chunks"][0]
+            if unique0 and unique > unique0:
+                checks.append((f"{name}: verify --level 0 memory per added unique chunk (first to last size)", None,
+                               f"{(mem - mem0) / (unique - unique0):.0f} B"))
     r = summary.get("ranks")
     if r and len(r["sizes"]) >= 2:
         sizes = r["sizes"]

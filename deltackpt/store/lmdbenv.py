@@ -29,7 +29,7 @@ DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts", b"verified")
 # LMDB maps its lock file: touching a page of it on a full disk is SIGBUS, not an error Python can catch.
 _MIN_FREE_BYTES = 1 << 20
 
-_envs: dict[str, tuple] = {}  # resolved path -> (pid, environment, named databases)
+_envs: dict[str, tuple] = {}  # resolved path -> (pid, environment, named databases, data file identity)
 _envs_lock = threading.Lock()
 
 # Errors that say the cache cannot be written at this place (permissions, space, I/O), not that it is damaged.
@@ -49,8 +49,8 @@ def open_env(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]]:
     """The process's environment for ``path`` and its named databases, opened once."""
     key = str(path.resolve())
     with _envs_lock:
-        hit = _envs.get(key)
-        if hit is not None and hit[0] == os.getpid():
+        hit = _live(_envs.get(key), path)
+        if hit is not None:
             return hit[1], hit[2]
         path.mkdir(parents=True, exist_ok=True)
         free = os.statvfs(path)
@@ -66,14 +66,31 @@ def open_env(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]]:
         except lmdb.Error:
             env.close()
             raise
-        _envs[key] = (os.getpid(), env, dbs)
+        _envs[key] = (os.getpid(), env, dbs, _identity(path))
         return env, dbs
 
 
 def opened_here(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]] | None:
     """The environment this process has open at ``path`` (and its databases), or None."""
-    hit = _envs.get(str(path.resolve()))
-    return (hit[1], hit[2]) if hit is not None and hit[0] == os.getpid() else None
+    hit = _live(_envs.get(str(path.resolve())), path)
+    return (hit[1], hit[2]) if hit is not None else None
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path / "data.mdb")
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _live(hit: tuple | None, path: Path) -> tuple | None:
+    """``hit`` if it was opened by this process on the files now at ``path``: a cache directory deleted and
+    made again (a store restored from a copy) is other files, and its old environment a stale index (a
+    benchmark that replaced a store's copy at one path forgot against the previous copy's summaries)."""
+    if hit is None or hit[0] != os.getpid() or hit[3] != _identity(path):
+        return None
+    return hit
 
 
 def _check_not_truncated(env: lmdb.Environment, path: Path) -> None:

@@ -74,6 +74,9 @@ class PackSink:
         the spool files of packs never published."""
         if self._uploads is not None:
             self._uploads.shutdown(wait=True, cancel_futures=True)
+        # No upload runs now: drop the writer's callback, a cycle (writer -> sink -> writer) that left the
+        # writer and its parent's items to the cyclic collector (100k items: a 0.41 s collection per save).
+        self._on_error = None
         with self._lock:
             builders, self._open_builders, self._builder = self._open_builders, set(), None
         for builder in builders:

@@ -106,15 +106,29 @@ class CheckpointReader:
         multiply the threads, and each holds a chunk's worth of scratch).
         """
         with paused_gc():  # a few objects per chunk: full collections would rescan the caller's heap
-            jobs = self.coalesce(self.chunk_jobs(key, out, offset))
-            if len(jobs) == 1 or self.num_threads == 1 or not parallel:
-                for job in jobs:
-                    self.run_job(job)
-                return
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-read")
-            for fut in [self._pool.submit(self.run_job, job) for job in jobs]:
-                fut.result()
+            self._run_jobs(self.coalesce(self.chunk_jobs(key, out, offset)), parallel)
+
+    def read_many(self, keys) -> dict[str, np.ndarray]:
+        """Each of the items ``keys`` whole, as a new uint8 array, read together: the chunks of all of them
+        coalesced by pack (read one by one, 100k items of 4 KiB cost a job, two index look-ups and a file
+        open each)."""
+        with paused_gc():
+            outs = {key: np.empty(self.item(key).nbytes, dtype=np.uint8) for key in keys}
+            jobs = []
+            for key, out in outs.items():
+                jobs += self.chunk_jobs(key, out)
+            self._run_jobs(self.coalesce(jobs))
+        return outs
+
+    def _run_jobs(self, jobs: list[tuple], parallel: bool = True) -> None:
+        if len(jobs) <= 1 or self.num_threads == 1 or not parallel:
+            for job in jobs:
+                self.run_job(job)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-read")
+        for fut in [self._pool.submit(self.run_job, job) for job in jobs]:
+            fut.result()
 
     def chunk_jobs(self, key: str, out, offset: int = 0) -> list[tuple]:
         """The per-chunk jobs that fill ``out`` with item ``key``'s bytes from ``offset`` (as read_into does),
@@ -348,4 +362,4 @@ class CheckpointReader:
         dst[dst_off : dst_off + n] = np.frombuffer(raw, dtype=np.uint8, count=n, offset=src_off)
 
     def read_all(self) -> dict[str, np.ndarray]:
-        return {key: self.read(key) for key in self.items}
+        return self.read_many(self.items)

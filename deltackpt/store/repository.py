@@ -487,8 +487,9 @@ class Store:
         """Every item of a checkpoint: arrays with their dtype and shape, byte items as bytes."""
         out = {}
         with self.open_checkpoint(name) as r:
+            bufs = r.read_many(r.items)
             for key, item in r.items.items():
-                buf = r.read(key)
+                buf = bufs.pop(key)
                 if item.kind == "bytes":
                     out[key] = buf.tobytes()
                 else:

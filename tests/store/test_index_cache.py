@@ -61,6 +61,27 @@ def test_cache_deleted_while_open_in_this_process(local_store, rng):
     assert_items_equal(b, fresh.load("two"))
 
 
+def test_store_restored_from_a_copy_in_this_process_is_not_read_through_the_old_cache(local_store, rng,
+                                                                                      monkeypatch):
+    """A store replaced at its path (deleted, then copied back from a backup) has other cache files: the
+    environment this process opened on the old ones (which forgot what the copy still holds) is not reused."""
+    from deltackpt.store.retention import plan_forget
+
+    root = local_store.backend.root
+    for name in ("one", "two", "three"):
+        local_store.save(name, {"w": random_array(rng, "float32", (5_000,))})
+    assert len(local_store.list_checkpoints()) == 3  # each summary cached
+    shutil.copytree(root, root.parent / "backup")
+    plan_forget(local_store, keep_last=1).execute()  # drops the summaries of "one" and "two"
+    shutil.rmtree(root)
+    shutil.copytree(root.parent / "backup", root)
+    reads = []
+    real = Store.read_manifest
+    monkeypatch.setattr(Store, "read_manifest", lambda self, name: reads.append(name) or real(self, name))
+    assert [c.name for c in Store.open(root).list_checkpoints()] == ["one", "two", "three"]
+    assert reads == []  # the restored cache's summaries, not the old one's misses
+
+
 def test_rebuild_index_returns_counts(store, rng):
     store.save("a", {"w": random_array(rng, "float32", (40_000,))})
     store.save("b", {"w": random_array(rng, "float32", (40_000,))})

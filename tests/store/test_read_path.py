@@ -290,6 +290,26 @@ def test_load_of_small_chunks_opens_each_pack_once_per_bundle(tmp_path, monkeypa
                                        for v in items.values())
 
 
+def test_load_of_many_small_items_reads_them_together(tmp_path, monkeypatch):
+    from deltackpt.store import reader as reader_mod
+
+    monkeypatch.setattr(_CountingLocal, "opens", 0)
+    store = Store.init(_CountingLocal(tmp_path / "st", fsync=False), chunk_size_bytes=8192)
+    rng = np.random.default_rng(8)
+    items = {f"p{i:04d}": (rng.standard_normal(1024) * 0.02).astype(np.float32) for i in range(400)}  # 4 KiB
+    store.save("a", items, num_threads=1)
+    _CountingLocal.opens = 0
+    got = store.load("a")
+    assert got.keys() == items.keys() and all(np.array_equal(got[k], v) for k, v in items.items())
+    # the items' chunks coalesced by pack: a few bundles, not an open per item (400)
+    assert _CountingLocal.opens <= 2 * 8 + -(-400 * 4096 // reader_mod.BUNDLE_BYTES)
+    victim = store.index.lookup(store.read_manifest("a").item_map()["p0123"].chunks[0].id)
+    flip_bit(store.backend, pack_key(victim.pack), victim.offset + HEADER_SIZE + 10)
+    with pytest.raises(CorruptChunkError) as ei:
+        Store.open(store.backend).load("a")
+    assert (ei.value.chunk_id, ei.value.item, ei.value.checkpoint) == (victim.chunk_id.hex(), "p0123", "a")
+
+
 def test_damaged_chunk_used_many_times_is_a_corrupt_chunk(tmp_path):
     store = Store.init(LocalBackend(tmp_path / "st", fsync=False), chunk_size_bytes=4096)
     store.save("a", {"z": np.zeros(50 * 4096, np.uint8)})

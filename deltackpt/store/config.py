@@ -71,7 +71,6 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     keyframe_interval: int = 10
     # A delta's base may be a delta this many deltas deep: restoring a chunk reads at most max_chain + 1
     # stored chunks. 1: the base is always a keyframe. Above 1 the store gains the feature "delta-chains".
-    # 1 is what a config without the field means; new_config gives new stores NEW_STORE_MAX_CHAIN.
     max_chain: int = 1
 
     def validate(self) -> "StoreConfig":

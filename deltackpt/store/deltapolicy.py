@@ -7,8 +7,8 @@ a base is retired when a delta against it would cost more than a new keyframe, a
 serving ``keyframe_interval`` checkpoints), whether the delta is expected to pay and in which delta codec
 (:meth:`DeltaPolicy.verdict`: this place's history, else a sample), and whether a coded delta is small
 enough to keep (:meth:`DeltaPolicy.accepts`). The writer codes accordingly. A chain holds at
-most ``max_chain`` deltas, so restoring any chunk reads at most ``max_chain + 1`` (with 1, what a config
-without the field means, a delta's base is always a keyframe; new stores use 8).
+most ``max_chain`` deltas, so restoring any chunk reads at most ``max_chain + 1`` (with the default 1, a
+delta's base is always a keyframe).
 
 Refresh rule (a renewal rule): a keyframe and the deltas coded against it form a cycle; deltas against an
 aging base grow (sparse rows and Adam moments fill in), so the cheapest cycle ends when the next delta costs

@@ -38,9 +38,6 @@ CHAINS_FEATURE = "delta-chains"
 # Fields added since format 2 was first written, left out of the config at their default so that an older
 # reader (which refuses unknown fields) still opens a store that does not use them.
 _OMITTED_AT_DEFAULT = {"max_chain": 1}
-# What a new store gets: sparse runs store 19.5x less than DCP at 8 (12.5x at 1), its deepest checkpoint loads
-# in ~1.15x DCP's time (docs/performance.md, chains). A config without the field (older stores) means 1.
-NEW_STORE_MAX_CHAIN = 8
 
 MiB = 1 << 20
 
@@ -118,7 +115,6 @@ def chain_limit(cfg: StoreConfig) -> int:
 
 
 def new_config(**overrides) -> StoreConfig:
-    overrides = {"max_chain": NEW_STORE_MAX_CHAIN, **overrides}
     cfg = StoreConfig(store_id=uuid.uuid4().hex, **{k: v for k, v in overrides.items() if k != "features"})
     features = overrides.get("features", writer_features(cfg))
     return msgspec.structs.replace(cfg, features=tuple(features)).validate()

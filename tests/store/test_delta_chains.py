@@ -161,19 +161,12 @@ def test_format_gate_names_delta_chains(tmp_path, monkeypatch):
         Store.open(tmp_path / "s")
 
 
-def test_a_depth_one_store_config_reads_as_before_chains(tmp_path):
-    Store.init(tmp_path / "s", max_chain=1)
-    raw = json.loads((tmp_path / "s" / "config").read_bytes())
-    # An older reader refuses unknown fields: 1 (what a config without the field means) is left out, and no
-    # feature is added.
-    assert "max_chain" not in raw and "delta-chains" not in raw["features"]
-    assert Store.open(tmp_path / "s").config.max_chain == 1
-
-
-def test_a_new_store_chains_deltas_and_says_so(tmp_path):
+def test_a_default_store_config_reads_as_before_chains(tmp_path):
     Store.init(tmp_path / "s")
     raw = json.loads((tmp_path / "s" / "config").read_bytes())
-    assert raw["max_chain"] == config_mod.NEW_STORE_MAX_CHAIN and "delta-chains" in raw["features"]
+    # An older reader refuses unknown fields: the default is left out, and no feature is added.
+    assert "max_chain" not in raw and "delta-chains" not in raw["features"]
+    assert Store.open(tmp_path / "s").config.max_chain == 1
 
 
 @pytest.mark.parametrize("bad", [0, config_mod.MAX_CHAIN + 1])

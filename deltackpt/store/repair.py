@@ -2,7 +2,8 @@
 
 - ``config`` missing or unreadable: recreated from what the store holds. The store id comes from the
   manifests' ``store_id``; the array chunk size from the lengths of the manifests' array chunk refs (a whole
-  grid cell is exactly one chunk size); every other field takes its default. A damaged config is kept as
+  grid cell is exactly one chunk size); it lists every feature this code reads, and every other field takes
+  its default. A damaged config is kept as
   ``config.damaged-<time>``. A config from a newer deltackpt (UnsupportedFormatError) is never replaced.
 - A pack whose table or footer is unreadable: its entries are found from their self-describing headers,
   each one decoded and checked against its id, and the good ones are copied byte for byte into a new pack
@@ -23,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
-from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config
+from .config import CONFIG_KEY, SUPPORTED_FEATURES, StoreConfig, decode_config, encode_config
 from .gc import _repack
 from .lock import EXCLUSIVE, StoreLock
 from .manifest import Manifest, decode_manifest
@@ -93,8 +94,11 @@ def _repair_config(backend) -> RepairReport:
     store_id = ids.most_common(1)[0][0] if ids else uuid.uuid4().hex
     chunk = infer_chunk_size(manifests)
     defaults = StoreConfig()
+    # Every encoding this code reads: the lost config may have listed any of them (a chained store
+    # recreated without "delta-chains" would read its chains as damage).
     cfg = StoreConfig(store_id=store_id, chunk_size_bytes=chunk or defaults.chunk_size_bytes,
-                      pack_target_bytes=max(defaults.pack_target_bytes, chunk or 0)).validate()
+                      pack_target_bytes=max(defaults.pack_target_bytes, chunk or 0),
+                      features=tuple(sorted(SUPPORTED_FEATURES))).validate()
     report = RepairReport(store_id=store_id, chunk_size_bytes=cfg.chunk_size_bytes, config_recreated=True,
                           chunk_size_inferred=chunk is not None)
     if data is not None:

@@ -11,6 +11,7 @@ import pytest
 
 from deltackpt.errors import ManifestFormatError, StoreExistsError, StoreNotFoundError, UnsupportedFormatError
 from deltackpt.store import LocalBackend, Store
+from deltackpt.store import codec
 from deltackpt.store.config import StoreConfig
 from deltackpt.store.manifest import ChunkRef, Item, Manifest, Stats
 from deltackpt.store.pack import FOOTER_SIZE, HEADER_SIZE, pack_key
@@ -64,6 +65,25 @@ def test_missing_config_is_recreated(populated):
     new = Store.open(root).config
     assert new.store_id == cfg.store_id and new.chunk_size_bytes == CHUNK
     assert new.pack_target_bytes == StoreConfig().pack_target_bytes  # not in any manifest: the default
+    assert_store_whole(root, saved)
+
+
+def test_recreated_config_keeps_a_chained_store_readable(tmp_path, rng):
+    root = tmp_path / "s"
+    store = Store.init(LocalBackend(root, fsync=False), chunk_size_bytes=CHUNK, max_chain=4)
+    w = rng.standard_normal(200_000).astype(np.float32)
+    saved = {}
+    for step in range(4):
+        w = w.copy()
+        w[rng.integers(0, w.size, 200)] += np.float32(0.01)
+        store.save(f"step-{step}", {"w": w})
+        saved[f"step-{step}"] = {"w": w}
+    entries = {e.chunk_id: e for e in store.index.iter_entries()}
+    assert any(e.base_id in entries and codec.is_delta(entries[e.base_id].codec) for e in entries.values()
+               if codec.is_delta(e.codec)), "expected a delta whose base is a delta"
+    os.unlink(root / "config")
+    assert repair_store(root).config_recreated
+    assert "delta-chains" in Store.open(root).config.features  # without it the chains read as damage
     assert_store_whole(root, saved)
 
 

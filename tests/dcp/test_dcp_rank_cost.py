@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-import numpy as np
 import pytest
 
 from deltackpt.store import LocalBackend, Store
@@ -192,13 +191,18 @@ def test_a_rank_whose_cache_indexed_the_parent_lists_no_packs(tmp_path, lookups)
     assert 0 < m.stats.new_chunks <= m.stats.num_chunks // 4  # every rank, the stale one too, deduplicated
 
 
+def _eight_ranks(path, backend_cls, tmp_path) -> list[Store]:
+    """Seven ranks sharing the store's own index cache and one on another host (its own cache)."""
+    stores = [Store.open(backend_cls(path)) for _ in range(7)]
+    return stores + [Store.open(backend_cls(path), cache_dir=tmp_path / "other-host")]
+
+
 def test_a_node_local_cache_catches_up_before_every_save(tmp_path, lookups):
     """A rank on another host (its own index cache) that holds its Store across saves learns of the packs
     committed since its last save: a chunk it wrote in s1 is not stored again in s2."""
     path = tmp_path / "s"
     Store.init(path, chunk_size_bytes=CHUNK)
-    stores = [Store.open(LocalBackend(path)) for _ in range(7)]
-    stores.append(Store.open(LocalBackend(path), cache_dir=tmp_path / "other-host"))
+    stores = _eight_ranks(path, LocalBackend, tmp_path)
     state0 = make_state(STATE_BYTES, rows=512)
     simulate_save(stores, "s0", state0)
     state1 = perturb(state0, 0.05)
@@ -214,8 +218,7 @@ def test_a_first_save_lists_no_packs(tmp_path, lookups):
     after another, rank r listed and indexed the r packs written before it: O(ranks^2) per first save)."""
     path = tmp_path / "s"
     Store.init(path, chunk_size_bytes=CHUNK)
-    stores = [Store.open(ListingBackend(path)) for _ in range(7)]
-    stores.append(Store.open(ListingBackend(path), cache_dir=tmp_path / "other-host"))
+    stores = _eight_ranks(path, ListingBackend, tmp_path)
     state0 = make_state(STATE_BYTES, rows=512)
     simulate_save(stores, "s0", state0)
     assert [s.backend.reads["list:packs"] for s in stores] == [0] * 8
@@ -233,8 +236,7 @@ def test_ranks_catch_up_to_the_newest_checkpoint_even_when_it_is_overwritten(tmp
     Store.init(path, chunk_size_bytes=CHUNK)
     state0 = make_state(STATE_BYTES, rows=512)
     simulate_save([Store.open(LocalBackend(path)) for _ in range(8)], "s0", state0)
-    stores = [Store.open(ListingBackend(path)) for _ in range(7)]
-    stores.append(Store.open(ListingBackend(path), cache_dir=tmp_path / "other-host"))
+    stores = _eight_ranks(path, ListingBackend, tmp_path)
     simulate_save(stores, "s0", state0, overwrite=True)
     m = stores[0].read_manifest("s0")
     assert m.parent is None and m.stats.new_chunks == 0

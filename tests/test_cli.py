@@ -42,7 +42,7 @@ def test_init_creates_store_and_refuses_twice(tmp_path, capsys):
     assert code == 0
     data = json.loads(out)
     assert data["format_version"] == 2 and len(data["store_id"]) == 32
-    assert data["features"] == ["plane-container", "zero-sparse-planes", "zigzag-delta"]
+    assert data["features"] == ["delta-chains", "plane-container", "zero-sparse-planes", "zigzag-delta"]
     assert Store.open(tmp_path / "new").config.store_id == data["store_id"]
     code, _, err = run(capsys, "init", str(tmp_path / "new"))
     assert code == 3 and err.count("\n") == 1 and "already holds" in err

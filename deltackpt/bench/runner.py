@@ -166,8 +166,10 @@ def run_isolated(wl, systems: list[str], work: Path, opts: dict, log) -> dict:
             out[n] = json.loads(result_path.read_text())
             log(f"  {n}: {out[n]['stored_bytes'] / 2**20:.1f} MiB stored, save {out[n]['save_s']:.2f} s/ckpt, "
                 f"load {out[n]['load_s']:.2f} s ({time.perf_counter() - t0:.0f} s)")
-        shutil.rmtree(work / n, ignore_errors=True)
-    shutil.rmtree(src, ignore_errors=True)
+        if not opts.get("keep"):  # --keep: every system's checkpoints stay for a look afterwards
+            shutil.rmtree(work / n, ignore_errors=True)
+    if not opts.get("keep"):
+        shutil.rmtree(src, ignore_errors=True)
     return out
 
 
@@ -272,7 +274,7 @@ def run_bench(out_dir: str | os.PathLike, workloads: list[str], size: str = "qui
     for n, why in skipped.items():
         log(f"skipping {n}: {why}")
     opts = {"isolate": isolate, "store_config": store_config or {}, "restic_compression": restic_compression,
-            "page_cache": page_cache, "variants": variants, "num_checkpoints": num_checkpoints}
+            "page_cache": page_cache, "variants": variants, "num_checkpoints": num_checkpoints, "keep": keep}
     tmp = Path(tempfile.mkdtemp(prefix="work-", dir=out))
     t0 = time.perf_counter()
     threads = torch.get_num_threads()

@@ -464,6 +464,17 @@ def _apply_in_place(segments, raw_len: int, elem_size: int) -> bool:
     return nnz <= SPARSE_APPLY_MAX_DENSITY * raw_len
 
 
+def applies_in_place(stored, raw_len: int, elem_size: int) -> bool:
+    """Whether a delta's stored bytes are applied to its base in place (:func:`decode_onto`), at the cost of
+    their nonzero bytes instead of a pass over the chunk; False for damaged bytes."""
+    if isinstance(stored, Coded):
+        stored = bytes(stored)
+    try:
+        return _apply_in_place(_container(stored, raw_len, elem_size), raw_len, elem_size)
+    except (ValueError, struct.error):
+        return False
+
+
 def decode(codec: int, stored, raw_len: int, elem_size: int, base=None, out=None, scratch=None):
     """Raw bytes of a chunk (bytes or a uint8 array). ``ValueError`` when the stored bytes are damaged.
 

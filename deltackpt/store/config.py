@@ -38,6 +38,11 @@ CHAINS_FEATURE = "delta-chains"
 # Fields added since format 2 was first written, left out of the config at their default so that an older
 # reader (which refuses unknown fields) still opens a store that does not use them.
 _OMITTED_AT_DEFAULT = {"max_chain": 1}
+# What a new store gets. Only deltas applied in place (sparse ones) grow chains (store/deltapolicy.py), so a
+# restore costs max_chain 1's plus the links' nonzero bytes: sparse runs store 19.5x less than DCP (12.5x at
+# 1), dense and bf16 runs as at 1 (docs/performance.md, chains). A config without the field (older stores)
+# means 1.
+NEW_STORE_MAX_CHAIN = 8
 
 MiB = 1 << 20
 
@@ -115,6 +120,7 @@ def chain_limit(cfg: StoreConfig) -> int:
 
 
 def new_config(**overrides) -> StoreConfig:
+    overrides = {"max_chain": NEW_STORE_MAX_CHAIN, **overrides}
     cfg = StoreConfig(store_id=uuid.uuid4().hex, **{k: v for k, v in overrides.items() if k != "features"})
     features = overrides.get("features", writer_features(cfg))
     return msgspec.structs.replace(cfg, features=tuple(features)).validate()

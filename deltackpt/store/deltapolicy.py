@@ -25,9 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..errors import DeltackptError
 from . import codec
 from .chunking import as_byte_view
-from .pack import PackEntry
+from .pack import HEADER_SIZE, PackEntry, pack_key
 
 _SAMPLE_BYTES = 64 * 1024  # at most; a chunk is judged by a sample of 1/16 of it, at least 16 KiB
 _SAMPLE_MIN_CHUNK = 256 * 1024  # smaller chunks are not sampled: their delta is coded outright
@@ -37,6 +38,9 @@ _SAMPLE_MIN_CHUNK = 256 * 1024  # smaller chunks are not sampled: their delta is
 _SAMPLE_MARGIN = 0.02
 # A place whose previous delta came in this far under the line is coded as a delta outright (no sample).
 _HISTORY_MARGIN = 0.05
+# A delta applied in place has at most 1/16 of its bytes nonzero (codec.SPARSE_APPLY_MAX_DENSITY), plus their
+# bitmaps: one stored in more than 1/8 of its raw size is not read to find out.
+_LINK_MAX_SHARE = 8
 # Chunks smaller than this, or than a quarter of the store's chunk size (biases, norms: a few hundred bytes on
 # a sharded model), are always keyframes: a delta would save a few bytes and cost a base lookup, a second
 # coding and a cache copy per chunk.
@@ -103,6 +107,15 @@ def _cycle_mean(links: list[PackEntry], deltas: int, last: int) -> float:
     return spent / (len(links) + deltas)
 
 
+def is_sparse_link(stored, raw_len: int, elem_size: int) -> bool:
+    """Whether a delta (its stored bytes) may be the base of another delta: only one applied in place, at the
+    cost of its nonzero bytes (sparse rows; weights a fine-tune left as they were). A delta that is a pass
+    over the chunk stays a leaf, so restoring any chunk costs its keyframe, the sparse links' nonzero bytes and
+    at most one full delta: what max_chain 1 costs plus the sparse links (the bench's dense and bf16 Adam
+    moments change everywhere: their deltas never chain)."""
+    return len(stored) * _LINK_MAX_SHARE <= raw_len and codec.applies_in_place(stored, raw_len, elem_size)
+
+
 class DeltaPolicy:
     """The delta decisions of one store's writer (stateless beyond the store's config and index)."""
 
@@ -138,13 +151,27 @@ class DeltaPolicy:
         depth = len(chain) - 1
         last, last_codec = (entry.stored_len, entry.codec) if codec.is_delta(entry.codec) else (None, None)
         key_len = chain[-1].stored_len
-        if depth < self.config.max_chain:  # the parent's chunk is the base: the cycle is the chain so far
+        if depth < self.config.max_chain and (depth == 0 or self.extends_chain(entry)):
+            # The parent's chunk is the base: the cycle is the chain so far.
             return DeltaBase(entry, 1, last, last_codec, depth, key_len, _cycle_mean(chain, 0, 0))
         age = entry.age + 1
         if age > self.config.keyframe_interval:
             return None
         return DeltaBase(chain[1], age, last, last_codec, depth - 1, key_len,
                          _cycle_mean(chain[1:], entry.age, entry.stored_len))
+
+    def extends_chain(self, entry: PackEntry) -> bool:
+        """Whether delta ``entry`` may be the base of the next delta (:func:`is_sparse_link`, on its stored
+        bytes read from its pack when they are small enough to be sparse)."""
+        if entry.stored_len * _LINK_MAX_SHARE > entry.raw_len:
+            return False  # too large to be that sparse: no read needed
+        if self.store.base_cache.get(entry.chunk_id) is not None:
+            return True  # a writer keeps a delta as the next save's base only when it is a sparse link
+        try:
+            stored = self.store.backend.get_range(pack_key(entry.pack), entry.offset + HEADER_SIZE, entry.stored_len)
+        except (OSError, DeltackptError):
+            return False  # unreadable: no chain grows from it (its bytes are checked where they are read)
+        return is_sparse_link(stored, entry.raw_len, entry.elem_size)
 
     def _chain(self, entry: PackEntry, n: int) -> list[PackEntry] | None:
         """``entry`` and the bases down its chain to a keyframe (one index look-up per delta in it), or None

@@ -24,7 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
-from .config import CONFIG_KEY, SUPPORTED_FEATURES, StoreConfig, decode_config, encode_config
+from .config import (CONFIG_KEY, NEW_STORE_MAX_CHAIN, SUPPORTED_FEATURES, StoreConfig, decode_config,
+                     encode_config)
 from .gc import _repack
 from .lock import EXCLUSIVE, StoreLock
 from .manifest import Manifest, decode_manifest
@@ -95,9 +96,9 @@ def _repair_config(backend) -> RepairReport:
     chunk = infer_chunk_size(manifests)
     defaults = StoreConfig()
     # Every encoding this code reads: the lost config may have listed any of them (a chained store
-    # recreated without "delta-chains" would read its chains as damage).
+    # recreated without "delta-chains" would read its chains as damage); new writes chain as a new store's.
     cfg = StoreConfig(store_id=store_id, chunk_size_bytes=chunk or defaults.chunk_size_bytes,
-                      pack_target_bytes=max(defaults.pack_target_bytes, chunk or 0),
+                      pack_target_bytes=max(defaults.pack_target_bytes, chunk or 0), max_chain=NEW_STORE_MAX_CHAIN,
                       features=tuple(sorted(SUPPORTED_FEATURES))).validate()
     report = RepairReport(store_id=store_id, chunk_size_bytes=cfg.chunk_size_bytes, config_recreated=True,
                           chunk_size_inferred=chunk is not None)

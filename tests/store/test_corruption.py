@@ -455,7 +455,8 @@ def test_delta_chunk_reads_through_its_base(mem_store, rng):
 
 
 @pytest.mark.parametrize("variant", ["missing-base", "delta-base"])
-def test_delta_with_bad_base_is_corrupt(mem_store, rng, variant):
+def test_delta_with_bad_base_is_corrupt(make_store, rng, variant):
+    mem_store = make_store(max_chain=1)  # a store without delta-chains: a delta base must be a keyframe
     _, base_id, target_id = _delta_store(mem_store, rng, base_in_store=variant != "missing-base",
                                          base_is_delta=variant == "delta-base")
     with pytest.raises(CorruptChunkError) as ei:

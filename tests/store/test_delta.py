@@ -101,7 +101,7 @@ def test_small_changes_are_stored_as_deltas_and_restore_bit_exact(mem_store):
 
 
 def test_twenty_checkpoint_chain_restores_every_checkpoint(tmp_path):
-    store = Store.init(tmp_path / "s", chunk_size_bytes=16384, keyframe_interval=4)
+    store = Store.init(tmp_path / "s", chunk_size_bytes=16384, keyframe_interval=4, max_chain=1)
     rng = np.random.default_rng(2)
     w = (rng.standard_normal(40_000) * 0.05).astype(np.float32)
     h = rng.integers(0, 1000, 5_000).astype(np.int64)
@@ -132,7 +132,7 @@ def test_a_keyframe_is_refreshed_once_its_deltas_cost_more_than_a_new_cycle(tmp_
     """Deltas against an aging keyframe grow as changed elements pile up (sparse rows, Adam moments filling
     in). The base is refreshed once the next delta costs more than its cycle so far per checkpoint (the
     keyframe and its deltas), well before keyframe_interval, and that stores fewer bytes than keeping it."""
-    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "c", chunk_size_bytes=16384)
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "c", chunk_size_bytes=16384, max_chain=1)
     assert store.config.keyframe_interval == 10
     rng = np.random.default_rng(11)
     w = rng.standard_normal(3 * 4096).astype(np.float32)  # three chunks of near-random mantissas

@@ -11,6 +11,7 @@ import pytest
 from deltackpt.errors import CorruptChunkError, UnsupportedFormatError
 from deltackpt.store import MemoryBackend, Store, codec
 from deltackpt.store import config as config_mod
+from deltackpt.store import deltapolicy
 from deltackpt.store import source as source_mod
 from deltackpt.store.chunking import chunk_id_of
 from deltackpt.store.copy import copy_checkpoints
@@ -161,12 +162,19 @@ def test_format_gate_names_delta_chains(tmp_path, monkeypatch):
         Store.open(tmp_path / "s")
 
 
-def test_a_default_store_config_reads_as_before_chains(tmp_path):
-    Store.init(tmp_path / "s")
+def test_a_depth_one_store_config_reads_as_before_chains(tmp_path):
+    Store.init(tmp_path / "s", max_chain=1)
     raw = json.loads((tmp_path / "s" / "config").read_bytes())
-    # An older reader refuses unknown fields: the default is left out, and no feature is added.
+    # An older reader refuses unknown fields: 1 (what a config without the field means) is left out, and no
+    # feature is added.
     assert "max_chain" not in raw and "delta-chains" not in raw["features"]
     assert Store.open(tmp_path / "s").config.max_chain == 1
+
+
+def test_a_new_store_chains_deltas_and_says_so(tmp_path):
+    Store.init(tmp_path / "s")
+    raw = json.loads((tmp_path / "s" / "config").read_bytes())
+    assert raw["max_chain"] == config_mod.NEW_STORE_MAX_CHAIN and "delta-chains" in raw["features"]
 
 
 @pytest.mark.parametrize("bad", [0, config_mod.MAX_CHAIN + 1])
@@ -321,3 +329,45 @@ def test_a_loads_bundles_count_the_links_down_each_chain(tmp_path):
         for job in jobs:
             reader.run_job(job)
     assert np.array_equal(out.view(np.float32), _sparse_steps(3, 9, n=16 * CHUNK // 4)[-1])
+
+
+def _dense_steps(seed: int, count: int, n: int = 16_384) -> list[np.ndarray]:
+    """``count`` states where every element moves each step (Adam moments, a dense LM's weights)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(n) * 0.05).astype(np.float32)
+    out = [w.copy()]
+    for _ in range(count - 1):
+        w = w * np.float32(1.0001) + np.float32(1e-6)
+        out.append(w.copy())
+    return out
+
+
+@pytest.mark.parametrize("reopen", [False, True])
+def test_only_sparse_deltas_grow_chains(tmp_path, reopen):
+    """A delta that is a pass over the chunk is never a base: its place's next delta goes against the keyframe,
+    so chains cost restores only their sparse links' nonzero bytes (with or without the writer's cache)."""
+    store = Store.init(tmp_path / "s", chunk_size_bytes=CHUNK, max_chain=8)
+    dense, sparse = _dense_steps(1, 6), _sparse_steps(1, 6)
+    for i, (d, s) in enumerate(zip(dense, sparse)):
+        if reopen:
+            store = Store.open(tmp_path / "s")
+        store.save(f"c{i}", {"dense": d, "sparse": s})
+    last = store.read_manifest("c5")
+    depth = {it.key: max(_depth(store, r.id) for r in it.chunks) for it in last.items}
+    assert depth["dense"] == 1 and depth["sparse"] == 5
+    reopened = Store.open(tmp_path / "s")
+    for i in range(6):
+        got = reopened.load(f"c{i}")
+        np.testing.assert_array_equal(got["dense"], dense[i])
+        np.testing.assert_array_equal(got["sparse"], sparse[i])
+
+
+def test_sparse_link_rule_reads_the_stored_delta():
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(4096).astype(np.float32)
+    few, every = base.copy(), base * np.float32(1.001)
+    few[::500] += np.float32(1e-3)
+    for new, sparse in ((few, True), (every, False)):
+        stored = bytes(codec.encode_delta(new.view(np.uint8), base.view(np.uint8), 4, 1, codec.ZDELTA))
+        assert deltapolicy.is_sparse_link(stored, new.nbytes, 4) is sparse
+    assert not deltapolicy.is_sparse_link(b"DCPL" + b"\0" * 40, few.nbytes, 4)  # damaged: never a base

@@ -11,7 +11,7 @@ from deltackpt import cli
 from deltackpt.errors import UnsupportedFormatError
 from deltackpt.store import Store
 from deltackpt.store import config as config_mod
-from deltackpt.store.config import WRITER_FEATURES, decode_config
+from deltackpt.store.config import NEW_STORE_MAX_CHAIN, WRITER_FEATURES, decode_config
 
 
 def _data(seed: int) -> dict:
@@ -27,7 +27,8 @@ def test_new_store_lists_the_writer_features(tmp_path):
     Store.init(tmp_path / "s")
     cfg = _config(tmp_path / "s")
     assert cfg["format_version"] == 2
-    assert cfg["features"] == sorted(WRITER_FEATURES)
+    assert cfg["features"] == sorted(WRITER_FEATURES + ("delta-chains",))  # new stores chain deltas
+    assert cfg["max_chain"] == NEW_STORE_MAX_CHAIN
 
 
 def test_unknown_feature_is_refused_by_name(tmp_path):
@@ -56,7 +57,7 @@ def test_older_reader_lacking_a_feature_refuses_instead_of_reporting_damage(tmp_
 
 def test_version_1_store_gains_features_on_first_write(tmp_path):
     # A store as the previous release wrote it: format 1, no features field.
-    s = Store.init(tmp_path / "s", features=(), format_version=1)
+    s = Store.init(tmp_path / "s", features=(), format_version=1, max_chain=1)
     raw = _config(tmp_path / "s")
     assert raw["format_version"] == 1 and "features" not in raw
     reopened = Store.open(tmp_path / "s")

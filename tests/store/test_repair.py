@@ -65,6 +65,8 @@ def test_missing_config_is_recreated(populated):
     new = Store.open(root).config
     assert new.store_id == cfg.store_id and new.chunk_size_bytes == CHUNK
     assert new.pack_target_bytes == StoreConfig().pack_target_bytes  # not in any manifest: the default
+    # The saves chained deltas (a new store's max_chain): without "delta-chains" they would read as damage.
+    assert "delta-chains" in new.features and cfg.max_chain > 1
     assert_store_whole(root, saved)
 
 

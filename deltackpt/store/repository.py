@@ -217,8 +217,14 @@ class Store:
         self._index_current = True
         return index
 
-    def refresh_index(self) -> tuple[int, int]:
-        return self.index.refresh()
+    def refresh_index(self, listed: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
+        """Bring the index in line with the packs (``listed``: the caller's fresh listing of them, name ->
+        (size, mtime)); one listing, not the first use's and then this one's."""
+        index = self._cache_index()
+        with self._index_lock:
+            out = index.refresh(listed)
+            self._index_current = True
+        return out
 
     def rebuild_index(self, progress: Progress | None = None) -> tuple[int, int]:
         """Drop the index cache and re-read every pack table. Returns (packs indexed, packs dropped)."""

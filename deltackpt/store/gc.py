@@ -247,18 +247,18 @@ class LocatedIds:
     def add(self, sorted_ids: np.ndarray, loc: Located) -> None:
         self._parts.append((sorted_ids, loc))
 
-    def where(self, store, ids: np.ndarray, number: dict[str, int]) -> np.ndarray:
-        """Per id of ``ids``: the number ``number`` gives its pack, -1 when not indexed, -2 when indexed in a
-        pack ``number`` lacks; ids not seen yet are looked up now."""
-        out = np.full(ids.size, -3, dtype=np.int64)
+    def where(self, store, live: np.ndarray, at: np.ndarray, number: dict[str, int]) -> np.ndarray:
+        """Per position ``at`` in ``live`` (sorted unique ids): the number ``number`` gives its chunk's pack,
+        -1 when not indexed, -2 when indexed in a pack ``number`` lacks; ids not seen are looked up now."""
+        along = np.full(live.size, -3, dtype=np.int64)
         for sorted_ids, loc in self._parts:
-            todo = np.flatnonzero(out == -3)
-            pos = idset.find(sorted_ids, ids[todo])
+            pos = idset.find(live, sorted_ids)  # a sorted query: a fraction of a search in random order
             hit = pos >= 0
-            out[todo[hit]] = _numbered(loc, number)[loc.pack_of[pos[hit]]]
+            along[pos[hit]] = _numbered(loc, number)[loc.pack_of[hit]]
+        out = along[at]
         todo = np.flatnonzero(out == -3)
         if todo.size:  # the bases of the last level of chains: not looked up while marking
-            loc = store.index.locate(ids[todo])
+            loc = store.index.locate(live[at[todo]])
             out[todo] = _numbered(loc, number)[loc.pack_of]
         return out
 
@@ -454,11 +454,13 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
     the index is pointed at it). Where the index locates a chunk is taken from ``seen``, the marking's
     look-ups (a location out of date there only sends the entry to the exact check below, or keeps it)."""
     ids = _concat([t.chunk_ids for t in tables])
-    keep = idset.isin(live, ids)
+    pos = idset.find(live, ids)
+    keep = pos >= 0
     at = np.flatnonzero(keep)
     number = {t.name: i for i, t in enumerate(tables)}
     # -1: not indexed; -2: indexed in a pack whose table was not read (young, unreadable or gone)
-    where = seen.where(store, ids[at], number)
+    where = seen.where(store, live, pos[at], number)
+    del pos
     index, fixed = store.index, {}
     for k in np.flatnonzero(where != owner[at]):  # live copies the index does not point at (rare)
         j = at[k]

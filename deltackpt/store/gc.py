@@ -21,7 +21,10 @@ younger than the lock staleness limit: it may be a lock being taken right now).
 
 Two phases, so that saves go on while gc works (see :mod:`.lock` for the waiting rules):
 
-1. ``plan_gc`` marks and plans under a *shared* lock, like a save: saves run and commit meanwhile.
+1. ``plan_gc`` marks and plans under a *shared* lock, like a save: saves run and commit meanwhile. It lists
+   the manifests, then the packs, once, and refreshes the index from that listing: a checkpoint's packs are
+   published before its manifest, so the index locates every chunk of every manifest listed (and a delta's
+   base is found however young or old its pack looks). Each live chunk's index record is read once.
 2. ``GcPlan.execute`` takes the *exclusive* lock, which waits for running saves to finish and makes new
    ones wait; it re-checks the plan against the store as it is now, and deletes only what still holds.
    When no manifest, pack or gc epoch changed since the mark, the plan holds as it is and is not re-checked.

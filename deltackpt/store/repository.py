@@ -211,9 +211,13 @@ class Store:
         up before every save (else it re-stores what it lacks)."""
         index = self._cache_index()
         if not index.has_seen(head):
-            index.refresh()
-            if head is not None:
-                index.set_meta(LAST_COMMIT_KEY, head.encode())
+            # One process per cache catches up: the ranks of a host that share its node-local cache each
+            # listed every pack and read every new pack's table, all at once, when it missed a commit.
+            with index.one_at_a_time():
+                if not index.has_seen(head):
+                    index.refresh()
+                    if head is not None:
+                        index.set_meta(LAST_COMMIT_KEY, head.encode())
         self._index_current = True
         return index
 

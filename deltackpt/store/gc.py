@@ -21,7 +21,10 @@ younger than the lock staleness limit: it may be a lock being taken right now).
 
 Two phases, so that saves go on while gc works (see :mod:`.lock` for the waiting rules):
 
-1. ``plan_gc`` marks and plans under a *shared* lock, like a save: saves run and commit meanwhile.
+1. ``plan_gc`` marks and plans under a *shared* lock, like a save: saves run and commit meanwhile. It lists
+   the manifests, then the packs, once, and refreshes the index from that listing: a checkpoint's packs are
+   published before its manifest, so the index locates every chunk of every manifest listed (and a delta's
+   base is found however young or old its pack looks). Each live chunk's index record is read once.
 2. ``GcPlan.execute`` takes the *exclusive* lock, which waits for running saves to finish and makes new
    ones wait; it re-checks the plan against the store as it is now, and deletes only what still holds.
    When no manifest, pack or gc epoch changed since the mark, the plan holds as it is and is not re-checked.
@@ -69,6 +72,7 @@ from .pack import (
     read_pack_table,
 )
 from .progress import Progress, phase
+from .records import Located
 
 DEFAULT_GRACE_S = 3600.0
 # Small packs (one per rank and save, say) are merged into packs of the target size once they hold this
@@ -163,9 +167,9 @@ class GcPlan:
         store = self.store
         if self.live is None:  # not made by plan_gc: plan from scratch
             return _plan(store, max_unused=self.max_unused, grace_s=self.grace_s, merge_small=self.merge_small)
-        store.refresh_index()
         manifests = _list_manifests(store)
         listed = _list_packs(store)
+        store.refresh_index(_stamps(listed))
         present = set(listed)
         planned = set(self.temp_files)
         if manifests == self.manifests and present == self.packs and _read_epoch(store) == self.epoch:
@@ -236,26 +240,62 @@ class GcResult:
         return dict(self.__dict__)
 
 
-def live_chunk_ids(store, names=None) -> np.ndarray:
+class LocatedIds:
+    """Where the index located the ids gc looked up while marking (sorted sets of them, each with its
+    :class:`~.records.Located`), so the sweep reads each live chunk's record once, not twice."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[np.ndarray, Located]] = []
+
+    def add(self, sorted_ids: np.ndarray, loc: Located) -> None:
+        self._parts.append((sorted_ids, loc))
+
+    def where(self, store, live: np.ndarray, at: np.ndarray, number: dict[str, int]) -> np.ndarray:
+        """Per position ``at`` in ``live`` (sorted unique ids): the number ``number`` gives its chunk's pack,
+        -1 when not indexed, -2 when indexed in a pack ``number`` lacks; ids not seen are looked up now."""
+        along = np.full(live.size, -3, dtype=np.int64)
+        for sorted_ids, loc in self._parts:
+            pos = idset.find(live, sorted_ids)  # a sorted query: a fraction of a search in random order
+            hit = pos >= 0
+            along[pos[hit]] = _numbered(loc, number)[loc.pack_of[hit]]
+        out = along[at]
+        todo = np.flatnonzero(out == -3)
+        if todo.size:  # the bases of the last level of chains: not looked up while marking
+            loc = store.index.locate(live[at[todo]])
+            out[todo] = _numbered(loc, number)[loc.pack_of]
+        return out
+
+
+def _numbered(loc: Located, number: dict[str, int]) -> np.ndarray:
+    """Indexable by ``loc.pack_of``: each pack's number in ``number`` (-2 when it has none), -1 at index -1."""
+    return np.array([number.get(p, -2) for p in loc.packs] + [-1], dtype=np.int64)
+
+
+def live_chunk_ids(store, names=None, seen: "LocatedIds | None" = None) -> np.ndarray:
     """Sorted unique ids (dtype ``V16``, see :mod:`.idset`) of every chunk a manifest references, plus their
-    delta bases; of the checkpoints ``names`` only, if given."""
+    delta bases; of the checkpoints ``names`` only, if given. ``seen`` keeps where the index located them."""
     refs = idset.Collector()
     for name in store.checkpoint_names() if names is None else names:
         try:
             store.add_manifest_ids(name, refs)
         except CheckpointNotFoundError:
             continue  # forgotten since it was listed (forget takes no lock): it makes nothing live
-    return with_chain_bases(store, refs.result())
+    return with_chain_bases(store, refs.result(), seen=seen)
 
 
-def with_chain_bases(store, live: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+def with_chain_bases(store, live: np.ndarray, ids: np.ndarray | None = None,
+                     seen: "LocatedIds | None" = None) -> np.ndarray:
     """``live`` (sorted unique V16 ids) with ``ids`` (default: those of ``live`` itself) and the delta bases
     they need added, down each chain (a base is live while any live delta needs it): one batched index
-    look-up per level, at most the store's chain limit (1 without the feature ``delta-chains``)."""
+    look-up per level, at most the store's chain limit (1 without the feature ``delta-chains``). ``seen``
+    keeps where the index located each id looked up."""
     frontier = live if ids is None else idset.unique(ids)
     live = live if ids is None else idset.union(live, frontier)
     for _ in range(chain_limit(store.config)):
-        bases = idset.unique(store.index.locate(frontier).delta_base)
+        loc = store.index.locate(frontier)
+        if seen is not None:
+            seen.add(frontier, loc)
+        bases = idset.unique(loc.delta_base)
         frontier = bases[~idset.isin(live, bases)]
         if not frontier.size:
             break
@@ -288,6 +328,11 @@ def _list_packs(store) -> dict[str, object]:
         if name is not None:
             out[name] = info
     return out
+
+
+def _stamps(listed: dict[str, object]) -> dict[str, tuple[int, float]]:
+    """A pack listing as the index refresh takes it: name -> (size, mtime)."""
+    return {name: (info.size_bytes, info.mtime_s) for name, info in listed.items()}
 
 
 def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[str, PackTable]:
@@ -348,19 +393,22 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S,
 
 
 def _plan(store, *, max_unused: float, grace_s: float, merge_small: bool, progress: Progress | None = None) -> GcPlan:
-    store.refresh_index()
     now = time.time()
     epoch = _read_epoch(store)  # before the listings: a gc that runs meanwhile changes it
     manifests = _list_manifests(store)  # before the manifests are read: one written after counts as new
-    live = live_chunk_ids(store, list(manifests))
-    plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=max_unused, grace_s=grace_s,
-                  merge_small=merge_small, live=live, manifests=manifests, epoch=epoch)
+    # One listing of the packs, after the manifests' (a checkpoint's packs are published before its manifest,
+    # so the index refreshed from it locates every chunk a listed manifest references); a pack published
+    # since is new to revalidate().
     listed = _list_packs(store)
-    plan.packs = set(listed)
+    store.refresh_index(_stamps(listed))
+    seen = LocatedIds()
+    live = live_chunk_ids(store, list(manifests), seen)
+    plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=max_unused, grace_s=grace_s,
+                  merge_small=merge_small, live=live, manifests=manifests, packs=set(listed), epoch=epoch)
     young = {n: i for n, i in listed.items() if now - i.mtime_s < grace_s}
     plan.kept_young = len(young)
     # A young pack may be an in-flight save's: the bases of its deltas stay, whether or not it commits.
-    live = plan.live = with_chain_bases(store, live, _delta_bases(store, young))
+    live = plan.live = with_chain_bases(store, live, _delta_bases(store, young), seen)
     old = {n: i for n, i in listed.items() if n not in young}
     tables = _read_tables(store, old, progress)
     names = list(tables)
@@ -368,7 +416,7 @@ def _plan(store, *, max_unused: float, grace_s: float, merge_small: bool, progre
     counts = np.array([len(tables[n]) for n in names], dtype=np.int64)
     owner = np.repeat(np.arange(len(names)), counts)
     first = np.cumsum(counts) - counts  # position of each pack's first entry
-    keep = _live_entries(store, plan, [tables[n] for n in names], owner, first, live)
+    keep = _live_entries(store, plan, [tables[n] for n in names], owner, first, live, seen)
     # The pack's fixed overhead (magic, table rows, footer) belongs to its live entries too.
     cost = _concat([tables[n].stored_lens for n in names], np.uint64).astype(np.int64) + HEADER_SIZE + ROW_SIZE
     live_bytes = np.bincount(owner[keep], weights=cost[keep], minlength=len(names)) + len(PACK_MAGIC) + FOOTER_SIZE
@@ -403,17 +451,19 @@ def _plan_repack(plan: GcPlan, table: PackTable, keep: np.ndarray, size: int) ->
 
 
 def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarray, first: np.ndarray,
-                  live: np.ndarray) -> np.ndarray:
+                  live: np.ndarray, seen: LocatedIds) -> np.ndarray:
     """A bool per entry (entry ``j`` is row ``j - first[owner[j]]`` of ``tables[owner[j]]``): whether gc keeps
     it. An entry is kept if its chunk is live and the index locates it in this pack, or nowhere valid (then
-    the index is pointed at it)."""
+    the index is pointed at it). Where the index locates a chunk is taken from ``seen``, the marking's
+    look-ups (a location out of date there only sends the entry to the exact check below, or keeps it)."""
     ids = _concat([t.chunk_ids for t in tables])
-    keep = idset.isin(live, ids)
+    pos = idset.find(live, ids)
+    keep = pos >= 0
     at = np.flatnonzero(keep)
-    loc = store.index.locate(ids[at])
     number = {t.name: i for i, t in enumerate(tables)}
     # -1: not indexed; -2: indexed in a pack whose table was not read (young, unreadable or gone)
-    where = np.array([number.get(p, -2) for p in loc.packs] + [-1], dtype=np.int64)[loc.pack_of]
+    where = seen.where(store, live, pos[at], number)
+    del pos
     index, fixed = store.index, {}
     for k in np.flatnonzero(where != owner[at]):  # live copies the index does not point at (rare)
         j = at[k]

@@ -46,6 +46,20 @@ def isin(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
     return out
 
 
+def find(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """The position in ``sorted_ids`` (sorted unique) of each id of ``query``, -1 where it is not there."""
+    out = np.full(query.size, -1, dtype=np.int64)
+    if not sorted_ids.size:
+        return out
+    last = sorted_ids.size - 1
+    for start in range(0, query.size, _BLOCK):
+        q = query[start:start + _BLOCK]
+        pos = np.searchsorted(sorted_ids, q)
+        np.minimum(pos, last, out=pos)
+        out[start:start + q.size] = np.where(sorted_ids[pos] == q, pos, -1)
+    return out
+
+
 def contains(sorted_ids: np.ndarray, cid: bytes) -> bool:
     """Whether the one id ``cid`` is in ``sorted_ids`` (for many ids at once use :func:`isin`)."""
     return bool(isin(sorted_ids, from_ids(cid))[0])

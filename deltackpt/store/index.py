@@ -336,12 +336,16 @@ class ChunkIndex(LmdbCache):
         return out
 
     @guarded()
-    def refresh(self) -> tuple[int, int]:
-        """Bring the cache in line with the packs in the backend. Returns (packs added, packs removed)."""
+    def refresh(self, listed: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
+        """Bring the cache in line with the packs in the backend (``listed``: a listing the caller just made,
+        name -> (size, mtime), instead of a new one). Returns (packs added, packs removed)."""
         # Known before listed: a pack a concurrent commit indexes in between must not look gone (a rebuild).
         known = self._known_packs()
-        present = self._listed()
+        present = self._listed() if listed is None else listed
         gone = known - present.keys()
+        if gone and listed is not None:  # listed before known: a pack indexed since looks gone; list again
+            present = self._listed()
+            gone = known - present.keys()
         if gone or self._is_foreign():
             return self._rebuild(present)
         new = [n for n in present if n not in known]

@@ -9,15 +9,22 @@ writable location (else memory) and, through :func:`guarded`, repairs a damaged 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import lmdb
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: no turns (LmdbCache.one_at_a_time holds nothing)
+    fcntl = None
 
 from ..errors import ManifestFormatError
 from .memenv import MemoryEnv
@@ -28,6 +35,8 @@ MAP_SIZE = 1 << 36  # virtual; the file grows as needed
 DB_NAMES = (b"chunks", b"packs", b"meta", b"ckpts", b"verified")
 # LMDB maps its lock file: touching a page of it on a full disk is SIGBUS, not an error Python can catch.
 _MIN_FREE_BYTES = 1 << 20
+_TURN_FILE = "turn.lock"  # in a cache's directory: flocked by the process whose turn it is (LmdbCache.one_at_a_time)
+_TURN_WAIT_S = 600.0  # a turn held longer (a hung holder) is not waited for: the caller goes ahead alone
 
 _envs: dict[str, tuple] = {}  # resolved path -> (pid, environment, named databases, data file identity)
 _envs_lock = threading.Lock()
@@ -157,6 +166,26 @@ class LmdbCache:
     def _rebuild(self, *args, **kwargs):
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def one_at_a_time(self):
+        """Held by one process (or thread) of this cache at a time: an flock on a file in its directory, so
+        that of the processes sharing a node-local cache one does a costly refresh and the others find it done.
+        Where no lock can be had (a cache in memory, a directory this user cannot write) it holds nothing."""
+        self.env  # opened: path is the location in use, None in memory
+        fd = None
+        if self.path is not None:
+            try:
+                fd = os.open(self.path / _TURN_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                fd = None
+        try:
+            if fd is not None:
+                _flock(fd)
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the flock
+
     @property
     def env(self):
         if self._env is None or (self.path is not None and self._pid != os.getpid()):
@@ -229,3 +258,23 @@ class LmdbCache:
                 close_env(path)
             self._use_memory(f"index cache {path} cannot be written ({exc})")
             self._rebuild()
+
+
+def _flock(fd: int) -> None:
+    """Take an exclusive flock on ``fd``, waiting up to _TURN_WAIT_S (then going ahead without it)."""
+    if fcntl is None:
+        return
+    deadline, pause = time.monotonic() + _TURN_WAIT_S, 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                log.warning("an index cache refresh by another process has taken over %.0f s; going ahead",
+                            _TURN_WAIT_S)
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
+        except OSError:
+            return  # a file system without flock: no turns

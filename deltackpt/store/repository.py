@@ -211,14 +211,24 @@ class Store:
         up before every save (else it re-stores what it lacks)."""
         index = self._cache_index()
         if not index.has_seen(head):
-            index.refresh()
-            if head is not None:
-                index.set_meta(LAST_COMMIT_KEY, head.encode())
+            # One process per cache catches up: the ranks of a host that share its node-local cache each
+            # listed every pack and read every new pack's table, all at once, when it missed a commit.
+            with index.one_at_a_time():
+                if not index.has_seen(head):
+                    index.refresh()
+                    if head is not None:
+                        index.set_meta(LAST_COMMIT_KEY, head.encode())
         self._index_current = True
         return index
 
-    def refresh_index(self) -> tuple[int, int]:
-        return self.index.refresh()
+    def refresh_index(self, listed: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
+        """Bring the index in line with the packs (``listed``: the caller's fresh listing of them, name ->
+        (size, mtime)); one listing, not the first use's and then this one's."""
+        index = self._cache_index()
+        with self._index_lock:
+            out = index.refresh(listed)
+            self._index_current = True
+        return out
 
     def rebuild_index(self, progress: Progress | None = None) -> tuple[int, int]:
         """Drop the index cache and re-read every pack table. Returns (packs indexed, packs dropped)."""

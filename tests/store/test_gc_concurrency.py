@@ -11,9 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 
-import numpy as np
 import pytest
 
 from deltackpt.store import Store

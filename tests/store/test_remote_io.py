@@ -15,7 +15,7 @@ from deltackpt.store import MemoryBackend, Store
 from deltackpt.store import reader as reader_mod
 from deltackpt.store.packsink import UPLOADS_IN_FLIGHT
 
-from store_helpers import flip_bit, packs_of_checkpoint
+from store_helpers import flip_bit
 
 CHUNK = 64 * 1024
 

@@ -18,7 +18,7 @@ from deltackpt.store.pack import FOOTER_SIZE, HEADER_SIZE, pack_key
 from deltackpt.store.repair import infer_chunk_size, repair_store
 from deltackpt.store.verify import verify_store
 
-from store_helpers import assert_items_equal, pack_keys
+from store_helpers import assert_items_equal
 
 CHUNK = 64 * 1024
 

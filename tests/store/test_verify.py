@@ -393,7 +393,7 @@ def test_sampled_runs_rotate_over_all_packs(local_store, rng):
 
 def test_sampled_runs_eventually_find_damage(local_store, rng):
     store = local_store
-    packs = _many_packs(store, rng)
+    _many_packs(store, rng)
     victim = sorted(packs_of_checkpoint(store, "p5"))[0]
     e = next(x for x in store.index.iter_entries() if x.pack == victim)
     _flip_payload(store, e)
@@ -421,7 +421,7 @@ def test_max_duration_gives_a_partial_run(local_store, rng):
 
 def test_a_sample_reports_what_it_skipped(local_store, rng):
     store = local_store
-    packs = _many_packs(store, rng, n=4)
+    _many_packs(store, rng, n=4)
     r = verify_store(store, level=1, sample=0.5)
     assert (r.packs_checked, r.packs_skipped, r.skipped_by, r.clean) == (2, 2, "sample", False)
     assert r.chunks_skipped == sum(len(store.read_manifest(f"p{i}").items[0].chunks) for i in range(4)) // 2

@@ -11,8 +11,10 @@ setup(
     ext_modules=[
         Extension(
             "deltackpt._native",
-            sources=["native/binding.c", "native/shuffle.c", "native/sparse.c", "native/fastcdc.c", "native/refs.c"],
+            sources=["native/binding.c", "native/shuffle.c", "native/sparse.c", "native/fastcdc.c", "native/refs.c",
+                     "native/chunkcheck.c"],
             include_dirs=["native"],
+            depends=["native/dc_kernels.h", "native/third_party/xxhash/xxhash.h"],
             extra_compile_args=extra,
         )
     ]

@@ -39,6 +39,7 @@ from __future__ import annotations
 import operator
 
 import numpy as np
+import xxhash
 
 from deltackpt import settings
 from deltackpt.errors import NativeKernelUnavailable
@@ -521,3 +522,50 @@ chunk_refs = getattr(_native, "chunk_refs", None) if BACKEND == "native" else No
 # size of its state.
 walk_refs = getattr(_native, "walk_refs", None) if BACKEND == "native" else None
 WALKER_BYTES = getattr(_native, "WALKER_BYTES", 0) if BACKEND == "native" else 0
+
+
+def _python_unshuffle_check(buf, frames, elem_size: int, src, outs, ids, ok) -> int:
+    """The twin of the native ``unshuffle_check`` (its docstring in native/binding.c): the same checks, the
+    same bytes, one chunk at a time."""
+    k = _elem_size(elem_size)
+    b, n = _as_u8(buf, "buf"), len(outs)
+    src = np.asarray(src)
+    okv = np.frombuffer(ok, dtype=np.uint8) if len(memoryview(ok)) else np.zeros(0, np.uint8)
+    if okv.size != n or src.dtype != np.int64 or src.size != n * (k + 1) or len(ids) != 16 * n:
+        raise ValueError(f"ok, src and ids must hold {n}, {n * (k + 1)} int64 and {16 * n} bytes")
+    dests = [np.frombuffer(out, dtype=np.uint8) if len(memoryview(out)) else np.zeros(0, np.uint8) for out in outs]
+    planes = []
+    for j, (dest, starts) in enumerate(zip(dests, src.reshape(n, k + 1).tolist())):
+        per = dest.size // k
+        segs = []
+        for s, at in enumerate(starts):
+            want = per if s < k else dest.size - per * k
+            if 0 <= at <= b.size - want:
+                segs.append(b[at:at + want])
+            elif at < 0 and -1 - at < len(frames) and len(memoryview(frames[-1 - at])) == want:
+                segs.append(np.frombuffer(frames[-1 - at], dtype=np.uint8) if want else b[:0])
+            else:
+                raise ValueError(f"chunk {j}: segment {s} is out of bounds")
+        planes.append(np.concatenate(segs))
+    for j, (dest, joined) in enumerate(zip(dests, planes)):
+        numpy_impl.unshuffle(joined, k, out=dest)
+        okv[j] = xxhash.xxh3_128_digest(dest) == bytes(ids[16 * j:16 * j + 16])
+    return int(okv.sum())
+
+
+def _python_xxh3_64_rows(rows, stride: int, nbytes: int, out) -> None:
+    """The twin of the native ``xxh3_64_rows``: ``out[i]`` = xxh3-64 of row i's first ``nbytes``."""
+    mv, dest = memoryview(rows).cast("B"), np.frombuffer(out, dtype=np.uint64)
+    if not 0 <= nbytes <= stride or dest.size and (dest.size - 1) * stride + nbytes > len(mv):
+        raise ValueError(f"rows has {len(mv)} bytes, {dest.size} rows of stride {stride} need more")
+    dest[:] = [xxhash.xxh3_64_intdigest(mv[i * stride:i * stride + nbytes]) for i in range(dest.size)]
+
+
+# unshuffle_check(buf, frames, elem_size, src, outs, ids, ok) -> passed: the planes of many chunks unshuffled into
+# outs and each hashed against its id in one call (store/planebatch.py; docstring in native/binding.c).
+# xxh3_64_rows(rows, stride, nbytes, out): the digests of many entry headers. getattr: an extension built before
+# native/chunkcheck.c lacks them; the Python twins then give the same results.
+unshuffle_check = getattr(_native, "unshuffle_check", _python_unshuffle_check) if BACKEND == "native" \
+    else _python_unshuffle_check
+xxh3_64_rows = getattr(_native, "xxh3_64_rows", _python_xxh3_64_rows) if BACKEND == "native" \
+    else _python_xxh3_64_rows

@@ -497,6 +497,202 @@ fail:
     return NULL;
 }
 
+/* A contiguous int64 array of exactly count entries, or -1 with ValueError. */
+static int get_i64(PyObject *obj, Py_buffer *view, Py_ssize_t count, const char *name)
+{
+    if (get_in(obj, view, name) < 0)
+        return -1;
+    if (view->len != count * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "%s must hold %zd int64 values (%zd bytes), got %zd bytes", name, count,
+                     count * (Py_ssize_t)sizeof(int64_t), view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* Acquire each buffer of sequence seq (writable or not) into *views (allocated, *count entries). */
+static int get_all(PyObject *seq, int writable, Py_buffer **views, Py_ssize_t *count, const char *name)
+{
+    Py_ssize_t i, n = seq == Py_None ? 0 : PySequence_Size(seq);
+    *views = NULL;
+    *count = 0;
+    if (n < 0)
+        return -1;
+    *views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(Py_buffer));
+    if (*views == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *item = PySequence_GetItem(seq, i);
+        int rc = item == NULL ? -1 : writable ? get_out(item, &(*views)[i]) : get_in(item, &(*views)[i], name);
+        Py_XDECREF(item);
+        if (rc < 0)
+            break;
+        (*count)++;
+    }
+    if (i < n) {
+        while ((*count)-- > 0)
+            PyBuffer_Release(&(*views)[*count]);
+        PyMem_Free(*views);
+        *views = NULL;
+        *count = 0;
+        return -1;
+    }
+    return 0;
+}
+
+static void release_all(Py_buffer *views, Py_ssize_t count)
+{
+    while (count-- > 0)
+        PyBuffer_Release(&views[count]);
+    PyMem_Free(views);
+}
+
+PyDoc_STRVAR(unshuffle_check_doc,
+"unshuffle_check(buf, frames, elem_size, src, outs, ids, ok) -> int\n\n"
+"For each chunk j of len(outs): its elem_size planes of len(outs[j]) // elem_size bytes and its tail of the\n"
+"rest are segments s = src[j * (elem_size + 1) + s]: buf[src:] where src >= 0, else all of frames[-1 - src];\n"
+"they are unshuffled into outs[j] (writable buffers), and ok[j] = 1 where the xxh3-128 digest of outs[j] is\n"
+"ids[16 * j:16 * j + 16], else 0. src: an int64 array; frames: a sequence of buffers, or None; ok: len(outs)\n"
+"writable bytes. Returns how many passed; ValueError (nothing written) when a segment is out of bounds.");
+static PyObject *py_unshuffle_check(PyObject *self, PyObject *args)
+{
+    PyObject *buf_obj, *frames_obj, *src_obj, *outs_obj, *ids_obj, *ok_obj;
+    Py_ssize_t k, n = 0, j, s, nframes = 0;
+    Py_buffer buf, src, ids, ok, *frames = NULL, *outs = NULL;
+    const uint8_t **segs = NULL;
+    uint8_t **dsts = NULL;
+    size_t *sizes = NULL, passed = 0, total = 0;
+    int have = 0;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOnOOOO:unshuffle_check", &buf_obj, &frames_obj, &k, &src_obj, &outs_obj,
+                          &ids_obj, &ok_obj))
+        return NULL;
+    if (k < 0 || !dc_valid_elem_size((size_t)k)) {
+        PyErr_Format(PyExc_ValueError, "elem_size must be 1, 2, 4 or 8, got %zd", k);
+        return NULL;
+    }
+    if (get_all(outs_obj, 1, &outs, &n, "outs") < 0)
+        return NULL;
+    if (get_out(ok_obj, &ok) < 0)
+        goto done;
+    have = 1;
+    if (ok.len != n) {
+        PyErr_Format(PyExc_ValueError, "ok must hold %zd bytes, got %zd", n, ok.len);
+        goto done;
+    }
+    if (get_in(buf_obj, &buf, "buf") < 0)
+        goto done;
+    have = 2;
+    if (get_i64(src_obj, &src, n * (k + 1), "src") < 0)
+        goto done;
+    have = 3;
+    if (get_in(ids_obj, &ids, "ids") < 0)
+        goto done;
+    have = 4;
+    if (ids.len != 16 * n) {
+        PyErr_Format(PyExc_ValueError, "ids must hold %zd bytes, got %zd", 16 * n, ids.len);
+        goto done;
+    }
+    if (get_all(frames_obj, 0, &frames, &nframes, "frames") < 0)
+        goto done;
+    segs = PyMem_Malloc((size_t)(n * (k + 1) + 1) * sizeof(*segs));
+    dsts = PyMem_Malloc((size_t)(n + 1) * sizeof(*dsts));
+    sizes = PyMem_Malloc((size_t)(n + 1) * sizeof(*sizes));
+    if (segs == NULL || dsts == NULL || sizes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (j = 0; j < n; j++) {
+        const int64_t *sj = (const int64_t *)src.buf + j * (k + 1);
+        Py_ssize_t len = outs[j].len, per = len / k;
+        dsts[j] = (uint8_t *)outs[j].buf;
+        sizes[j] = (size_t)len;
+        total += (size_t)len;
+        for (s = 0; s <= k; s++) {
+            int64_t want = s < k ? per : len - per * k, at = sj[s];
+            if (at >= 0 && at <= buf.len && want <= buf.len - at) {
+                segs[j * (k + 1) + s] = (const uint8_t *)buf.buf + at;
+            } else if (at < 0 && -1 - at < nframes && frames[-1 - at].len == want) {
+                segs[j * (k + 1) + s] = (const uint8_t *)frames[-1 - at].buf;
+            } else {
+                PyErr_Format(PyExc_ValueError, "chunk %zd: segment %zd is out of bounds", j, s);
+                goto done;
+            }
+        }
+    }
+    {
+        int release = (Py_ssize_t)total >= DC_GIL_THRESHOLD;
+        PyThreadState *ts = NULL;
+        if (release)
+            ts = PyEval_SaveThread();
+        passed = dc_unshuffle_check(segs, dsts, sizes, (size_t)n, (size_t)k, (const uint8_t *)ids.buf,
+                                    (uint8_t *)ok.buf);
+        if (release)
+            PyEval_RestoreThread(ts);
+    }
+done:
+    PyMem_Free(sizes);
+    PyMem_Free(dsts);
+    PyMem_Free(segs);
+    if (frames != NULL)
+        release_all(frames, nframes);
+    if (have >= 4)
+        PyBuffer_Release(&ids);
+    if (have >= 3)
+        PyBuffer_Release(&src);
+    if (have >= 2)
+        PyBuffer_Release(&buf);
+    if (have >= 1)
+        PyBuffer_Release(&ok);
+    release_all(outs, n);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSize_t(passed);
+}
+
+PyDoc_STRVAR(xxh3_64_rows_doc,
+"xxh3_64_rows(rows, stride, nbytes, out) -> None\n\n"
+"out[i] = xxh3-64 (seed 0) of rows[i * stride:i * stride + nbytes] for each of len(out) // 8 rows\n"
+"(out: a writable uint64 array); ValueError when rows is too short.");
+static PyObject *py_xxh3_64_rows(PyObject *self, PyObject *args)
+{
+    PyObject *rows_obj, *out_obj;
+    Py_ssize_t stride, nbytes, i, n;
+    Py_buffer rows, out;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OnnO:xxh3_64_rows", &rows_obj, &stride, &nbytes, &out_obj))
+        return NULL;
+    if (stride < 0 || nbytes < 0 || nbytes > stride) {
+        PyErr_SetString(PyExc_ValueError, "need 0 <= nbytes <= stride");
+        return NULL;
+    }
+    if (get_in(rows_obj, &rows, "rows") < 0)
+        return NULL;
+    if (get_out(out_obj, &out) < 0) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    n = out.len / (Py_ssize_t)sizeof(uint64_t);
+    if (n && (n - 1) * stride + nbytes > rows.len) {
+        PyErr_Format(PyExc_ValueError, "rows has %zd bytes, %zd rows of stride %zd need more", rows.len, n, stride);
+    } else {
+        for (i = 0; i < n; i++) {
+            uint64_t h = dc_xxh3_64((const uint8_t *)rows.buf + i * stride, (size_t)nbytes);
+            memcpy((uint8_t *)out.buf + i * sizeof(uint64_t), &h, sizeof(h));
+        }
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&rows);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_methods[] = {
     {"shuffle", py_shuffle, METH_VARARGS, shuffle_doc},
     {"unshuffle", py_unshuffle, METH_VARARGS, unshuffle_doc},
@@ -511,6 +707,8 @@ static PyMethodDef native_methods[] = {
     {"gear_table", py_gear_table, METH_NOARGS, gear_table_doc},
     {"chunk_refs", py_chunk_refs, METH_VARARGS, chunk_refs_doc},
     {"walk_refs", py_walk_refs, METH_VARARGS, walk_refs_doc},
+    {"unshuffle_check", py_unshuffle_check, METH_VARARGS, unshuffle_check_doc},
+    {"xxh3_64_rows", py_xxh3_64_rows, METH_VARARGS, xxh3_64_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

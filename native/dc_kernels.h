@@ -28,6 +28,22 @@ int dc_valid_elem_size(size_t elem_size);
 void dc_shuffle(const uint8_t *src, uint8_t *dst, size_t len, size_t elem_size);
 void dc_unshuffle(const uint8_t *src, uint8_t *dst, size_t len, size_t elem_size);
 
+/* dc_unshuffle with plane j (len / k bytes) at planes[j] and the trailing len % k bytes at planes[k]. */
+void dc_unshuffle_planes(const uint8_t *const *planes, uint8_t *dst, size_t len, size_t elem_size);
+
+/* The xxh3-128 digest of data in its canonical (big-endian) form: a chunk's id. */
+void dc_xxh3_128(const void *data, size_t len, uint8_t digest[16]);
+
+/* The xxh3-64 hash of data (seed 0): an entry header's digest. */
+uint64_t dc_xxh3_64(const void *data, size_t len);
+
+/*
+ * For each of n chunks: dc_unshuffle_planes of its k + 1 segments (segs + j * (k + 1)) into dsts[j] (lens[j]
+ * bytes), then ok[j] = 1 when dc_xxh3_128 of those bytes equals ids + 16 * j, else 0. Returns how many passed.
+ */
+size_t dc_unshuffle_check(const uint8_t *const *segs, uint8_t *const *dsts, const size_t *lens, size_t n,
+                          size_t elem_size, const uint8_t *ids, uint8_t *ok);
+
 /* dst = shuffle(a XOR b); a, b and dst all hold len bytes. */
 void dc_xor_shuffle(const uint8_t *a, const uint8_t *b, uint8_t *dst,
                     size_t len, size_t elem_size);

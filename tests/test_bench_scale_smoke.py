@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OPS = {
     "chunks": ["save", "save 1%", "load", "load 4 MiB chunks", "verify 0", "verify 1", "cli verify 0",
                "cli forget --keep-last 1", "cli gc"],
+    "million": ["save", "save 1%", "verify 0", "verify 1", "forget --keep-last 1", "gc"],
     "history": ["save 1%", "ls", "verify 0", "verify 1", "forget --keep-last 1", "gc"],
     "ranks": [f"dcp save{s} {p}" for s in ("", " 1%") for p in ("ranks", "plan", "write", "global plan",
                                                                 "commit", "total")],
@@ -37,7 +38,7 @@ def _bench():
 def test_quick_run_measures_and_fits_every_operation(tmp_path, capsys):
     docs = tmp_path / "performance.md"
     docs.write_text("# Performance\n\nkept text\n")
-    argv = ["--quick", "--chunks", "100,200", "--history", "2,4", "--refs", "16", "--ranks", "2,4",
+    argv = ["--quick", "--chunks", "100,200", "--million", "128,256", "--history", "2,4", "--refs", "16", "--ranks", "2,4",
             "--state-mib", "1", "--items", "10,20", "--tmp", str(tmp_path), "--json", str(tmp_path / "out.json"),
             "--write-docs", str(docs)]
     bench = _bench()

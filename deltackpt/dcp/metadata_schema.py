@@ -241,35 +241,57 @@ def _enum_name(table: dict[Any, str], value: Any, path: str, what: str) -> str:
         raise TypeError(f"{path}: unsupported {what} {value!r}") from None
 
 
-def _properties_to_record(p: TensorProperties, path: str) -> TensorPropertiesRecord:
+def _properties_to_record(p: TensorProperties, path) -> TensorPropertiesRecord:
     if type(p.requires_grad) is not bool or type(p.pin_memory) is not bool:
-        raise TypeError(f"{path}: requires_grad and pin_memory must be bool")
-    return TensorPropertiesRecord(
-        dtype=_enum_name(_NAME_BY_DTYPE, p.dtype, f"{path}.dtype", "dtype"),
-        layout=_enum_name(_NAME_BY_LAYOUT, p.layout, f"{path}.layout", "layout"),
+        raise TypeError(f"{_path(path)}: requires_grad and pin_memory must be bool")
+    key = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+    try:
+        rec = _PROPERTIES_SEEN.get(key)
+    except TypeError:  # an unhashable value: checked below, and refused
+        key, rec = None, None
+    if rec is not None:
+        return rec  # a model's tensors share a few: each checked once (370 of a fine-tune's save)
+    rec = TensorPropertiesRecord(
+        dtype=_enum_name(_NAME_BY_DTYPE, p.dtype, f"{_path(path)}.dtype", "dtype"),
+        layout=_enum_name(_NAME_BY_LAYOUT, p.layout, f"{_path(path)}.layout", "layout"),
         requires_grad=p.requires_grad,
-        memory_format=_enum_name(_NAME_BY_MEMFMT, p.memory_format, f"{path}.memory_format", "memory_format"),
+        memory_format=_enum_name(_NAME_BY_MEMFMT, p.memory_format, f"{_path(path)}.memory_format",
+                                 "memory_format"),
         pin_memory=p.pin_memory,
     )
+    if key is not None and len(_PROPERTIES_SEEN) < 1024:
+        _PROPERTIES_SEEN[key] = rec
+    return rec
 
 
-def _storage_to_record(v: Any, path: str) -> TensorStorageRecord | BytesStorageRecord:
+_PROPERTIES_SEEN: dict[tuple, TensorPropertiesRecord] = {}  # properties -> their (immutable) record
+
+
+def _path(path) -> str:
+    """A field's path for an error message: given as a str, or as a function that formats it (the paths of
+    thousands of items are only formatted when one is wrong)."""
+    return path() if callable(path) else path
+
+
+def _storage_to_record(v: Any, path) -> TensorStorageRecord | BytesStorageRecord:
     if type(v) is BytesStorageMetadata:
         return BytesStorageRecord()
     if type(v) is not TensorStorageMetadata:
-        raise TypeError(f"{path}: unsupported storage metadata type {type(v).__name__}")
-    size = _dims(v.size, lambda: f"{path}.size")
+        raise TypeError(f"{_path(path)}: unsupported storage metadata type {type(v).__name__}")
+    size = _dims(v.size, lambda: f"{_path(path)}.size")
     chunks = []
     for i, c in enumerate(v.chunks):
         if type(c) is not ChunkStorageMetadata:
-            raise TypeError(f"{path}.chunks[{i}]: expected ChunkStorageMetadata, got {type(c).__name__}")
-        offsets = _dims(c.offsets, lambda: f"{path}.chunks[{i}].offsets")
-        sizes = _dims(c.sizes, lambda: f"{path}.chunks[{i}].sizes")
+            raise TypeError(f"{_path(path)}.chunks[{i}]: expected ChunkStorageMetadata, got {type(c).__name__}")
+        offsets = _dims(c.offsets, lambda: f"{_path(path)}.chunks[{i}].offsets")
+        sizes = _dims(c.sizes, lambda: f"{_path(path)}.chunks[{i}].sizes")
         if not len(offsets) == len(sizes) == len(size):
-            raise ValueError(f"{path}.chunks[{i}]: offsets/sizes rank differs from the tensor rank {len(size)}")
+            raise ValueError(f"{_path(path)}.chunks[{i}]: offsets/sizes rank differs from the tensor rank "
+                             f"{len(size)}")
         chunks.append(ChunkRecord(offsets=offsets, sizes=sizes))
     return TensorStorageRecord(
-        properties=_properties_to_record(v.properties, f"{path}.properties"), size=size, chunks=chunks
+        properties=_properties_to_record(v.properties, lambda: f"{_path(path)}.properties"), size=size,
+        chunks=chunks
     )
 
 
@@ -291,15 +313,20 @@ def _planner_data_to_record(pd: Any) -> dict[str, tuple[str | int, ...]] | None:
     return out
 
 
-def _index_to_record(idx: Any, path: str) -> MetadataIndexRecord:
+def _index_to_record(idx: Any, i: int) -> MetadataIndexRecord:
+    if (type(idx) is not MetadataIndex or type(idx.fqn) is not str
+            or idx.index is not None and (type(idx.index) is not int or idx.index < 0)):
+        _refuse_index(idx, f"storage_data key #{i}")
+    offset = None if idx.offset is None else _dims(idx.offset, lambda: f"storage_data key #{i}.offset")
+    return MetadataIndexRecord(fqn=idx.fqn, offset=offset, index=idx.index)
+
+
+def _refuse_index(idx: Any, path: str) -> None:
     if type(idx) is not MetadataIndex:
         raise TypeError(f"{path}: storage_data keys must be MetadataIndex, got {type(idx).__name__}")
     if type(idx.fqn) is not str:
         raise TypeError(f"{path}.fqn: expected str")
-    if idx.index is not None and (type(idx.index) is not int or idx.index < 0):
-        raise TypeError(f"{path}.index: expected a non-negative int or None")
-    offset = None if idx.offset is None else _dims(idx.offset, lambda: f"{path}.offset")
-    return MetadataIndexRecord(fqn=idx.fqn, offset=offset, index=idx.index)
+    raise TypeError(f"{path}.index: expected a non-negative int or None")
 
 
 def _storage_data_to_record(sd: Any) -> list[StorageDataEntry] | None:
@@ -309,7 +336,7 @@ def _storage_data_to_record(sd: Any) -> list[StorageDataEntry] | None:
         raise TypeError(f"storage_data: expected None or dict[MetadataIndex, value], got {type(sd).__name__}")
     entries = []
     for i, (k, v) in enumerate(sd.items()):
-        rec = _index_to_record(k, f"storage_data key #{i}")
+        rec = _index_to_record(k, i)
         if type(v) is not str:  # our own values are item keys; anything else is checked in full
             _check_builtin_tree(v, f"storage_data[{k!r}]", TypeError)
         entries.append(StorageDataEntry(index=rec, value=v))
@@ -352,7 +379,7 @@ def metadata_to_record(md: Metadata) -> MetadataRecord:
     for fqn, v in md.state_dict_metadata.items():
         if type(fqn) is not str:
             raise TypeError(f"state_dict_metadata: key {fqn!r} is not a str")
-        sdm[fqn] = _storage_to_record(v, f"state_dict_metadata[{fqn!r}]")
+        sdm[fqn] = _storage_to_record(v, lambda: f"state_dict_metadata[{fqn!r}]")
     if md.version is not None and type(md.version) is not str:
         raise TypeError("version: expected str or None")
     return MetadataRecord(

@@ -50,8 +50,8 @@ def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
     """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"expected a tensor from the planner, got {type(value).__name__}")
-    t = value.detach()
-    if t.device.type != "cpu":
+    t = value.detach() if value.requires_grad else value  # (numpy() refuses a tensor that requires grad)
+    if not t.is_cpu:
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -78,5 +78,11 @@ def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: 
     place in the whole tensor, so its chunks line up with any other sharding of the same tensor."""
     tensor, raw, elem_size = tensor_bytes(value)
     group, offset = shard_placement(fqn, key, offsets, sizes, global_size, tensor.element_size())
-    writer.add_array(key, raw, dtype=str(tensor.dtype).removeprefix("torch."), elem_size=elem_size,
-                     shape=list(tensor.shape), group=group, global_offset=offset)
+    dtype = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype is None:
+        dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+    writer.add_array(key, raw, dtype=dtype, elem_size=elem_size, shape=list(tensor.shape), group=group,
+                     global_offset=offset)
+
+
+_DTYPE_NAMES: dict = {}  # torch dtype -> its name in the store ("float32")

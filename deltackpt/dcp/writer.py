@@ -39,10 +39,10 @@ from torch.futures import Future
 
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptManifestError,
                       SilentDataCorruptionError)
-from ..store import (AUTO_CAP_BYTES, SHARED, Item, Manifest, ParentMap, Store, StoreLock, decode_entries,
-                     default_write_threads, encode_entries, paused_gc)
+from ..store import (AUTO_CAP_BYTES, SHARED, Item, Manifest, ParentMap, Store, StoreLock, WriteSummary,
+                     decode_entries, default_write_threads, encode_entries, paused_gc)
 from .names import LAYER_KEY, checkpoint_name
-from .metadata_schema import encode_metadata
+from .metadata_schema import metadata_to_record
 from .placement import add_shard, item_key, shard_placement
 from .staging import StagingBuffers
 
@@ -94,6 +94,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         self.save_id = uuid.uuid4().hex
         self._parent_name: str | None = None
         self._parent_map: ParentMap | None = None  # the parent's whole map, when this process is the only rank
+        self._local_summary: WriteSummary | None = None  # this rank's summary, when it is the only rank
         self._lock: StoreLock | None = None
         self._staging = staging
 
@@ -102,6 +103,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         state["_store"] = None  # reopened lazily where the save runs
         state["_lock"] = None
         state["_parent_map"] = None
+        state["_local_summary"] = None
         state["_staging"] = None  # the staged state travels as the state dict, not with the writer
         return state
 
@@ -134,6 +136,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         self.save_id = uuid.uuid4().hex
         self._parent_name = None
         self._parent_map = None
+        self._local_summary = None
         if self._lock is not None:  # a previous save that never reached its commit
             self._lock.release()
             self._lock = None
@@ -233,11 +236,13 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
 
     def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         host_ranks = ranks = 1
+        local = False  # the only rank, its coordinator this very writer: its summary needs no encoding
         parent = ParentMap(None)
         index = None  # a plan not from this writer's prepare_global_plan: refreshed on first use
         if isinstance(plan.storage_data, dict) and "agreed_parent" in plan.storage_data:
             data = plan.storage_data
             self._parent_name, host_ranks, ranks = data["agreed_parent"], data["host_ranks"], data["ranks"]
+            local = bool(data.get("parent_local")) and self.is_coordinator
             if data.get("parent_refs"):
                 parent = ParentMap.decode_part(self._parent_name, data["parent_refs"])
             elif data.get("parent_local") and self._parent_name is not None:
@@ -275,7 +280,12 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             raise
         results = [WriteResult(index=item.index, size_in_bytes=rec.nbytes, storage_data=None if k else {})
                    for k, ((item, _key), rec) in enumerate(zip(keys, summary.items))]
-        if results:
+        if results and local:
+            # This writer's finish() commits them: the summary stays here, only the save's id travels (an
+            # encode and a decode of every item and new pack entry less).
+            self._local_summary = summary
+            results[0].storage_data["local"] = self.save_id
+        elif results:
             # The rank's items travel as one list with its first result: one encode and one decode, not one
             # per item (370 each in a fine-tune's save).
             results[0].storage_data["items"] = msgspec.msgpack.encode(summary.items)
@@ -299,40 +309,59 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         log.debug("save %s: commit %.3f s (%d ranks)", self.checkpoint_id, time.perf_counter() - t0, len(results))
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        items: list[Item] = []
-        packs: dict[str, int] = {}
-        reused: set[str] | None = set()  # None: a rank did not report its look-ups, so check every chunk
-        entries: list | None = []  # None: a rank did not send its packs' entries, so read the pack tables
-        storage_data: dict[MetadataIndex, str] = {}
-        for rank_results in results:
-            if rank_results and reused is not None:
-                found = rank_results[0].storage_data.get("reused_packs")
-                reused = None if found is None else reused.union(found)
-            if rank_results and entries is not None:
-                blob = rank_results[0].storage_data.get("entries")
-                entries = None if blob is None else entries + decode_entries(blob)
-            if not rank_results:
-                continue
-            data = rank_results[0].storage_data
-            rank_items = msgspec.msgpack.decode(data["items"], type=list[Item])
-            if len(rank_items) != len(rank_results):
-                raise ValueError(f"a rank sent {len(rank_items)} items for {len(rank_results)} write results")
-            items.extend(rank_items)
-            packs.update(data.get("packs", {}))
-            for wr, item in zip(rank_results, rank_items):
-                storage_data[wr.index] = item.key
+        local, self._local_summary = self._local_summary, None
+        if (local is not None and len(results) == 1 and results[0]
+                and results[0][0].storage_data.get("local") == self.save_id):
+            # The only rank's summary, kept by this writer in _write_data.
+            if len(local.items) != len(results[0]):
+                raise ValueError(f"a rank wrote {len(local.items)} items for {len(results[0])} write results")
+            items, packs, entries, reused = local.items, local.packs, local.entries, local.reused_packs
+            storage_data = {wr.index: item.key for wr, item in zip(results[0], items)}
+        else:
+            items, packs, entries, reused, storage_data = _gather_results(results)
         # What the manifest keeps (and what dcp.save returns on every rank): our item keys, not chunk refs.
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         metadata.version = getattr(metadata, "version", None) or "1.0.0"
         try:
             self.store.commit(self.checkpoint_id, items, entries=entries, packs=packs, metadata=self.metadata,
-                              layer_data={LAYER_KEY: encode_metadata(metadata)}, parent=self._parent_name,
+                              # The record itself: msgpack writes it as the same map as its builtins.
+                              layer_data={LAYER_KEY: metadata_to_record(metadata)}, parent=self._parent_name,
                               overwrite=self.overwrite, lock=self._lock, checked_packs=reused)
         finally:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
+
+
+def _gather_results(results: list[list[WriteResult]]):
+    """(items, packs, entries, reused packs, storage_data) from every rank's write results (encoded by
+    ``_write_data``); entries or reused packs are None when a rank did not send them."""
+    items: list[Item] = []
+    packs: dict[str, int] = {}
+    reused: set[str] | None = set()  # None: a rank did not report its look-ups, so check every chunk
+    entries: list | None = []  # None: a rank did not send its packs' entries, so read the pack tables
+    storage_data: dict[MetadataIndex, str] = {}
+    for rank_results in results:
+        if rank_results and reused is not None:
+            found = rank_results[0].storage_data.get("reused_packs")
+            reused = None if found is None else reused.union(found)
+        if rank_results and entries is not None:
+            blob = rank_results[0].storage_data.get("entries")
+            entries = None if blob is None else entries + decode_entries(blob)
+        if not rank_results:
+            continue
+        data = rank_results[0].storage_data
+        if "items" not in data:
+            raise ValueError("a one-rank save's write results must be finished by the writer that wrote them")
+        rank_items = msgspec.msgpack.decode(data["items"], type=list[Item])
+        if len(rank_items) != len(rank_results):
+            raise ValueError(f"a rank sent {len(rank_items)} items for {len(rank_results)} write results")
+        items.extend(rank_items)
+        packs.update(data.get("packs", {}))
+        for wr, item in zip(rank_results, rank_items):
+            storage_data[wr.index] = item.key
+    return items, packs, entries, reused, storage_data
 
 
 def _item_ranges(plan: SavePlan):

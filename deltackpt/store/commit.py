@@ -28,8 +28,7 @@ def index_new_packs(store, entries: Iterable[PackEntry] | None, packs: dict[str,
         entries = [e for p, size in packs.items() for e in read_pack_entries(store.backend, p, size)]
     entries = list(entries)
     crash_point("commit:before-index")
-    store.index.add(entries, packs)
-    _index_rewritten_chunks(store, entries)
+    _index_rewritten_chunks(store, store.index.add(entries, packs))
     crash_point("commit:after-index")
     return entries
 
@@ -92,7 +91,10 @@ def _missing_chunks(store, wanted: set[bytes], present: set[str]) -> set[bytes]:
 
 def _index_rewritten_chunks(store, entries: list[PackEntry]) -> None:
     """Point the index at this save's copy of a chunk whose indexed copy cannot be restored: the writer
-    wrote it again because it was a delta whose base is gone."""
+    wrote it again because it was a delta whose base is gone. ``entries``: those the index kept another
+    copy of (Index.add returns them; the rest are indexed where this save put them)."""
+    if not entries:
+        return
     index = store.index
     indexed = index.lookup_many({e.chunk_id for e in entries})
     others = [e for e in entries if (old := indexed.get(e.chunk_id)) is not None and old != e

@@ -222,16 +222,16 @@ class ChunkIndex(LmdbCache):
 
     # -- writes ------------------------------------------------------------------------------------------
     @guarded()
-    def add(self, entries, packs: dict[str, int], *, if_present: bool = False) -> None:
+    def add(self, entries, packs: dict[str, int], *, if_present: bool = False) -> list[PackEntry]:
         """Record ``entries`` and mark ``packs`` (name -> size) as indexed, in one transaction.
 
-        An id already indexed keeps its first location, so repeated chunks never move. ``if_present``: skip
-        the packs (and their entries) that no longer exist, checked inside the transaction (see
-        delete_unindexed_packs).
+        An id already indexed keeps its first location, so repeated chunks never move: those of ``entries``
+        are returned. ``if_present``: skip the packs (and their entries) that no longer exist, checked inside
+        the transaction (see delete_unindexed_packs).
         """
-        self._add(list(entries), packs, if_present=if_present)
+        return self._add(list(entries), packs, if_present=if_present)
 
-    def _add(self, entries, packs: dict[str, int], if_present: bool = False) -> None:
+    def _add(self, entries, packs: dict[str, int], if_present: bool = False) -> list[PackEntry]:
         chunks, packs_db, meta = self._dbs()
         with self.env.begin(write=True) as txn:
             gone = {n for n in packs if not self.backend.exists(pack_key(n))} if if_present else ()
@@ -241,10 +241,10 @@ class ChunkIndex(LmdbCache):
             if txn.get(b"store_id", db=meta) != self.store_id:
                 txn.put(b"store_id", self.store_id, db=meta)
                 txn.put(b"version", INDEX_VERSION, db=meta)
-            for e in entries:
-                txn.put(e.chunk_id, encode_record(e), db=chunks, overwrite=False)
+            kept = [e for e in entries if not txn.put(e.chunk_id, encode_record(e), db=chunks, overwrite=False)]
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
+        return kept
 
     @guarded()
     def relocate(self, entries, packs: dict[str, int]) -> None:

@@ -323,7 +323,9 @@ class ChunkWriter:
             more = bases != NO_BASE_VOID
             pending, bases = pending[more], bases[more]
         ok[pending] = False  # a chain longer than the store allows: not restorable here
-        self._note_reused({p.tobytes().hex() for p in np.unique(np.concatenate(packs))})
+        # The packs' names as a set of bytes first: np.unique sorted 16-byte voids (a fifth of this look-up).
+        raw = b"".join(p.tobytes() for p in packs)
+        self._note_reused({name.hex() for name in {raw[k:k + 16] for k in range(0, len(raw), 16)}})
         return set(found) if ok.all() else set(compress(found, ok))
 
     def _note_reused(self, packs) -> None:

@@ -34,6 +34,7 @@ from deltackpt.dcp.metadata_schema import (
     encode_metadata,
     metadata_from_bytes,
     metadata_to_bytes,
+    metadata_to_record,
 )
 from deltackpt.errors import DeltackptError, ManifestFormatError
 
@@ -342,6 +343,8 @@ def _consistent(md: Metadata) -> bool:
 def test_hypothesis_roundtrip(md: Metadata) -> None:
     assert _consistent(md)
     _roundtrip_both_ways(md)
+    # The DCP writer puts the record itself in the manifest: msgpack must write it as its builtins.
+    assert msgspec.msgpack.encode(metadata_to_record(md)) == msgspec.msgpack.encode(encode_metadata(md))
 
 
 @settings(max_examples=60, deadline=None)
@@ -407,6 +410,21 @@ def test_encode_names_the_bad_chunk(offsets, sizes, err, where) -> None:
     md = Metadata({"t": TensorStorageMetadata(TensorProperties(), torch.Size([8, 4]), [good, bad])})
     with pytest.raises(err, match=where):
         encode_metadata(md)
+
+
+def test_encode_checks_properties_seen_before_again() -> None:
+    """Tensor properties are checked once per distinct value: a value that only compares equal to one seen
+    before (1 == True) is still refused, and a bad one is named by its path."""
+    size = torch.Size([1])
+
+    def md(props):
+        return Metadata({"t": TensorStorageMetadata(props, size, [ChunkStorageMetadata(torch.Size([0]), size)])})
+
+    encode_metadata(md(TensorProperties(requires_grad=True)))
+    with pytest.raises(TypeError, match="requires_grad"):
+        encode_metadata(md(TensorProperties(requires_grad=1)))
+    with pytest.raises(TypeError, match=r"state_dict_metadata\['t'\]\.properties\.dtype: unsupported dtype"):
+        encode_metadata(md(TensorProperties(dtype="float32")))
 
 
 def test_encode_rejects_chunk_rank_mismatch() -> None:

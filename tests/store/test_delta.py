@@ -631,3 +631,20 @@ def test_small_frames_decode_in_one_call_as_the_stream_path_does(monkeypatch, es
     assert results[0] == results[1]
     assert results[0][0] == raw.tobytes() and results[0][2] is ValueError  # a cut frame never decodes
     assert results[0][1] != raw.tobytes()
+
+
+def test_a_delta_written_again_for_want_of_its_base_is_indexed_at_its_new_copy(tmp_path):
+    """A chunk the index holds as a delta whose base it lost is written again by the next save that has it
+    (as a keyframe); the commit points the index at that copy, so later saves and loads need no base."""
+    _backend, store, rng, w = _store_with_first_save(tmp_path, seed=5)
+    w2 = w.copy()
+    w2[rng.integers(0, w.size, 50)] += np.float32(1e-3)
+    store.save("c1", {"w": w2})
+    deltas = [e for e in store.index.iter_entries() if codec.is_delta(e.codec)]
+    assert deltas, "expected c1 to hold deltas against c0"
+    store.index.remove_packs({store.index.lookup(d.base_id).pack for d in deltas})  # the bases' pack lost
+    store.save("c2", {"w": w2})
+    for d in deltas:
+        now = store.index.lookup(d.chunk_id)
+        assert now.pack != d.pack and not codec.is_delta(now.codec)
+    np.testing.assert_array_equal(store.load("c2")["w"], w2)

@@ -93,11 +93,15 @@ def crash_loop(root: str, first: int, seed: int) -> None:
 
 
 def read_loop_output(lines: Iterable[str]) -> tuple[set[str], set[str]]:
-    """(checkpoints reported committed, checkpoints a forget was started on) from ``crash_loop``'s stdout."""
+    """(checkpoints reported committed, checkpoints a forget was started on) from ``crash_loop``'s stdout,
+    its lines with their ends (``splitlines(keepends=True)``): a line the kill cut short is left out (its name
+    may be cut too; the checkpoint may still have committed, which the checks allow)."""
     committed, forgetting = set(), set()
     for line in lines:
+        if not line.endswith("\n"):
+            continue
         parts = line.split()
-        if parts[:1] == ["committed"]:
+        if parts[:1] == ["committed"] and len(parts) == 2:
             committed.add(parts[1])
         elif parts[:1] == ["forgetting"]:
             forgetting.update(parts[1:])

@@ -206,7 +206,7 @@ def kill_loop_at(root, start: int, seed: int, delay: float) -> list[str]:
             proc.kill()
             proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, err[-3000:]
-    return out.splitlines()
+    return out.splitlines(keepends=True)
 
 
 def test_kill_at_random_moments(template, tmp_path):
@@ -306,3 +306,8 @@ def test_kill_during_a_large_save(tmp_path, delay):
         assert m.stats.new_chunks < m.stats.num_chunks
     assert [i.name for i in reopened.list_checkpoints()][-1] == "after"
     assert_items_equal(_big(f"big-{nxt}"), reopened.load("after"))
+
+
+def test_a_progress_line_cut_by_the_kill_is_not_read():
+    lines = "ready\ncommitted r1\nforgetting r0 r1\ncommitted r2".splitlines(keepends=True)
+    assert read_loop_output(lines) == ({"r1"}, {"r0", "r1"})  # "r2" may be cut ("r" of "r25"): not a name

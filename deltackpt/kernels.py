@@ -55,10 +55,12 @@ __all__ = [
     "sparse_merge",
     "sparse_split",
     "unshuffle",
+    "unshuffle_check",
     "unshuffle_into",
     "unshuffle_xor",
     "unshuffle_zigzag",
     "xor_shuffle",
+    "xxh3_64_rows",
     "zigzag_shuffle",
 ]
 
@@ -528,7 +530,7 @@ def _python_unshuffle_check(buf, frames, elem_size: int, src, outs, ids, ok) -> 
     """The twin of the native ``unshuffle_check`` (its docstring in native/binding.c): the same checks, the
     same bytes, one chunk at a time."""
     k = _elem_size(elem_size)
-    b, n = _as_u8(buf, "buf"), len(outs)
+    b, n, frames = _as_u8(buf, "buf"), len(outs), () if frames is None else frames
     src = np.asarray(src)
     okv = np.frombuffer(ok, dtype=np.uint8) if len(memoryview(ok)) else np.zeros(0, np.uint8)
     if okv.size != n or src.dtype != np.int64 or src.size != n * (k + 1) or len(ids) != 16 * n:
@@ -561,11 +563,21 @@ def _python_xxh3_64_rows(rows, stride: int, nbytes: int, out) -> None:
     dest[:] = [xxhash.xxh3_64_intdigest(mv[i * stride:i * stride + nbytes]) for i in range(dest.size)]
 
 
+def _batch_kernel(name: str, twin):
+    """The native batch kernel ``name``, or its Python twin: with the numpy backend, or under ``auto`` when
+    the extension predates it (built before native/chunkcheck.c; same results); where native kernels are
+    required, such an extension is refused like a missing one."""
+    if BACKEND != "native":
+        return twin
+    fn = getattr(_native, name, None)
+    if fn is None and (settings.kernels() == "native" or settings.require_native()):
+        raise NativeKernelUnavailable(f"deltackpt._native has no {name}: an old build; rebuild it with "
+                                      "`python setup.py build_ext --inplace`")
+    return fn or twin
+
+
 # unshuffle_check(buf, frames, elem_size, src, outs, ids, ok) -> passed: the planes of many chunks unshuffled into
 # outs and each hashed against its id in one call (store/planebatch.py; docstring in native/binding.c).
-# xxh3_64_rows(rows, stride, nbytes, out): the digests of many entry headers. getattr: an extension built before
-# native/chunkcheck.c lacks them; the Python twins then give the same results.
-unshuffle_check = getattr(_native, "unshuffle_check", _python_unshuffle_check) if BACKEND == "native" \
-    else _python_unshuffle_check
-xxh3_64_rows = getattr(_native, "xxh3_64_rows", _python_xxh3_64_rows) if BACKEND == "native" \
-    else _python_xxh3_64_rows
+# xxh3_64_rows(rows, stride, nbytes, out): the digests of many entry headers.
+unshuffle_check = _batch_kernel("unshuffle_check", _python_unshuffle_check)
+xxh3_64_rows = _batch_kernel("xxh3_64_rows", _python_xxh3_64_rows)

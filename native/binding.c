@@ -678,7 +678,7 @@ static PyObject *py_xxh3_64_rows(PyObject *self, PyObject *args)
         return NULL;
     }
     n = out.len / (Py_ssize_t)sizeof(uint64_t);
-    if (n && (n - 1) * stride + nbytes > rows.len) {
+    if (n && (nbytes > rows.len || (stride && n - 1 > (rows.len - nbytes) / stride))) {  /* no overflow */
         PyErr_Format(PyExc_ValueError, "rows has %zd bytes, %zd rows of stride %zd need more", rows.len, n, stride);
     } else {
         for (i = 0; i < n; i++) {

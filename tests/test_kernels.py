@@ -834,7 +834,8 @@ def test_unshuffle_check_refuses_segments_out_of_bounds_and_writes_nothing(check
     ids = bytes(32)
     for src, frames in (([0, 0, 0, 0, 0, 63, 0, 0, 0, 0], []),  # chunk 1's plane 0 runs past the buffer
                         ([0, 0, 0, 0, 0, -2, 0, 0, 0, 0], [b"x" * 2]),  # a frame that is not there
-                        ([0, 0, 0, 0, 0, -1, 0, 0, 0, 0], [b"x" * 3])):  # a frame of the wrong length
+                        ([0, 0, 0, 0, 0, -1, 0, 0, 0, 0], [b"x" * 3]),  # a frame of the wrong length
+                        ([0, 0, 0, 0, 0, -1, 0, 0, 0, 0], None)):  # a frame, where there are none
         outs = [np.full(8, 0xEE, np.uint8), np.full(8, 0xEE, np.uint8)]
         with pytest.raises(ValueError):
             check(buf, frames, 4, np.array(src, np.int64), outs, ids, np.zeros(2, np.uint8))
@@ -852,3 +853,6 @@ def test_xxh3_64_rows_native_and_twin_agree_with_xxhash():
         kernels._python_xxh3_64_rows(rows, 64, nbytes, got[1])
         want = [xxhash.xxh3_64_intdigest(rows[i * 64:i * 64 + nbytes].tobytes()) for i in range(9)]
         assert got[0].tolist() == got[1].tolist() == want
+    for fn in (kernels._native.xxh3_64_rows, kernels._python_xxh3_64_rows):  # rows past the end, however far
+        with pytest.raises(ValueError):
+            fn(rows, 2**62, 8, np.empty(9, np.uint64))

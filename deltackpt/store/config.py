@@ -39,9 +39,8 @@ CHAINS_FEATURE = "delta-chains"
 # reader (which refuses unknown fields) still opens a store that does not use them.
 _OMITTED_AT_DEFAULT = {"max_chain": 1}
 # What a new store gets. Only deltas applied in place (sparse ones) grow chains (store/deltapolicy.py), so a
-# restore costs max_chain 1's plus the links' nonzero bytes: sparse runs store 19.5x less than DCP (12.5x at
-# 1), dense and bf16 runs as at 1 (docs/performance.md, chains). A config without the field (older stores)
-# means 1.
+# restore costs max_chain 1's plus the sparse links: sparse runs store 19.5x less than DCP (12.5x at 1), dense
+# runs the same bytes as at 1 (docs/performance.md, chains). A config without the field (older stores) means 1.
 NEW_STORE_MAX_CHAIN = 8
 
 MiB = 1 << 20

@@ -2,13 +2,14 @@
 
 A :class:`DeltaPolicy` answers the writer's questions about one chunk: may it be a delta at all (size,
 the store's ``delta`` switch), which base it would be coded against (:meth:`DeltaPolicy.base_for`: the
-parent's chunk at the same place while its chain is shorter than ``max_chain``, else that chunk's own base;
+parent's chunk at the same place if it is a keyframe or a sparse link (:func:`is_sparse_link`) and its chain
+is shorter than ``max_chain``, else that chunk's own base;
 a base is retired when a delta against it would cost more than a new keyframe, and at the latest after
 serving ``keyframe_interval`` checkpoints), whether the delta is expected to pay and in which delta codec
 (:meth:`DeltaPolicy.verdict`: this place's history, else a sample), and whether a coded delta is small
 enough to keep (:meth:`DeltaPolicy.accepts`). The writer codes accordingly. A chain holds at
-most ``max_chain`` deltas, so restoring any chunk reads at most ``max_chain + 1`` (with the default 1, a
-delta's base is always a keyframe).
+most ``max_chain`` deltas, so restoring any chunk reads at most ``max_chain + 1`` (with ``max_chain`` 1, a
+delta's base is always a keyframe; new stores have 8).
 
 Refresh rule (a renewal rule): a keyframe and the deltas coded against it form a cycle; deltas against an
 aging base grow (sparse rows and Adam moments fill in), so the cheapest cycle ends when the next delta costs
@@ -108,8 +109,8 @@ def _cycle_mean(links: list[PackEntry], deltas: int, last: int) -> float:
 
 
 def is_sparse_link(stored, raw_len: int, elem_size: int) -> bool:
-    """Whether a delta (its stored bytes) may be the base of another delta: only one applied in place, at the
-    cost of its nonzero bytes (sparse rows; weights a fine-tune left as they were). A delta that is a pass
+    """Whether a delta (its stored bytes) may be the base of another delta: only one stored in at most 1/8 of
+    its raw size and applied in place, at the cost of its nonzero bytes (sparse rows; weights a fine-tune left as they were). A delta that is a pass
     over the chunk stays a leaf, so restoring any chunk costs its keyframe, the sparse links' nonzero bytes and
     at most one full delta: what max_chain 1 costs plus the sparse links (the bench's dense and bf16 Adam
     moments change everywhere: their deltas never chain)."""
@@ -135,8 +136,8 @@ class DeltaPolicy:
     def base_for(self, parent_chunk: bytes, n: int, entry: PackEntry | None = None) -> DeltaBase | None:
         """The base to code a changed chunk of ``n`` bytes against, or None for a new keyframe.
 
-        The base is the parent's chunk at the same place while its chain holds fewer than ``max_chain``
-        deltas, else that chunk's own base (with ``max_chain`` 1: the keyframe behind the parent's chunk),
+        The base is the parent's chunk at the same place if it is a keyframe or a sparse link and its chain
+        holds fewer than ``max_chain`` deltas, else that chunk's own base (with ``max_chain`` 1: the keyframe behind the parent's chunk),
         so restoring any chunk reads at most ``max_chain + 1``. A base that has served ``keyframe_interval``
         checkpoints is retired; before that, a delta is kept only under ``refresh_at`` (the refresh rule in
         the module docstring). The parent's delta size is this place's history: a delta that paid off well
@@ -166,7 +167,9 @@ class DeltaPolicy:
         if entry.stored_len * _LINK_MAX_SHARE > entry.raw_len:
             return False  # too large to be that sparse: no read needed
         if self.store.base_cache.get(entry.chunk_id) is not None:
-            return True  # a writer keeps a delta as the next save's base only when it is a sparse link
+            # A writer keeps a delta as the next save's base only when it is a sparse link. (Where two ranks
+            # wrote these bytes, the index's copy may be another coding: at worst one full delta in a chain.)
+            return True
         try:
             stored = self.store.backend.get_range(pack_key(entry.pack), entry.offset + HEADER_SIZE, entry.stored_len)
         except (OSError, DeltackptError):

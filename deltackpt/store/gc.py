@@ -24,7 +24,7 @@ Two phases, so that saves go on while gc works (see :mod:`.lock` for the waiting
 1. ``plan_gc`` marks and plans under a *shared* lock, like a save: saves run and commit meanwhile. It lists
    the manifests, then the packs, once, and refreshes the index from that listing: a checkpoint's packs are
    published before its manifest, so the index locates every chunk of every manifest listed (and a delta's
-   base is found however young or old its pack looks). Each live chunk's index record is read once.
+   base is found however young or old its pack looks). Each live chunk's index record is read about once.
 2. ``GcPlan.execute`` takes the *exclusive* lock, which waits for running saves to finish and makes new
    ones wait; it re-checks the plan against the store as it is now, and deletes only what still holds.
    When no manifest, pack or gc epoch changed since the mark, the plan holds as it is and is not re-checked.
@@ -455,7 +455,7 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
     """A bool per entry (entry ``j`` is row ``j - first[owner[j]]`` of ``tables[owner[j]]``): whether gc keeps
     it. An entry is kept if its chunk is live and the index locates it in this pack, or nowhere valid (then
     the index is pointed at it). Where the index locates a chunk is taken from ``seen``, the marking's
-    look-ups (a location out of date there only sends the entry to the exact check below, or keeps it)."""
+    look-ups (a location out of date there only sends the entry to the look-up below, which keeps it)."""
     ids = _concat([t.chunk_ids for t in tables])
     pos = idset.find(live, ids)
     keep = pos >= 0
@@ -472,6 +472,8 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
             keep[j] = False  # a second copy of a chunk whose first copy is kept
             continue
         located = index.lookup(e.chunk_id)
+        if located is not None and (located.pack, located.offset) == (e.pack, e.offset):
+            continue  # the index moved the chunk here after the marking located it (a rebuild): its copy
         if located is None or not _indexed_copy_is_valid(store, located, plan.packs):
             fixed[e.chunk_id] = e  # the only trustworthy copy: keep it, and point the index at it
         else:

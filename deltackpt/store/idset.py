@@ -31,26 +31,31 @@ def union(sorted_ids: np.ndarray, *more: np.ndarray) -> np.ndarray:
     return unique(np.concatenate([sorted_ids, *more])) if more else sorted_ids
 
 
-def isin(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """A bool per id of ``query``: whether it is in ``sorted_ids`` (sorted unique), in vectorised passes over
-    blocks of ``query`` (a pass holds ~33 bytes per id it looks up: a block's worth, not the query's)."""
-    out = np.zeros(query.size, dtype=bool)
-    if not sorted_ids.size:
-        return out
+def _search(sorted_ids: np.ndarray, query: np.ndarray):
+    """(start, positions, found) per block of ``query`` searched in ``sorted_ids`` (sorted unique, not empty):
+    vectorised passes holding ~33 bytes per id of a block, not of the query."""
     last = sorted_ids.size - 1
     for start in range(0, query.size, _BLOCK):
         q = query[start:start + _BLOCK]
         pos = np.searchsorted(sorted_ids, q)
         np.minimum(pos, last, out=pos)
-        out[start:start + q.size] = sorted_ids[pos] == q
+        yield start, pos, sorted_ids[pos] == q
+
+
+def isin(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """A bool per id of ``query``: whether it is in ``sorted_ids`` (sorted unique)."""
+    out = np.zeros(query.size, dtype=bool)
+    for start, _pos, found in _search(sorted_ids, query) if sorted_ids.size else ():
+        out[start:start + found.size] = found
     return out
 
 
 def find(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
     """The position in ``sorted_ids`` (sorted unique) of each id of ``query``, -1 where it is not there."""
     out = np.full(query.size, -1, dtype=np.int64)
-    if not sorted_ids.size:
-        return out
+    for start, pos, found in _search(sorted_ids, query) if sorted_ids.size else ():
+        out[start:start + found.size] = np.where(found, pos, -1)
+    return out
     last = sorted_ids.size - 1
     for start in range(0, query.size, _BLOCK):
         q = query[start:start + _BLOCK]

@@ -123,3 +123,20 @@ def test_a_checkpoint_committed_by_another_host_as_gc_marks_keeps_its_delta_base
     report = verify_store(store, level=2)
     assert report.ok, [p.as_dict() for p in report.problems]
     assert_items_equal({"w": w2}, store.load("b"))
+
+
+def test_a_chunk_the_index_moved_since_the_marking_keeps_its_copy(store, rng, monkeypatch):
+    """The sweep takes each live chunk's location from the marking's look-ups. Where the index moved a chunk
+    since (another process rebuilt the shared cache), the entry it now points at must be kept: it was read as
+    "a duplicate of a copy elsewhere", and that copy was this one."""
+    w = random_array(rng, "float32", (8192,))
+    store.save("a", {"w": w})
+    store.save("b", {"w": random_array(rng, "float32", (8192,))})
+    store.forget("b")  # something to collect, so the plan is acted on
+    monkeypatch.setattr(gc_mod.LocatedIds, "where",
+                        lambda self, store, live, at, number: np.full(len(at), -2, dtype=np.int64))
+    plan_gc(store, grace_s=0, max_unused=0.0).execute()
+    monkeypatch.undo()
+    report = verify_store(store, level=2)
+    assert report.ok, [p.as_dict() for p in report.problems]
+    assert_items_equal({"w": w}, store.load("a"))

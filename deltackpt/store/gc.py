@@ -67,8 +67,9 @@ from .pack import (
     PackEntry,
     PackTable,
     decode_header,
+    list_packs,
     pack_key,
-    pack_name_from_key,
+    pack_stamps,
     read_pack_table,
 )
 from .progress import Progress, phase
@@ -168,8 +169,8 @@ class GcPlan:
         if self.live is None:  # not made by plan_gc: plan from scratch
             return _plan(store, max_unused=self.max_unused, grace_s=self.grace_s, merge_small=self.merge_small)
         manifests = _list_manifests(store)
-        listed = _list_packs(store)
-        store.refresh_index(_stamps(listed))
+        listed = list_packs(store.backend)
+        store.refresh_index(pack_stamps(listed))
         present = set(listed)
         planned = set(self.temp_files)
         if manifests == self.manifests and present == self.packs and _read_epoch(store) == self.epoch:
@@ -320,21 +321,6 @@ def _list_manifests(store) -> dict[str, tuple[int, float]]:
     return out
 
 
-def _list_packs(store) -> dict[str, object]:
-    """Pack name -> its ObjectInfo."""
-    out = {}
-    for info in store.backend.list("packs/"):
-        name = pack_name_from_key(info.key)
-        if name is not None:
-            out[name] = info
-    return out
-
-
-def _stamps(listed: dict[str, object]) -> dict[str, tuple[int, float]]:
-    """A pack listing as the index refresh takes it: name -> (size, mtime)."""
-    return {name: (info.size_bytes, info.mtime_s) for name, info in listed.items()}
-
-
 def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[str, PackTable]:
     tables = {}
     with phase(progress, "gc plan", len(listed), "pack") as bar:
@@ -399,8 +385,8 @@ def _plan(store, *, max_unused: float, grace_s: float, merge_small: bool, progre
     # One listing of the packs, after the manifests' (a checkpoint's packs are published before its manifest,
     # so the index refreshed from it locates every chunk a listed manifest references); a pack published
     # since is new to revalidate().
-    listed = _list_packs(store)
-    store.refresh_index(_stamps(listed))
+    listed = list_packs(store.backend)
+    store.refresh_index(pack_stamps(listed))
     seen = LocatedIds()
     live = live_chunk_ids(store, list(manifests), seen)
     plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=max_unused, grace_s=grace_s,

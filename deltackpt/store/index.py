@@ -36,7 +36,7 @@ from .backend import local_root
 from ..errors import ManifestFormatError
 from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded, opened_here
-from .pack import PackEntry, pack_key, pack_name_from_key, read_pack_entries, walk_entries
+from .pack import PackEntry, list_packs, pack_key, pack_stamps, read_pack_entries, walk_entries
 from .progress import Progress, phase
 from .records import RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, malformed, records_in
 
@@ -328,12 +328,7 @@ class ChunkIndex(LmdbCache):
         return (sid is not None and sid != self.store_id) or (ver is not None and ver != INDEX_VERSION)
 
     def _listed(self) -> dict[str, tuple[int, float]]:
-        out = {}
-        for info in self.backend.list("packs/"):
-            name = pack_name_from_key(info.key)
-            if name is not None:
-                out[name] = (info.size_bytes, info.mtime_s)
-        return out
+        return pack_stamps(list_packs(self.backend))
 
     @guarded()
     def refresh(self, listed: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:

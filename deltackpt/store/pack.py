@@ -85,6 +85,21 @@ def pack_name_from_key(key: str) -> str | None:
     return None
 
 
+def list_packs(backend) -> dict[str, object]:
+    """Pack name -> its ObjectInfo, from one listing of ``packs/`` (other keys there are not packs)."""
+    out = {}
+    for info in backend.list("packs/"):
+        name = pack_name_from_key(info.key)
+        if name is not None:
+            out[name] = info
+    return out
+
+
+def pack_stamps(listed: dict[str, object]) -> dict[str, tuple[int, float]]:
+    """A pack listing (:func:`list_packs`) as the index cache compares it: name -> (size, mtime)."""
+    return {name: (info.size_bytes, info.mtime_s) for name, info in listed.items()}
+
+
 def _is_hex_name(s: str) -> bool:
     return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
 

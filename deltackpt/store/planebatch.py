@@ -35,12 +35,10 @@ def decode_keyframes(buf: np.ndarray, pos: np.ndarray, stored_len: np.ndarray, r
         if k not in codec.VALID_ELEM_SIZES:
             continue
         rows = np.flatnonzero((elem_size == k) & (stored_len >= codec.container_header_size(k)))
-        if len(rows) == len(pos):  # one element size, every container long enough: the usual case
-            group, ok = _decode_group(buf, pos, stored_len, raw_len, k, outs, ids)
-            done[group[ok]] = True
-        elif len(rows):
-            group, ok = _decode_group(buf, pos[rows], stored_len[rows], raw_len[rows], k,
-                                      [outs[i] for i in rows.tolist()], ids_of(ids, rows))
+        if len(rows):
+            every = len(rows) == len(pos)  # one element size, every container long enough: the usual case
+            group, ok = _decode_group(buf, pos if every else pos[rows], stored_len if every else stored_len[rows],
+                                      raw_len if every else raw_len[rows], k, *rows_of(outs, ids, rows))
             done[rows[group[ok]]] = True
     return done
 
@@ -76,12 +74,12 @@ def _decode_group(buf, pos, stored_len, raw_len, k: int, outs: list, ids: bytes)
             return rows[:0], rows[:0].astype(bool)  # codec.decode finds the damaged frame and names it
         src[zst] = -1 - np.arange(int(zst.sum()))  # a zstd plane is read from its frame (row-major, as decoded)
     ok = np.zeros(len(rows), dtype=np.uint8)
-    every = len(rows) == len(pos)
-    kernels.unshuffle_check(buf, frames, k, np.ascontiguousarray(src, dtype=np.int64),
-                            outs if every else [outs[i] for i in rows.tolist()], ids if every else ids_of(ids, rows), ok)
+    kernels.unshuffle_check(buf, frames, k, np.ascontiguousarray(src, dtype=np.int64), *rows_of(outs, ids, rows), ok)
     return rows, ok.view(bool)
 
 
-def ids_of(ids: bytes, rows: np.ndarray) -> bytes:
-    """The ``rows`` of ``ids`` (16-byte ids joined), joined."""
-    return np.frombuffer(ids, dtype=np.uint8).reshape(-1, 16)[rows].tobytes()
+def rows_of(outs: list, ids: bytes, rows: np.ndarray) -> tuple[list, bytes]:
+    """The ``rows`` of ``outs`` and of ``ids`` (16-byte ids joined): all of them as they are, usually."""
+    if len(rows) == len(outs):
+        return outs, ids
+    return [outs[i] for i in rows.tolist()], np.frombuffer(ids, dtype=np.uint8).reshape(-1, 16)[rows].tobytes()

@@ -21,7 +21,7 @@ from . import codec
 from .chunking import chunk_id_of
 from .config import chain_limit
 from .pack import ENTRY_MAGIC, HEADER_DTYPE, HEADER_SIZE, PackEntry, decode_header, encode_header, pack_key
-from .planebatch import decode_keyframes, ids_of
+from .planebatch import decode_keyframes, rows_of
 
 MiB = 1 << 20
 
@@ -253,19 +253,16 @@ class ChunkSource:
         at = np.asarray(at, dtype=np.int64)
         verified = np.zeros(num, dtype=bool)
 
-        def rows_of(rows: np.ndarray) -> tuple[list, bytes]:  # (outs, ids) of some rows: all of them, usually
-            return (outs, ids) if len(rows) == num else ([outs[i] for i in rows.tolist()], ids_of(ids, rows))
-
         plain = np.flatnonzero(ok & ~coded)
         if len(plain):  # a raw chunk: copied into place and hashed, as one plane
             passed = np.zeros(len(plain), dtype=np.uint8)
             src = np.stack([at[plain], at[plain] + raw_len[plain]], axis=1)
-            kernels.unshuffle_check(buf, None, 1, np.ascontiguousarray(src), *rows_of(plain), passed)
+            kernels.unshuffle_check(buf, None, 1, np.ascontiguousarray(src), *rows_of(outs, ids, plain), passed)
             verified[plain] = passed.view(bool)
         todo = np.flatnonzero(ok & coded)
         if len(todo):
             verified[todo] = decode_keyframes(buf, at[todo], stored_len[todo], raw_len[todo], recs["elem_size"][todo],
-                                              *rows_of(todo))
+                                              *rows_of(outs, ids, todo))
             rest = todo[~verified[todo]].tolist()  # left alone by the batch (e.g. a zero-sparse plane): one at a time
             if rest:
                 bmv = memoryview(buf)

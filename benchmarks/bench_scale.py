@@ -88,6 +88,7 @@ def measure(fn, repeat: int = 1) -> dict:
     for _ in range(max(1, repeat)):
         gc.collect()
         trim_heap()  # freed memory left resident would hide this run's allocations from its peak
+        os.sync()  # an earlier save's gigabytes written back during this run would be timed with it
         with PeakRSS() as m:
             t0 = time.perf_counter()
             fn()

@@ -48,6 +48,7 @@ __all__ = [
     "BACKEND",
     "ELEM_SIZES",
     "fastcdc_cuts",
+    "find_sorted",
     "native_impl",
     "numpy_impl",
     "shuffle",
@@ -576,8 +577,25 @@ def _batch_kernel(name: str, twin):
     return fn or twin
 
 
+def _python_find_sorted(ids, keys, out) -> None:
+    """The twin of the native ``find_sorted``: ``out[i]`` = the index of ``keys[i]`` in ``ids`` (16-byte ids,
+    sorted unique), -1 where absent."""
+    nbytes = [memoryview(x).nbytes for x in (ids, keys, out)]
+    if nbytes[0] % 16 or nbytes[1] % 16 or nbytes[2] != nbytes[1] // 2:
+        raise ValueError("ids and keys must be 16-byte ids, out an int64 per key")
+    a, k = (np.frombuffer(x, dtype="V16") if n else np.empty(0, "V16") for x, n in zip((ids, keys), nbytes))
+    dest = np.frombuffer(out, dtype=np.int64) if nbytes[2] else np.empty(0, np.int64)
+    if not a.size:
+        dest[:] = -1
+        return
+    pos = np.minimum(np.searchsorted(a, k), a.size - 1)
+    dest[:] = np.where(a[pos] == k, pos, -1)
+
+
 # unshuffle_check(buf, frames, elem_size, src, outs, ids, ok) -> passed: the planes of many chunks unshuffled into
 # outs and each hashed against its id in one call (store/planebatch.py; docstring in native/binding.c).
 # xxh3_64_rows(rows, stride, nbytes, out): the digests of many entry headers.
 unshuffle_check = _batch_kernel("unshuffle_check", _python_unshuffle_check)
 xxh3_64_rows = _batch_kernel("xxh3_64_rows", _python_xxh3_64_rows)
+# find_sorted(ids, keys, out): where each key is in a sorted set of 16-byte ids (store/idset.py).
+find_sorted = _batch_kernel("find_sorted", _python_find_sorted)

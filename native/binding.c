@@ -693,7 +693,78 @@ static PyObject *py_xxh3_64_rows(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The first index of set[lo:n] (16-byte keys in memcmp order) whose key is >= key: a galloping search from
+ * lo, so sorted keys walk the set forward through nearby memory instead of from its middle each time. */
+static size_t gallop16(const uint8_t *set, size_t n, size_t lo, const uint8_t *key)
+{
+    size_t bound = 1, left, right;
+
+    while (bound <= n - lo && memcmp(set + 16 * (lo + bound - 1), key, 16) < 0)
+        bound *= 2;
+    left = lo + bound / 2;  /* every key before it is < key */
+    right = bound <= n - lo ? lo + bound - 1 : n;  /* its key is >= key, or the end */
+    while (left < right) {
+        size_t mid = left + (right - left) / 2;
+        if (memcmp(set + 16 * mid, key, 16) < 0)
+            left = mid + 1;
+        else
+            right = mid;
+    }
+    return left;
+}
+
+PyDoc_STRVAR(find_sorted_doc,
+"find_sorted(ids, keys, out) -> None\n\n"
+"out[i] = the index in ids (16-byte ids, sorted unique in memcmp order) of keys[i], -1 where absent;\n"
+"keys: 16-byte ids, fastest in sorted order (each search gallops on from the last; a key out of order\n"
+"searches from the start); out: a writable int64 array of len(keys) // 16. ValueError when a length is\n"
+"not a multiple of 16 or out has the wrong size.");
+static PyObject *py_find_sorted(PyObject *self, PyObject *args)
+{
+    PyObject *ids_obj, *keys_obj, *out_obj;
+    Py_buffer ids, keys, out;
+    size_t n, m, i, lo = 0;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO:find_sorted", &ids_obj, &keys_obj, &out_obj))
+        return NULL;
+    if (get_in(ids_obj, &ids, "ids") < 0)
+        return NULL;
+    if (get_in(keys_obj, &keys, "keys") < 0) {
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    if (get_out(out_obj, &out) < 0) {
+        PyBuffer_Release(&keys);
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    n = (size_t)ids.len / 16;
+    m = (size_t)keys.len / 16;
+    if (ids.len % 16 || keys.len % 16 || (size_t)out.len != m * sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "ids and keys must be 16-byte ids, out an int64 per key");
+    } else {
+        const uint8_t *set = (const uint8_t *)ids.buf, *key = (const uint8_t *)keys.buf;
+        int64_t *pos = (int64_t *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (i = 0; i < m; i++, key += 16) {
+            if (lo > 0 && memcmp(set + 16 * (lo - 1), key, 16) >= 0)
+                lo = 0;  /* out of order: search from the start again (a wrong answer never) */
+            lo = gallop16(set, n, lo, key);
+            pos[i] = lo < n && memcmp(set + 16 * lo, key, 16) == 0 ? (int64_t)lo : -1;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&ids);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_methods[] = {
+    {"find_sorted", py_find_sorted, METH_VARARGS, find_sorted_doc},
     {"shuffle", py_shuffle, METH_VARARGS, shuffle_doc},
     {"unshuffle", py_unshuffle, METH_VARARGS, unshuffle_doc},
     {"xor_shuffle", py_xor_shuffle, METH_VARARGS, xor_shuffle_doc},

@@ -856,3 +856,35 @@ def test_xxh3_64_rows_native_and_twin_agree_with_xxhash():
     for fn in (kernels._native.xxh3_64_rows, kernels._python_xxh3_64_rows):  # rows past the end, however far
         with pytest.raises(ValueError):
             fn(rows, 2**62, 8, np.empty(9, np.uint64))
+
+
+_FINDERS = [kernels._python_find_sorted] + (
+    [kernels._native.find_sorted] if kernels._native is not None and hasattr(kernels._native, "find_sorted") else [])
+
+
+@pytest.mark.parametrize("find", _FINDERS)
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000])
+def test_find_sorted_finds_every_key_in_any_order(find, n):
+    """The index of each key in a sorted set of 16-byte ids, -1 where absent: sorted keys (the fast path),
+    repeats, keys past either end, ids that differ only in their last byte, and keys in random order."""
+    rng = np.random.default_rng(n)
+    raw = rng.integers(0, 4, (n, 16), dtype=np.uint8)  # few values a byte: many shared prefixes
+    ids = np.unique(raw.view("V16").ravel())
+    absent = rng.integers(0, 4, (300, 16), dtype=np.uint8).view("V16").ravel()
+    extremes = np.array([bytes(16), b"\xff" * 16], dtype="V16")
+    keys = np.concatenate([ids, ids[: n // 2], absent, extremes])
+    want = {k.tobytes(): i for i, k in enumerate(ids)}
+    for order in (np.argsort(keys, kind="stable"), rng.permutation(keys.size)):
+        q = np.ascontiguousarray(keys[order])
+        out = np.empty(q.size, np.int64)
+        find(ids, q, out)
+        assert out.tolist() == [want.get(k.tobytes(), -1) for k in q]
+
+
+@pytest.mark.parametrize("find", _FINDERS)
+def test_find_sorted_refuses_bad_lengths(find):
+    ids = np.zeros(2, "V16")
+    for args in ((ids.view(np.uint8)[:20], ids, np.empty(2, np.int64)),  # ids not whole
+                 (ids, ids, np.empty(3, np.int64))):  # out of the wrong size
+        with pytest.raises(ValueError):
+            find(*args)

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
+
 ID = np.dtype("V16")
 _BLOCK = 1 << 14  # ids per vectorised pass where a pass's temporaries would otherwise grow with the input
+_SORTED_SEARCH_ABOVE = 1 << 17  # ids (2 MiB) in a set past which a block is searched in sorted order
+_HALVES = np.dtype(">u8")  # an id as two big-endian integers: their order is the ids' memcmp order
 
 
 def from_ids(ids) -> np.ndarray:
@@ -32,29 +36,41 @@ def union(sorted_ids: np.ndarray, *more: np.ndarray) -> np.ndarray:
 
 
 def _search(sorted_ids: np.ndarray, query: np.ndarray):
-    """(start, positions, found) per block of ``query`` searched in ``sorted_ids`` (sorted unique, not empty):
-    vectorised passes holding ~33 bytes per id of a block, not of the query."""
-    last = sorted_ids.size - 1
+    """(start, positions: -1 where absent) per block of ``query`` looked up in ``sorted_ids`` (sorted unique,
+    not empty): passes holding ~40 bytes per id of a block, not of the query. In a set past the CPU's caches
+    a block is looked up in sorted order, each search galloping on from the last through nearby memory
+    (``kernels.find_sorted``; 1.2M ids: ~0.25 us an id with the sort, ~0.85 us searching each from the
+    middle of the set)."""
+    sorted_ids = np.ascontiguousarray(sorted_ids)
     for start in range(0, query.size, _BLOCK):
-        q = query[start:start + _BLOCK]
-        pos = np.searchsorted(sorted_ids, q)
-        np.minimum(pos, last, out=pos)
-        yield start, pos, sorted_ids[pos] == q
+        q = np.ascontiguousarray(query[start:start + _BLOCK])
+        order = None
+        if sorted_ids.size >= _SORTED_SEARCH_ABOVE and q.size >= 64:
+            halves = q.view(_HALVES).reshape(-1, 2)  # memcmp order: the high half, then the low
+            order = np.lexsort((halves[:, 1], halves[:, 0]))
+            q = q[order]
+        pos = np.empty(q.size, dtype=np.int64)
+        kernels.find_sorted(sorted_ids, q, pos)
+        if order is not None:  # back to the query's order
+            back = np.empty_like(pos)
+            back[order] = pos
+            pos = back
+        yield start, pos
 
 
 def isin(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
     """A bool per id of ``query``: whether it is in ``sorted_ids`` (sorted unique)."""
     out = np.zeros(query.size, dtype=bool)
-    for start, _pos, found in _search(sorted_ids, query) if sorted_ids.size else ():
-        out[start:start + found.size] = found
+    for start, pos in _search(sorted_ids, query) if sorted_ids.size else ():
+        out[start:start + pos.size] = pos >= 0
     return out
 
 
 def find(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
     """The position in ``sorted_ids`` (sorted unique) of each id of ``query``, -1 where it is not there."""
     out = np.full(query.size, -1, dtype=np.int64)
-    for start, pos, found in _search(sorted_ids, query) if sorted_ids.size else ():
-        out[start:start + found.size] = np.where(found, pos, -1)
+    for start, pos in _search(sorted_ids, query) if sorted_ids.size else ():
+        out[start:start + pos.size] = pos
     return out
     last = sorted_ids.size - 1
     for start in range(0, query.size, _BLOCK):

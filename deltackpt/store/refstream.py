@@ -31,7 +31,7 @@ _FIRST_READ = 1 << 16  # a smaller manifest is read whole; a larger one in ~16 r
 _MAX_READ = 1 << 23
 _FEED = 1 << 14  # compressed bytes given to zstd at once: each call's output stays small
 _CARRY = 64  # more than a value the walker waits on to see whole (a ref: <= 37 bytes, a header: <= 10)
-_IDS, _RECS, _ITEMS, _TOP = 1024, 256, 1 << 13, 1 << 12  # the walker's outputs (ids, items, bytes; grown)
+_IDS, _RECS, _ITEMS, _TOP = 1 << 12, 256, 1 << 13, 1 << 12  # the walker's outputs (ids, items, bytes; grown)
 _HEADROOM = 16  # the walker writes a value's header (<= 10 bytes) and a nil whole, or waits for room
 _TOP_AT, _ITEMS_AT, _ITEMS_END, _IDS_AT, _RECS_AT = range(5)
 _FAILED, _NEED_INPUT, _FULL, _DONE = -1, 0, 1, 2

@@ -39,9 +39,11 @@ _SAMPLE_MIN_CHUNK = 256 * 1024  # smaller chunks are not sampled: their delta is
 _SAMPLE_MARGIN = 0.02
 # A place whose previous delta came in this far under the line is coded as a delta outright (no sample).
 _HISTORY_MARGIN = 0.05
-# A delta applied in place has at most 1/16 of its bytes nonzero (codec.SPARSE_APPLY_MAX_DENSITY), plus their
-# bitmaps: one stored in more than 1/8 of its raw size is not read to find out.
-_LINK_MAX_SHARE = 8
+# A chain link costs a restore its bitmaps (1/8 of each plane) and its nonzero bytes, each of its depth: one
+# stored in more than 1/32 of its raw size is a leaf. On the bench, sparse's links are stored in 1/49-1/66 of
+# their size and chain (12.5x -> 19.5x DCP's bytes); bf16's unchanged weights in 1/13-1/19: chained, they
+# stored 2.7 % fewer bytes (2.61x -> 2.68x) but loaded the last checkpoint 1.47x DCP's time.
+_LINK_MAX_SHARE = 32
 # Chunks smaller than this, or than a quarter of the store's chunk size (biases, norms: a few hundred bytes on
 # a sharded model), are always keyframes: a delta would save a few bytes and cost a base lookup, a second
 # coding and a cache copy per chunk.
@@ -109,7 +111,7 @@ def _cycle_mean(links: list[PackEntry], deltas: int, last: int) -> float:
 
 
 def is_sparse_link(stored, raw_len: int, elem_size: int) -> bool:
-    """Whether a delta (its stored bytes) may be the base of another delta: only one stored in at most 1/8 of
+    """Whether a delta (its stored bytes) may be the base of another delta: only one stored in at most 1/32 of
     its raw size and applied in place, at the cost of its nonzero bytes (sparse rows; weights a fine-tune left as they were). A delta that is a pass
     over the chunk stays a leaf, so restoring any chunk costs its keyframe, the sparse links' nonzero bytes and
     at most one full delta: what max_chain 1 costs plus the sparse links (the bench's dense and bf16 Adam

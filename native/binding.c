@@ -13,6 +13,19 @@
 #include "dc_kernels.h"
 
 #define DC_GIL_THRESHOLD ((Py_ssize_t)64 * 1024)
+#define SPARSE_DAMAGED "sparse plane is damaged: its bitmap does not match its values"
+
+/* The GIL, released for work on at least DC_GIL_THRESHOLD bytes (NULL: kept), and taken back. */
+static PyThreadState *release_if(Py_ssize_t nbytes)
+{
+    return nbytes >= DC_GIL_THRESHOLD ? PyEval_SaveThread() : NULL;
+}
+
+static void reacquire(PyThreadState *ts)
+{
+    if (ts != NULL)
+        PyEval_RestoreThread(ts);
+}
 
 #if defined(__SSE2__)
 #define DC_SIMD_NAME "sse2"
@@ -111,10 +124,7 @@ static PyObject *run_plane_op(PyObject *args, int op, const char *fmt)
         const uint8_t *pb = have_b ? (const uint8_t *)b.buf : NULL;
         uint8_t *po = (uint8_t *)out.buf;
         size_t len = (size_t)a.len;
-        int release = a.len >= DC_GIL_THRESHOLD;
-        PyThreadState *ts = NULL;
-        if (release)
-            ts = PyEval_SaveThread();
+        PyThreadState *ts = release_if(a.len);
         switch (op) {
         case OP_SHUFFLE: dc_shuffle(pa, po, len, (size_t)k); break;
         case OP_UNSHUFFLE: dc_unshuffle(pa, po, len, (size_t)k); break;
@@ -123,8 +133,7 @@ static PyObject *run_plane_op(PyObject *args, int op, const char *fmt)
         case OP_UNSHUFFLE_ZIGZAG: dc_unshuffle_zigzag(pa, pb, po, len, (size_t)k); break;
         default: dc_unshuffle_xor(pa, pb, po, len, (size_t)k); break;
         }
-        if (release)
-            PyEval_RestoreThread(ts);
+        reacquire(ts);
     }
 
     PyBuffer_Release(&out);
@@ -234,18 +243,14 @@ static PyObject *py_fastcdc_cuts(PyObject *self, PyObject *args)
         return NULL;
     }
     {
-        int release = data.len >= DC_GIL_THRESHOLD;
-        PyThreadState *ts = NULL;
-        if (release)
-            ts = PyEval_SaveThread();
+        PyThreadState *ts = release_if(data.len);
         /* cuts.buf comes from a numpy int64 array / Python allocator, so it
          * is suitably aligned for int64_t. */
         count = dc_fastcdc_cuts((const uint8_t *)data.buf, (size_t)data.len,
                                 (size_t)mn, (size_t)avg, (size_t)mx,
                                 (int64_t *)cuts.buf,
                                 (size_t)cuts.len / sizeof(int64_t));
-        if (release)
-            PyEval_RestoreThread(ts);
+        reacquire(ts);
     }
     PyBuffer_Release(&cuts);
     PyBuffer_Release(&data);
@@ -279,14 +284,10 @@ static PyObject *py_sparse_split(PyObject *self, PyObject *args)
                      "bitmap must have %zd bytes and vals at least %zd (got %zd and %zd)",
                      (v[0].len + 7) / 8, v[0].len, v[1].len, v[2].len);
     } else {
-        int release = v[0].len >= DC_GIL_THRESHOLD;
-        PyThreadState *ts = NULL;
-        if (release)
-            ts = PyEval_SaveThread();
+        PyThreadState *ts = release_if(v[0].len);
         nnz = dc_sparse_split((const uint8_t *)v[0].buf, (size_t)v[0].len, (uint8_t *)v[1].buf,
                               (uint8_t *)v[2].buf);
-        if (release)
-            PyEval_RestoreThread(ts);
+        reacquire(ts);
     }
     release_three(v);
     if (PyErr_Occurred())
@@ -314,18 +315,13 @@ static PyObject *py_sparse_merge(PyObject *self, PyObject *args)
                      "bitmap has %zd bytes and vals %zd for %zd output bytes",
                      v[0].len, v[1].len, v[2].len);
     } else {
-        int release = v[2].len >= DC_GIL_THRESHOLD;
-        PyThreadState *ts = NULL;
         int rc;
-        if (release)
-            ts = PyEval_SaveThread();
+        PyThreadState *ts = release_if(v[2].len);
         rc = dc_sparse_merge((const uint8_t *)v[0].buf, (const uint8_t *)v[1].buf, (size_t)v[1].len,
                              (uint8_t *)v[2].buf, (size_t)v[2].len);
-        if (release)
-            PyEval_RestoreThread(ts);
+        reacquire(ts);
         if (rc != 0)
-            PyErr_SetString(PyExc_ValueError,
-                            "sparse plane is damaged: its bitmap does not match its values");
+            PyErr_SetString(PyExc_ValueError, SPARSE_DAMAGED);
     }
     release_three(v);
     if (PyErr_Occurred())
@@ -368,19 +364,15 @@ static PyObject *py_sparse_apply(PyObject *self, PyObject *args)
                          v[0].len, v[1].len, c.len, v[2].len, k);
         } else {
             uint64_t counts[8];
+            PyThreadState *ts;
             int rc;
-            int release = v[2].len >= DC_GIL_THRESHOLD;
-            PyThreadState *ts = NULL;
             memcpy(counts, c.buf, (size_t)k * sizeof(uint64_t)); /* any alignment */
-            if (release)
-                ts = PyEval_SaveThread();
+            ts = release_if(v[2].len);
             rc = dc_sparse_apply((const uint8_t *)v[0].buf, (const uint8_t *)v[1].buf, counts,
                                  (uint8_t *)v[2].buf, n, (size_t)k, zig);
-            if (release)
-                PyEval_RestoreThread(ts);
+            reacquire(ts);
             if (rc != 0)
-                PyErr_SetString(PyExc_ValueError,
-                                "sparse plane is damaged: its bitmap does not match its values");
+                PyErr_SetString(PyExc_ValueError, SPARSE_DAMAGED);
         }
     }
     release_three(v);
@@ -625,14 +617,10 @@ static PyObject *py_unshuffle_check(PyObject *self, PyObject *args)
         }
     }
     {
-        int release = (Py_ssize_t)total >= DC_GIL_THRESHOLD;
-        PyThreadState *ts = NULL;
-        if (release)
-            ts = PyEval_SaveThread();
+        PyThreadState *ts = release_if((Py_ssize_t)total);
         passed = dc_unshuffle_check(segs, dsts, sizes, (size_t)n, (size_t)k, (const uint8_t *)ids.buf,
                                     (uint8_t *)ok.buf);
-        if (release)
-            PyEval_RestoreThread(ts);
+        reacquire(ts);
     }
 done:
     PyMem_Free(sizes);

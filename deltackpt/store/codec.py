@@ -319,10 +319,9 @@ def _seg_table(num_segments: int) -> struct.Struct:
     return struct.Struct("<" + "BI" * num_segments)
 
 
-def _container(stored, raw_len: int, elem_size: int) -> list[tuple[int, int, int, memoryview]] | None:
-    """(start, length, mode, stored body) of each segment of a plane container (its planes, then the tail),
-    checked to add up; None for a legacy single zstd frame."""
-    stored = memoryview(stored).cast("B")
+def _container_head(stored: memoryview, raw_len: int, elem_size: int) -> tuple | None:
+    """A plane container's header: (each segment's (start, length), their (mode, stored length) fields flat,
+    where the first body starts); None for a legacy single zstd frame."""
     head = stored[:4]
     if head == ZSTD_MAGIC:
         return None
@@ -330,10 +329,19 @@ def _container(stored, raw_len: int, elem_size: int) -> list[tuple[int, int, int
         raise ValueError("stored bytes are neither a plane container nor a zstd frame")
     segs = _segments(raw_len, elem_size)
     table = _seg_table(len(segs))
-    pos = 4 + table.size
-    if len(stored) < pos:
+    if len(stored) < 4 + table.size:
         raise ValueError("plane container header is truncated")
-    fields = table.unpack_from(stored, 4)  # (mode, stored length) of each segment, in one call
+    return segs, table.unpack_from(stored, 4), 4 + table.size  # every segment's fields in one call
+
+
+def _container(stored, raw_len: int, elem_size: int) -> list[tuple[int, int, int, memoryview]] | None:
+    """(start, length, mode, stored body) of each segment of a plane container (its planes, then the tail),
+    checked to add up; None for a legacy single zstd frame."""
+    stored = memoryview(stored).cast("B")
+    head = _container_head(stored, raw_len, elem_size)
+    if head is None:
+        return None
+    segs, fields, pos = head
     out = []
     for i, ((start, length), mode, slen) in enumerate(zip(segs, fields[::2], fields[1::2])):
         body = stored[pos:pos + slen]
@@ -375,22 +383,15 @@ def _unpack_planes(stored, raw_len: int, elem_size: int, planes: np.ndarray | No
         for i, (start, length, mode, body) in enumerate(segments):
             _segment_into(i, length, mode, body, planes[start:start + length])
         return planes
-    # The same as _container then _segment_into, inline: a keyframe's decode is on every load's path, and the
-    # per-segment tuples and calls cost a tenth of a small chunk's decode.
+    # The same as _container then _segment_into, the segments inline: a keyframe's decode is on every load's
+    # path, and the per-segment tuples and calls cost a tenth of a small chunk's decode.
     stored = memoryview(stored).cast("B")
     dest = memoryview(planes)
-    head = stored[:4]
-    if head == ZSTD_MAGIC:
+    head = _container_head(stored, raw_len, elem_size)
+    if head is None:
         _zstd_into(stored, dest)
         return planes
-    if head != PLANES_MAGIC:
-        raise ValueError("stored bytes are neither a plane container nor a zstd frame")
-    segs = _segments(raw_len, elem_size)
-    table = _seg_table(len(segs))
-    pos = 4 + table.size
-    if len(stored) < pos:
-        raise ValueError("plane container header is truncated")
-    fields = table.unpack_from(stored, 4)  # (mode, stored length) of each segment, in one call
+    segs, fields, pos = head
     for i, ((start, length), mode, slen) in enumerate(zip(segs, fields[::2], fields[1::2])):
         if not (length or slen or mode):
             continue  # no tail (raw_len a multiple of elem_size), stored as nothing

@@ -60,7 +60,8 @@ CHUNK = 8 * 1024
 MIN_CHUNK = 4 * 1024  # the smallest chunk size a store takes: the million sweep's
 SWEEPS = ("chunks", "million", "history", "ranks", "items")
 SIZES = {
-    "quick": dict(chunks=[2_000, 4_000, 8_000], million=[8_000, 32_000], history=[4, 8, 16], refs=256, ranks=[4, 8, 16], state_mib=8,
+    "quick": dict(chunks=[2_000, 4_000, 8_000], million=[8_000, 32_000], history=[4, 8, 16], refs=256,
+                  ranks=[4, 8, 16], state_mib=8,
                   items=[250, 500, 1_000], repeat=1),
     "full": dict(chunks=[10_000, 20_000, 40_000, 80_000, 160_000], million=[75_000, 300_000, 1_200_000],
                  history=[10, 30, 100, 300, 1_000], refs=4_096,

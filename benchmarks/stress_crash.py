@@ -113,7 +113,8 @@ def main(argv=None) -> int:
                 proc.kill()
                 proc.wait()
         lines = out.splitlines(keepends=True)
-        record = {"kill": k, "delay_s": round(delay, 3), "label": label, "last": lines[-1].rstrip("\n") if lines else None}
+        record = {"kill": k, "delay_s": round(delay, 3), "label": label,
+                  "last": lines[-1].rstrip("\n") if lines else None}
         if proc.returncode != -signal.SIGKILL:
             record["error"] = f"child exited {proc.returncode}: {err[-1500:]}"
             failures.append(record)

@@ -38,7 +38,8 @@ def _bench():
 def test_quick_run_measures_and_fits_every_operation(tmp_path, capsys):
     docs = tmp_path / "performance.md"
     docs.write_text("# Performance\n\nkept text\n")
-    argv = ["--quick", "--chunks", "100,200", "--million", "128,256", "--history", "2,4", "--refs", "16", "--ranks", "2,4",
+    argv = ["--quick", "--chunks", "100,200", "--million", "128,256", "--history", "2,4", "--refs", "16",
+            "--ranks", "2,4",
             "--state-mib", "1", "--items", "10,20", "--tmp", str(tmp_path), "--json", str(tmp_path / "out.json"),
             "--write-docs", str(docs)]
     bench = _bench()

@@ -112,7 +112,7 @@ def _cycle_mean(links: list[PackEntry], deltas: int, last: int) -> float:
 
 def is_sparse_link(stored, raw_len: int, elem_size: int) -> bool:
     """Whether a delta (its stored bytes) may be the base of another delta: only one stored in at most 1/32 of
-    its raw size and applied in place, at the cost of its nonzero bytes (sparse rows; weights a fine-tune left as they were). A delta that is a pass
+    its raw size and applied in place, at the cost of its nonzero bytes (sparse rows). A delta that is a pass
     over the chunk stays a leaf, so restoring any chunk costs its keyframe, the sparse links' nonzero bytes and
     at most one full delta: what max_chain 1 costs plus the sparse links (the bench's dense and bf16 Adam
     moments change everywhere: their deltas never chain)."""
@@ -139,11 +139,11 @@ class DeltaPolicy:
         """The base to code a changed chunk of ``n`` bytes against, or None for a new keyframe.
 
         The base is the parent's chunk at the same place if it is a keyframe or a sparse link and its chain
-        holds fewer than ``max_chain`` deltas, else that chunk's own base (with ``max_chain`` 1: the keyframe behind the parent's chunk),
-        so restoring any chunk reads at most ``max_chain + 1``. A base that has served ``keyframe_interval``
-        checkpoints is retired; before that, a delta is kept only under ``refresh_at`` (the refresh rule in
-        the module docstring). The parent's delta size is this place's history: a delta that paid off well
-        last time is likely to again.
+        holds fewer than ``max_chain`` deltas, else that chunk's own base (with ``max_chain`` 1: the keyframe
+        behind the parent's chunk), so restoring any chunk reads at most ``max_chain + 1``. A base that has
+        served ``keyframe_interval`` checkpoints is retired; before that, a delta is kept only under
+        ``refresh_at`` (the refresh rule in the module docstring). The parent's delta size is this place's
+        history: a delta that paid off well last time is likely to again.
         """
         entry = entry or self.store.index.lookup(parent_chunk)  # the caller may have looked it up already
         if entry is None or entry.raw_len != n:
@@ -173,7 +173,8 @@ class DeltaPolicy:
             # wrote these bytes, the index's copy may be another coding: at worst one full delta in a chain.)
             return True
         try:
-            stored = self.store.backend.get_range(pack_key(entry.pack), entry.offset + HEADER_SIZE, entry.stored_len)
+            stored = self.store.backend.get_range(pack_key(entry.pack), entry.offset + HEADER_SIZE,
+                                                  entry.stored_len)
         except (OSError, DeltackptError):
             return False  # unreadable: no chain grows from it (its bytes are checked where they are read)
         return is_sparse_link(stored, entry.raw_len, entry.elem_size)

@@ -72,13 +72,6 @@ def find(sorted_ids: np.ndarray, query: np.ndarray) -> np.ndarray:
     for start, pos in _search(sorted_ids, query) if sorted_ids.size else ():
         out[start:start + pos.size] = pos
     return out
-    last = sorted_ids.size - 1
-    for start in range(0, query.size, _BLOCK):
-        q = query[start:start + _BLOCK]
-        pos = np.searchsorted(sorted_ids, q)
-        np.minimum(pos, last, out=pos)
-        out[start:start + q.size] = np.where(sorted_ids[pos] == q, pos, -1)
-    return out
 
 
 def contains(sorted_ids: np.ndarray, cid: bytes) -> bool:

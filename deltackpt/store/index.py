@@ -164,6 +164,16 @@ class ChunkIndex(LmdbCache):
             return locate_in(txn.get, ids)
 
     @guarded()
+    def locate_each(self, ids: np.ndarray, fn, block: int = 1 << 16) -> list:
+        """``fn(start, Located)`` for each block of ``ids`` (``ids[start:start + block]``), all in one read
+        transaction: what a caller keeps of each block is its own choice, so memory need not hold the bases of
+        every id at once. Returns ``fn``'s results; after a fault of the cache is repaired it is called again
+        from the first block, so it should write into its own arrays by position only."""
+        chunks, _, _ = self._dbs()
+        with self.env.begin(db=chunks) as txn:
+            return [fn(start, locate_in(txn.get, ids[start:start + block])) for start in range(0, ids.size, block)]
+
+    @guarded()
     def records(self, chunk_ids) -> tuple[np.ndarray, np.ndarray]:
         """(records, found) of ``chunk_ids`` (a list of 16-byte ids) in one read transaction: a RECORD_DTYPE
         array (all zeros where not indexed) and a bool array of which are indexed, checked as decode_record

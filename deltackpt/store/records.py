@@ -110,7 +110,7 @@ def locate_in(get, ids: np.ndarray) -> Located:
             delta_at.append(k // 16)
             bases += base
     return Located([n.hex() for n in names], np.frombuffer(pack_of, dtype=np.int32),
-                   np.frombuffer(delta_at, dtype=np.int32), np.frombuffer(bytes(bases), dtype="V16"))
+                   np.frombuffer(delta_at, dtype=np.int32), np.frombuffer(bases, dtype="V16"))
 
 
 def records_in(get, chunk_ids) -> tuple[np.ndarray, np.ndarray]:

@@ -22,6 +22,7 @@ attribution of every finding to the checkpoints and items it affects.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -30,11 +31,13 @@ import numpy as np
 from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError
 from . import idset
 from .config import chain_limit
-from .pack import PackTable, pack_bytes_ok, walk_entries, pack_key, pack_name_from_key, read_pack_table
+from .pack import (PackTable, list_packs, pack_bytes_ok, pack_key, pack_name_from_key, pack_stamps, read_pack_table,
+                   walk_entries)
 from .progress import Progress, phase
 from .source import ChunkSource
 
 _BLOCK = 1 << 12  # ids per vectorised pass where a pass's temporaries would otherwise grow with all the ids
+_KEYFRAME, _UNFOLLOWED = -1, -2  # _Findings.node_base of a chunk that is no delta (or not found), of a chain's end
 
 
 class ProblemKind(str, Enum):
@@ -118,12 +121,12 @@ class _Findings:
 
     names: list[str] = field(default_factory=list)  # checkpoints whose manifest reads
     users: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # chunks the manifests reference
-    extra_bases: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # other bases of their deltas
-    delta_at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))  # users[delta_at] are deltas
-    delta_base: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # ... with these bases
-    # Deltas among extra_bases (inner links of chains: only in a store with delta chains), sorted, and theirs.
-    link_delta: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))
-    link_base: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))
+    extra_bases: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # other chunks down their chains
+    # Per node (users, then extra_bases): whether it is in a pack present, and the node of its base when it is a
+    # delta in a pack present (_KEYFRAME: none; _UNFOLLOWED: a delta whose base was not looked up). 5 bytes a
+    # chunk: chains are walked in arrays of node numbers, never an id per delta.
+    node_ok: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=bool))
+    node_base: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     bad: dict[bytes, Problem] = field(default_factory=dict)  # the first problem found with each chunk
     live_packs: set[str] = field(default_factory=set)  # packs holding a needed chunk, or unreadable
     chunks_in: dict[str, int] = field(default_factory=dict)  # pack -> needed chunks it holds
@@ -185,9 +188,15 @@ def _refresh_cache(store, users: np.ndarray, level: int, progress) -> tuple[dict
     # reported by name, not just as chunks that are nowhere.
     index = store.index
     token = index.write_token()
+    if level == 0:
+        known, listed = index.known_packs(), list_packs(store.backend)  # known first: see ChunkIndex.refresh
+        if known == listed.keys() and not index.check_records():
+            # The cache holds sound records of exactly the packs present: refreshing it changes nothing (a cache
+            # of another store is rebuilt: where it located them says nothing), so nothing to remember.
+            store.refresh_index(pack_stamps(listed))
+            return {name: info.size_bytes for name, info in listed.items()}, None
     try:
-        before = index.locate(users)
-        last_seen = (before.packs, before.pack_of)
+        last_seen = _pack_numbers(index, users)
     except ManifestFormatError:
         last_seen = ([], np.full(users.size, -1, dtype=np.int32))
     if level >= 1 or index.check_records():
@@ -207,138 +216,198 @@ def _refresh_cache(store, users: np.ndarray, level: int, progress) -> tuple[dict
 def _check_structure(store, found: _Findings, last_seen, packs, level: int, progress) -> None:
     """Level 0: every needed chunk is indexed, in an existing pack, with an intact base; and which packs
     hold the needed chunks."""
-    index, users, bad = store.index, found.users, found.bad
+    index, users = store.index, found.users
     with phase(progress, "verify structure", users.size, "chunk") as bar:
-        loc = index.locate(users)
-        present = _in_packs(loc, packs)
-        if level == 0 and not present.all():
+        base, present, held, absent, outside = _locate_users(index, users, packs)
+        if level == 0 and absent:
             # After a refresh the cache knows exactly the packs present; a record missing or pointing elsewhere
             # may mean the cache itself is damaged (a record well-formed but wrong, or under a wrong key),
             # which is not damage to the store: check it against the pack tables and look again.
             index.reconcile(progress=progress)
-            loc = index.locate(users)
-            present = _in_packs(loc, packs)
+            base, present, held, absent, outside = _locate_users(index, users, packs)
         bar.advance(users.size)
+    unreadable = _absent(found, absent, last_seen, packs)
+    # Deltas in a pack present: their bases are needed too, and must be keyframes in a pack present.
+    base[~present] = _KEYFRAME
+    at = np.concatenate([o[0] for o in outside] + [np.empty(0, np.int32)])
+    ids = np.concatenate([o[1] for o in outside] + [idset.from_ids(b"")])
+    keep = present[at]
+    at, ids = at[keep], ids[keep]
+    limit = chain_limit(store.config)
+    found.extra_bases = extra = _down_the_chains(index, users, ids, limit)
+    extra_base, extra_present, extra_held = _locate_extras(index, users, extra, packs)
+    base[at] = users.size + idset.find(extra, ids)
+    del at, ids, keep
+    found.node_ok = np.concatenate([present, extra_present])
+    del present, extra_present
+    base.resize(users.size + extra.size, refcheck=False)  # in place: the users' bases, then the extras'
+    base[users.size:] = extra_base
+    found.node_base = base
+    _check_bases(store, found, limit)
+    found.live_packs = set(unreadable)
+    for name, n in (held + extra_held).items():
+        if n:
+            found.live_packs.add(name)
+            found.chunks_in[name] = n
+
+
+def _pack_numbers(index, ids: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(pack names, the number of the pack holding each of ``ids``: -1 where not indexed)."""
+    names: dict[str, int] = {}
+    pack_of = np.empty(ids.size, dtype=np.int32)
+
+    def block(start, loc):
+        number = np.array([names.setdefault(p, len(names)) for p in loc.packs] + [-1], dtype=np.int32)
+        pack_of[start:start + loc.pack_of.size] = number[loc.pack_of]  # pack_of -1: the last, -1
+
+    index.locate_each(ids, block, _BLOCK)
+    return list(names), pack_of
+
+
+def _locate(index, ids: np.ndarray, packs, deltas):
+    """(a bool per id: indexed in a pack present; pack -> ids it holds; [(position, pack or None)] of the
+    others; what ``deltas(positions, base ids)`` returned for each block's deltas, None left out). Located a
+    block at a time: no pass holds every delta's base id, nor a pack number per id."""
+    present = np.empty(ids.size, dtype=bool)
+    held: Counter = Counter()
+    absent: list[tuple[int, str | None]] = []
+    told: list = []
+
+    def block(start, loc):
+        if start == 0:  # the first block, or the first again after the cache was repaired: start over
+            held.clear(), absent.clear(), told.clear()
+        exists = np.array([p in packs for p in loc.packs] + [False], dtype=bool)  # pack_of -1: the last, False
+        here = exists[loc.pack_of]
+        present[start:start + here.size] = here
+        counts = np.bincount(loc.pack_of[loc.pack_of >= 0], minlength=len(loc.packs))
+        held.update(dict(zip(loc.packs, counts.tolist())))
+        absent.extend((start + i, loc.packs[loc.pack_of[i]] if loc.pack_of[i] >= 0 else None)
+                      for i in np.flatnonzero(~here).tolist())
+        out = deltas(loc.delta_at + start, loc.delta_base)
+        if out is not None:
+            told.append(out)
+
+    index.locate_each(ids, block, _BLOCK)
+    return present, held, absent, told
+
+
+def _locate_users(index, users: np.ndarray, packs):
+    """(the node of each user's base when it is a user, else _KEYFRAME; then as :func:`_locate`, the last part
+    the (positions, base ids) of the deltas whose base is no user)."""
+    base = np.full(users.size, _KEYFRAME, dtype=np.int32)
+
+    def deltas(at, ids):
+        pos = idset.find(users, ids)
+        inside = pos >= 0
+        base[at[inside]] = pos[inside]
+        return (at[~inside], ids[~inside]) if not inside.all() else None
+
+    return (base, *_locate(index, users, packs, deltas))
+
+
+def _down_the_chains(index, users: np.ndarray, roots: np.ndarray, limit: int) -> np.ndarray:
+    """The needed chunks that are no users: ``roots`` (bases of the users' deltas), and in a store with delta
+    chains the chunks down their chains, ``limit`` levels at most; sorted unique."""
+    extra = frontier = idset.unique(roots)
+    for _ in range(limit if limit > 1 else 0):
+        b = index.locate(frontier).delta_base
+        new = idset.unique(b[~(idset.isin(users, b) | idset.isin(extra, b))])
+        if not new.size:
+            break
+        extra, frontier = idset.union(extra, new), new
+    return extra
+
+
+def _locate_extras(index, users: np.ndarray, extra: np.ndarray, packs):
+    """(the node of each of ``extra``'s base: a user, an extra (after the users), _UNFOLLOWED when neither
+    (past the chain limit), _KEYFRAME when it is no delta; a bool per extra: in a pack present; pack -> extras
+    it holds)."""
+    base = np.full(extra.size, _KEYFRAME, dtype=np.int32)
+
+    def deltas(at, ids):
+        node = idset.find(users, ids).astype(np.int32)
+        no_user = node < 0
+        pos = idset.find(extra, ids[no_user])
+        node[no_user] = np.where(pos >= 0, users.size + pos, _UNFOLLOWED)
+        base[at] = node
+
+    present, held, _, _ = _locate(index, extra, packs, deltas)
+    return base, present, held
+
+
+def _absent(found: _Findings, absent: list, last_seen, packs) -> set[str]:
+    """Report each user in no pack present (``absent``: position, pack indexed in or None) by what became of
+    it; returns the packs whose table is unreadable."""
     unreadable: set[str] = set()
     seen_packs, seen_at = last_seen if last_seen is not None else ([], None)
-    for i in np.flatnonzero(~present):
-        cid = users[i].tobytes()
-        if loc.pack_of[i] >= 0:
-            bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing",
-                               pack=loc.packs[loc.pack_of[i]], chunk_id=cid.hex())
+    for i, pack in absent:
+        cid = found.users[i].tobytes()
+        if pack is not None:
+            found.bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=pack,
+                                     chunk_id=cid.hex())
             continue
         gone = seen_packs[seen_at[i]] if seen_at is not None and seen_at[i] >= 0 else None
         if gone is not None and gone not in packs:
-            bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=gone,
-                               chunk_id=cid.hex())
+            found.bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=gone,
+                                     chunk_id=cid.hex())
         elif gone is not None:
-            bad[cid] = Problem(ProblemKind.BAD_CHUNK, "its pack's table is unreadable", pack=gone,
-                               chunk_id=cid.hex())
+            found.bad[cid] = Problem(ProblemKind.BAD_CHUNK, "its pack's table is unreadable", pack=gone,
+                                     chunk_id=cid.hex())
             unreadable.add(gone)
         else:
-            bad[cid] = Problem(ProblemKind.MISSING_CHUNK, "chunk is not in any pack", chunk_id=cid.hex())
-    # Deltas in a pack present: their bases are needed too, and must be keyframes in a pack present.
-    ok = present[loc.delta_at]
-    found.delta_at, found.delta_base = loc.delta_at[ok], loc.delta_base[ok]
-    found.extra_bases = idset.unique(found.delta_base[~idset.isin(users, found.delta_base)])
-    extra = index.locate(found.extra_bases)
-    limit = chain_limit(store.config)
-    if limit > 1 and extra.delta_at.size:
-        _follow_chains(index, found, users, extra, limit)
-        extra = index.locate(found.extra_bases)
-    _check_bases(found, users, loc, present, extra, packs, limit)
-    found.live_packs = set(unreadable)
-    for where in (loc, extra):
-        counts = np.zeros(len(where.packs), dtype=np.int64)
-        for start in range(0, where.pack_of.size, _BLOCK):  # bincount's index copy (8 B an id): a block's worth
-            block = where.pack_of[start:start + _BLOCK]
-            counts += np.bincount(block[block >= 0], minlength=len(where.packs))
-        for name, n in zip(where.packs, counts.tolist()):
-            if n:
-                found.live_packs.add(name)
-                found.chunks_in[name] = found.chunks_in.get(name, 0) + n
+            found.bad[cid] = Problem(ProblemKind.MISSING_CHUNK, "chunk is not in any pack", chunk_id=cid.hex())
+    return unreadable
 
 
-def _in_packs(loc, packs) -> np.ndarray:
-    """A bool per located chunk: whether it is indexed in a pack that exists."""
-    exists = np.array([p in packs for p in loc.packs] + [False], dtype=bool)  # pack_of -1: the last, False
-    out = np.empty(loc.pack_of.size, dtype=bool)
-    for start in range(0, out.size, _BLOCK):  # indexing copies the indices as int64: a block's worth at a time
-        out[start:start + _BLOCK] = exists[loc.pack_of[start:start + _BLOCK]]
-    return out
+def _node_id(found: _Findings, node: int) -> bytes:
+    n = found.users.size
+    return (found.users[node] if node < n else found.extra_bases[node - n]).tobytes()
 
 
-def _follow_chains(index, found: _Findings, users: np.ndarray, extra, limit: int) -> None:
-    """Add the inner links of the referenced deltas' chains to ``found.extra_bases``, down to the keyframes
-    (``limit`` levels at most), and record which of them are deltas and their bases (``found.link_*``)."""
-    deltas, bases = [], []
-    frontier, where = found.extra_bases, extra
-    for _ in range(limit):
-        d, b = frontier[where.delta_at], where.delta_base
-        if not d.size:
-            break
-        deltas.append(d)
-        bases.append(b)
-        new = idset.unique(b[~(idset.isin(users, b) | idset.isin(found.extra_bases, b))])
-        if not new.size:
-            break
-        found.extra_bases = idset.union(found.extra_bases, new)
-        frontier, where = new, index.locate(new)
-    d, b = np.concatenate(deltas), np.concatenate(bases)
-    order = np.argsort(d, kind="stable")
-    found.link_delta, found.link_base = d[order], b[order]
+def _user_deltas(found: _Findings):
+    """(user deltas in a pack present, their bases' nodes) a block of users at a time."""
+    base, n = found.node_base, found.users.size
+    for lo in range(0, n, _BLOCK):
+        at = lo + np.flatnonzero(base[lo:min(n, lo + _BLOCK)] >= 0)
+        yield at, base[at]
 
 
-def _base_of(found: _Findings, cid: np.ndarray):
-    """The base of needed chunk ``cid`` (a V16 scalar) when it is a delta found in a pack present, else None."""
-    for ids, bases, at in ((found.users, found.delta_base, found.delta_at), (found.link_delta, found.link_base, None)):
-        i = int(np.searchsorted(ids, cid))
-        if i < ids.size and ids[i] == cid:
-            if at is None:
-                return bases[i]
-            j = int(np.searchsorted(at, i))
-            if j < at.size and at[j] == i:
-                return bases[j]
-    return None
-
-
-def _check_bases(found: _Findings, users: np.ndarray, loc, present: np.ndarray, extra, packs,
-                 limit: int = 1) -> None:
+def _check_bases(store, found: _Findings, limit: int = 1) -> None:
     """A delta's base must be indexed, in a pack present, and a keyframe; in a store with delta chains, a
-    delta whose own chain (at most ``limit`` deltas in all, no cycle) ends in one."""
-    is_delta = np.zeros(users.size, dtype=bool)
-    is_delta[loc.delta_at] = True
-    extra_delta = np.zeros(found.extra_bases.size, dtype=bool)
-    extra_delta[extra.delta_at] = True
-    extra_present = _in_packs(extra, packs)
-    for d, base in zip(found.delta_at.tolist(), found.delta_base):
-        cid = users[d].tobytes()
-        seen, depth = {cid}, 1
-        while True:
-            i = int(np.searchsorted(users, base))
-            if i < users.size and users[i] == base:
-                base_ok, base_delta = present[i], is_delta[i]
-            else:
-                j = int(np.searchsorted(found.extra_bases, base))
-                base_ok, base_delta = extra_present[j], extra_delta[j]
-            below = "" if depth == 1 else f" ({depth} deltas down its chain)"
-            if not base_ok:
-                detail = f"base chunk {base.tobytes().hex()} is missing{below}"
-            elif not base_delta:
-                break
-            elif depth >= limit:
-                detail = (f"base chunk {base.tobytes().hex()} is itself a delta" if limit == 1
-                          else f"delta chain holds more than {limit} deltas")
-            elif base.tobytes() in seen:
-                detail = f"delta chain meets itself at base chunk {base.tobytes().hex()}"
-            else:
-                seen.add(base.tobytes())
-                base, depth = _base_of(found, base), depth + 1
-                if base is None:
-                    break  # a link not followed: nothing more to tell here
-                continue
-            found.bad[cid] = Problem(ProblemKind.BAD_BASE, detail, pack=loc.packs[loc.pack_of[d]], chunk_id=cid.hex())
-            break
+    delta whose own chain (at most ``limit`` deltas in all, no cycle) ends in one. The chains are walked a
+    level at a time in arrays; the few that fail are walked again one by one to say how."""
+    ok, base = found.node_ok, found.node_base
+    for at, cur in _user_deltas(found):
+        depth = 1
+        while at.size:
+            below = base[cur]
+            here = ok[cur]
+            wrong = ~here | ((below != _KEYFRAME) & (depth >= limit))
+            for d in at[wrong].tolist():
+                cid = found.users[d].tobytes()
+                entry = store.index.lookup(cid)  # rare: its pack is not kept for every chunk
+                found.bad[cid] = Problem(ProblemKind.BAD_BASE, _chain_problem(found, d, limit),
+                                         pack=entry.pack if entry is not None else None, chunk_id=cid.hex())
+            go = here & (below >= 0) & (depth < limit)
+            at, cur, depth = at[go], below[go], depth + 1
+
+
+def _chain_problem(found: _Findings, d: int, limit: int) -> str:
+    """What is wrong down the chain of user delta ``d`` (known to be wrong)."""
+    ok, base = found.node_ok, found.node_base
+    cur, depth, seen = int(base[d]), 1, {d}
+    while True:
+        cid = _node_id(found, cur).hex()
+        below = "" if depth == 1 else f" ({depth} deltas down its chain)"
+        if not ok[cur]:
+            return f"base chunk {cid} is missing{below}"
+        if depth >= limit:
+            return (f"base chunk {cid} is itself a delta" if limit == 1
+                    else f"delta chain holds more than {limit} deltas")
+        if cur in seen:
+            return f"delta chain meets itself at base chunk {cid}"
+        seen.add(cur)
+        cur, depth = int(base[cur]), depth + 1
 
 
 def _check_packs(store, found: _Findings, packs: dict[str, int], level: int, sample, deadline, report,
@@ -438,18 +507,17 @@ def _dependents(store, found: _Findings, targets: set[bytes]) -> dict[bytes, set
     references: the manifests are read again, so that no attribution is held per reference meanwhile."""
     via: dict[bytes, list[bytes]] = {}  # a referenced delta -> the targets that are its base (down its chain)
     wanted = idset.unique(idset.from_ids(list(targets)))
-    limit = chain_limit(store.config)
-    if limit > 1:  # chains: a target anywhere down a referenced delta's chain
-        for d, base in zip(found.delta_at.tolist(), found.delta_base):
-            for _ in range(limit):
-                if base is None:
-                    break
-                if base.tobytes() in targets:
-                    via.setdefault(found.users[d].tobytes(), []).append(base.tobytes())
-                base = _base_of(found, base)
-    else:
-        for j in np.flatnonzero(idset.isin(wanted, found.delta_base)).tolist():
-            via.setdefault(found.users[found.delta_at[j]].tobytes(), []).append(found.delta_base[j].tobytes())
+    is_target = np.concatenate([idset.isin(wanted, found.users), idset.isin(wanted, found.extra_bases)])
+    base = found.node_base
+    for at, cur in _user_deltas(found) if is_target.any() else ():
+        for _ in range(chain_limit(store.config)):  # a target anywhere down a referenced delta's chain
+            hit = is_target[cur]
+            for d, b in zip(at[hit].tolist(), cur[hit].tolist()):
+                via.setdefault(found.users[d].tobytes(), []).append(_node_id(found, b))
+            go = base[cur] >= 0
+            at, cur = at[go], base[cur[go]]
+            if not at.size:
+                break
     out: dict[bytes, set[str]] = {}
     keys = idset.unique(idset.from_ids(list(targets | via.keys())))
     for name in found.names:

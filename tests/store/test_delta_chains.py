@@ -140,6 +140,25 @@ def test_verify_finds_a_missing_mid_chain_base(tmp_path):
     assert ei.value.chunk_id == ids[3].hex()
 
 
+def test_verify_follows_a_chain_through_checkpoints_forgotten(tmp_path):
+    """The links of a kept tip's chain that no kept checkpoint references are still needed, checked and
+    attributed to the tip (verify walks them as chunks beyond the referenced ones)."""
+    store, states = _chained_store(tmp_path / "s", 4, 5)
+    ids = [_chunk_ids(store, f"c{i}")[0] for i in range(5)]
+    assert [_depth(store, c) for c in ids] == [0, 1, 2, 3, 4]
+    for name in ("c0", "c1", "c2", "c3"):
+        store.forget(name)
+    assert verify_store(Store.open(tmp_path / "s"), level=0).clean
+    store.backend.delete(pack_key(store.index.lookup(ids[2]).pack))
+    report = verify_store(Store.open(tmp_path / "s"), level=0)
+    by_chunk = {p.chunk_id: p for p in report.problems}
+    assert by_chunk[ids[4].hex()].kind == "bad-base" and "2 deltas down its chain" in by_chunk[ids[4].hex()].detail
+    assert ids[2].hex() in by_chunk[ids[4].hex()].detail
+    # The lost pack's chunks are no kept checkpoint's own: each of the tip's chunks names its lost link.
+    assert set(by_chunk) == set(c.hex() for c in _chunk_ids(store, "c4"))
+    assert all(p.kind == "bad-base" and p.checkpoints == ["c4"] for p in report.problems)
+
+
 def test_copy_of_a_chain_tip_to_an_empty_store_loads(tmp_path):
     src, states = _chained_store(tmp_path / "src", 4, 6)
     assert max(_depth(src, c) for c in _chunk_ids(src, "c5")) >= 2

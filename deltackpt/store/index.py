@@ -36,9 +36,11 @@ from .backend import local_root
 from ..errors import ManifestFormatError
 from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded, opened_here
-from .pack import PackEntry, list_packs, pack_key, pack_stamps, read_pack_entries, walk_entries
+from .pack import PackEntry, PackTable, list_packs, pack_key, pack_stamps, read_pack_entries, read_pack_table, \
+    walk_entries
 from .progress import Progress, phase
-from .records import RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, malformed, records_in
+from .records import (RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, malformed,
+                      records_in, records_of)
 
 log = logging.getLogger("deltackpt.store")
 
@@ -408,64 +410,70 @@ class ChunkIndex(LmdbCache):
             return len(present), max(0, before - len(present))
 
     @guarded()
-    def reconcile(self, progress: Progress | None = None) -> int:
+    def reconcile(self, progress: Progress | None = None, moved: dict[bytes, str] | None = None) -> int:
         """Make the cache say what the pack tables say, in one transaction that writes only what differs.
 
         verify's check of the cache: unlike :meth:`rebuild` it keeps the checkpoint summaries, and a cache
         that was right is not written at all (a rebuild rewrites every record, and LMDB cannot reuse the
         pages it frees at once, so the file grows). A record that matches a copy in some table stays; a
-        chunk none of whose copies matches gets the newest copy. Returns the records written or deleted."""
+        chunk none of whose copies matches gets the newest copy. Returns the records written or deleted;
+        ``moved`` gets the pack each of those chunks was indexed in before (chunk id -> pack name)."""
+        if moved is not None:
+            moved.clear()  # filled again from the start when a fault of the cache is repaired and this retried
         if self._is_foreign():
             return self._rebuild(progress=progress)[0]
         with self._repair_lock:
             present = self._listed()
-            ids, recs, sizes = bytearray(), bytearray(), {}
+            tables, sizes = [], {}
             with phase(progress, "index check", len(present), "pack") as bar:
                 for name in sorted(present, key=lambda n: (-present[n][1], n)):  # newest first
-                    entries = self._read_entries(name, present[name][0])
+                    table = self._read_table(name, present[name][0])
                     bar.advance(1)
-                    if entries is not None:
+                    if table is not None:
                         sizes[bytes.fromhex(name)] = struct.pack("<Q", present[name][0])
-                        for e in entries:
-                            ids += e.chunk_id
-                            recs += encode_record(e)
-            changed = self._reconcile(ids, bytes(recs), sizes)
+                        tables.append(table)
+            ids = np.concatenate([t.chunk_ids for t in tables] + [idset.from_ids(b"")])
+            recs = np.concatenate([records_of(t) for t in tables] + [np.empty(0, dtype=RECORD_DTYPE)])
+            del tables
+            changed = self._reconcile(ids, recs, sizes, {} if moved is None else moved)
             self._trusted = True
             self._gen += 1 if changed else 0
             return changed
 
-    def _reconcile(self, ids: bytearray, recs: bytes, sizes: dict[bytes, bytes]) -> int:
-        size, ids = RECORD_SIZE, idset.from_ids(ids)
-        raw = ids.tobytes()
+    def _reconcile(self, ids: np.ndarray, recs: np.ndarray, sizes: dict[bytes, bytes], moved: dict) -> int:
         chunks, packs_db, _ = self._dbs()
         changed = 0
-        with self.env.begin(write=True) as txn:
-            match = np.frombuffer(bytes(txn.get(raw[16 * k:16 * k + 16], db=chunks) == recs[size * k:size * (k + 1)]
-                                        for k in range(ids.size)), dtype=bool)
+        with self.env.begin(write=True, db=chunks) as txn:
+            match = _records_match(txn.get, ids, recs)
             order = np.argsort(ids, kind="stable")  # the copies of a chunk stay newest first
             ids_sorted = ids[order]
             first = np.flatnonzero(np.r_[True, ids_sorted[1:] != ids_sorted[:-1]]) if ids.size else order
             settled = np.logical_or.reduceat(match[order], first) if ids.size else match
-            for k in order[first[~settled]]:
-                txn.put(raw[16 * k:16 * k + 16], recs[size * k:size * (k + 1)], db=chunks)
+            for k in order[first[~settled]].tolist():
+                key = ids[k].tobytes()
+                old = txn.get(key)
+                if old is not None and len(old) == RECORD_SIZE:
+                    moved[key] = bytes(old[:16]).hex()
+                txn.put(key, recs[k].tobytes())
                 changed += 1
             # A record of a chunk in no table read is wrong, unless its pack was published since the listing.
             known = {bytes(k): bytes(v) for k, v in txn.cursor(db=packs_db)}
             alive = set(sizes) | {p for p in known if p not in sizes and self.backend.exists(pack_key(p.hex()))}
             keys, doomed = bytearray(), []
-            for key, _ in txn.cursor(db=chunks):
+            for key in txn.cursor().iternext(keys=True, values=False):
                 if len(key) == 16:
                     keys += key
                 else:
                     doomed.append(bytes(key))
             keys = idset.from_ids(keys)
-            for k in np.flatnonzero(~idset.isin(ids_sorted[first] if ids.size else ids, keys)):
+            for k in np.flatnonzero(~idset.isin(ids_sorted[first] if ids.size else ids, keys)).tolist():
                 key = keys[k].tobytes()
-                rec = txn.get(key, db=chunks)
-                if bytes(rec[:16]) in sizes or bytes(rec[:16]) not in alive:
+                pack = bytes(txn.get(key)[:16])
+                if pack in sizes or pack not in alive:
                     doomed.append(key)
+                    moved[key] = pack.hex()
             for key in doomed:
-                txn.delete(key, db=chunks)
+                txn.delete(key)
             changed += len(doomed)
             for p, value in sizes.items():
                 if known.get(p) != value:
@@ -494,6 +502,16 @@ class ChunkIndex(LmdbCache):
         if sizes:
             self._add(entries, sizes, if_present=if_present)
 
+    def _read_table(self, name: str, size: int) -> PackTable | None:
+        """:meth:`_read_entries` as arrays."""
+        try:
+            return read_pack_table(self.backend, name, size)
+        except FileNotFoundError:
+            return None
+        except ManifestFormatError:
+            entries = self._read_entries(name, size)
+            return None if entries is None else PackTable.from_entries(name, entries)
+
     def _read_entries(self, name: str, size: int) -> list[PackEntry] | None:
         """The entries of pack ``name``: its table, or when that is damaged (e.g. a truncated pack) the intact
         entries found from their headers (verify still reports the pack); None when the pack is gone."""
@@ -506,3 +524,22 @@ class ChunkIndex(LmdbCache):
                 return walk_entries(self.backend.get(pack_key(name)), name)
             except FileNotFoundError:
                 return None
+
+
+_MATCH_BLOCK = 1 << 16  # records compared per pass
+
+
+def _records_match(get, ids: np.ndarray, recs: np.ndarray) -> np.ndarray:
+    """A bool per id: whether ``get(id)`` (the cache's record) is ``recs``'s record of it, byte for byte."""
+    out = np.zeros(ids.size, dtype=bool)
+    for start in range(0, ids.size, _MATCH_BLOCK):
+        want = recs[start:start + _MATCH_BLOCK]
+        got = list(map(get, ids[start:start + _MATCH_BLOCK].tolist()))  # V16 items are bytes: the loops in C
+        if None in got or set(map(len, got)) != {RECORD_SIZE}:  # not indexed, or malformed: no match
+            ok = np.array([g is not None and len(g) == RECORD_SIZE for g in got], dtype=bool)
+            got, want, at = [g for g, k in zip(got, ok.tolist()) if k], want[ok], start + np.flatnonzero(ok)
+        else:
+            at = slice(start, start + len(got))
+        have = np.frombuffer(b"".join(got), dtype=np.uint8).reshape(-1, RECORD_SIZE)
+        out[at] = (have == want.view(np.uint8).reshape(-1, RECORD_SIZE)).all(axis=1)
+    return out

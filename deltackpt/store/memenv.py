@@ -37,14 +37,28 @@ class MemoryTxn:
     def delete(self, key, db=None) -> bool:
         return self._pick(db).pop(bytes(key), None) is not None
 
-    def cursor(self, db=None):
-        return iter(sorted(self._pick(db).items()))  # a snapshot, in key order like LMDB's
+    def cursor(self, db=None) -> "_Cursor":
+        return _Cursor(sorted(self._pick(db).items()))  # a snapshot, in key order like LMDB's
 
     def stat(self, db) -> dict:
         return {"entries": len(db)}
 
     def drop(self, db, delete=True) -> None:
         db.clear()
+
+
+class _Cursor:
+    """What is used of an LMDB cursor: iteration over (key, value), and ``iternext``."""
+
+    def __init__(self, items: list) -> None:
+        self._items = items
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def iternext(self, keys: bool = True, values: bool = True):
+        for k, v in self._items:
+            yield (k, v) if keys and values else (k if keys else v)
 
 
 class MemoryEnv:

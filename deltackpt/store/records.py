@@ -31,6 +31,18 @@ def encode_record(e: PackEntry) -> bytes:
                         e.base_id or _NO_BASE, e.age)
 
 
+def records_of(table) -> np.ndarray:
+    """The index records (RECORD_DTYPE) of a :class:`~.pack.PackTable`'s entries: what :func:`encode_record`
+    makes of each, in one pass."""
+    rows = table.rows
+    out = np.empty(len(rows), dtype=RECORD_DTYPE)
+    out["pack"] = np.void(bytes.fromhex(table.name))
+    for field in ("offset", "stored_len", "raw_len", "codec", "elem_size", "age"):
+        out[field] = rows[field]
+    out["base"] = rows["base_id"]  # NO_BASE where no delta, as encode_record writes it
+    return out
+
+
 def decode_record(chunk_id: bytes, rec: bytes) -> PackEntry:
     if len(rec) != _RECORD.size:
         raise ManifestFormatError(f"index record for chunk {chunk_id.hex()} has {len(rec)} bytes")

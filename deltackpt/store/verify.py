@@ -31,8 +31,7 @@ import numpy as np
 from ..errors import CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError
 from . import idset
 from .config import chain_limit
-from .pack import (PackTable, list_packs, pack_bytes_ok, pack_key, pack_name_from_key, pack_stamps, read_pack_table,
-                   walk_entries)
+from .pack import PackTable, list_packs, pack_bytes_ok, pack_key, pack_stamps, read_pack_table, walk_entries
 from .progress import Progress, phase
 from .source import ChunkSource
 
@@ -152,9 +151,9 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     found = _Findings()
     names = checkpoints if checkpoints is not None else store.checkpoint_names()
     _needed_chunks(store, names, found, report, progress)
-    packs, last_seen = _refresh_cache(store, found.users, level, progress)
+    packs, seen = _refresh_cache(store, found.users, level, progress)
     report.num_packs = len(packs)
-    _check_structure(store, found, last_seen, packs, level, progress)
+    _check_structure(store, found, seen, packs, level, progress)
     report.orphan_packs = sorted(packs.keys() - found.live_packs) if checkpoints is None else []
     if level >= 1:
         deadline = None if max_duration_s is None else start + max_duration_s
@@ -181,39 +180,47 @@ def _needed_chunks(store, names: list[str], found: _Findings, report: VerifyRepo
     found.users = users.result()
 
 
-def _refresh_cache(store, users: np.ndarray, level: int, progress) -> tuple[dict[str, int], tuple]:
-    """Bring the index cache in line with the packs; returns (pack name -> size, where the cache located each
-    of ``users`` before: (pack names, pack number per chunk or -1), None when that is where it locates them now)."""
-    # Where the cache last saw each chunk, before refreshing it: a pack that vanished since is then
-    # reported by name, not just as chunks that are nowhere.
+def _refresh_cache(store, users: np.ndarray, level: int, progress):
+    """Bring the index cache in line with the packs; returns (pack name -> size, ``seen``: ``seen(i, chunk id)``
+    is the pack the cache located ``users[i]`` in before, where the refresh moved or dropped its record, so
+    that a pack that vanished is reported by name, not just as chunks that are nowhere)."""
     index = store.index
-    token = index.write_token()
     if level == 0:
         known, listed = index.known_packs(), list_packs(store.backend)  # known first: see ChunkIndex.refresh
-        if known == listed.keys() and not index.check_records():
-            # The cache holds sound records of exactly the packs present: refreshing it changes nothing (a cache
-            # of another store is rebuilt: where it located them says nothing), so nothing to remember.
-            store.refresh_index(pack_stamps(listed))
-            return {name: info.size_bytes for name, info in listed.items()}, None
-    try:
-        last_seen = _pack_numbers(index, users)
-    except ManifestFormatError:
-        last_seen = ([], np.full(users.size, -1, dtype=np.int32))
-    if level >= 1 or index.check_records():
-        # Levels 1-2 read every pack anyway, so checking the cache against the pack tables costs little and
-        # means no damage to the cache (a malformed or a well-formed but wrong record) is mistaken for
-        # damage to the store.
-        index.reconcile(progress=progress)
-    else:
-        store.refresh_index()
-    if token is not None and index.write_token() == token:
-        last_seen = None  # the cache was not written meanwhile: where it located them is where it locates them
-    packs = {pack_name_from_key(i.key): i.size_bytes for i in store.backend.list("packs/")}
-    packs.pop(None, None)
-    return packs, last_seen
+        if not index.check_records():
+            if known <= listed.keys():
+                # Sound records, and no pack gone: the refresh only indexes the packs new since (a cache of
+                # another store is rebuilt: where it located them says nothing); no record moves.
+                store.refresh_index(pack_stamps(listed))
+                return {name: info.size_bytes for name, info in listed.items()}, _nowhere
+            # A pack gone: the cache is rebuilt, so where it located each chunk is taken first.
+            try:
+                names, pack_of = _pack_numbers(index, users)
+            except ManifestFormatError:
+                names, pack_of = [], np.full(users.size, -1, dtype=np.int32)
+            store.refresh_index()
+            return _list_pack_sizes(store), lambda i, _cid: names[pack_of[i]] if pack_of[i] >= 0 else None
+    # Levels 1-2 read every pack anyway, so checking the cache against the pack tables costs little and means
+    # no damage to the cache (a malformed or a well-formed but wrong record) is mistaken for damage to the store.
+    moved: dict[bytes, str] = {}
+    index.reconcile(progress=progress, moved=moved)
+    return _list_pack_sizes(store), lambda _i, cid: moved.get(cid)
 
 
-def _check_structure(store, found: _Findings, last_seen, packs, level: int, progress) -> None:
+def _nowhere(_i, _cid) -> None:
+    return None
+
+
+def _moved_first(moved: dict[bytes, str], seen):
+    """``seen`` after a reconcile that moved or dropped the records of ``moved`` (chunk id -> pack before)."""
+    return lambda i, cid: moved.get(cid) or seen(i, cid)
+
+
+def _list_pack_sizes(store) -> dict[str, int]:
+    return {name: info.size_bytes for name, info in list_packs(store.backend).items()}
+
+
+def _check_structure(store, found: _Findings, seen, packs, level: int, progress) -> None:
     """Level 0: every needed chunk is indexed, in an existing pack, with an intact base; and which packs
     hold the needed chunks."""
     index, users = store.index, found.users
@@ -223,10 +230,12 @@ def _check_structure(store, found: _Findings, last_seen, packs, level: int, prog
             # After a refresh the cache knows exactly the packs present; a record missing or pointing elsewhere
             # may mean the cache itself is damaged (a record well-formed but wrong, or under a wrong key),
             # which is not damage to the store: check it against the pack tables and look again.
-            index.reconcile(progress=progress)
+            moved: dict[bytes, str] = {}
+            index.reconcile(progress=progress, moved=moved)
             base, present, held, absent, outside = _locate_users(index, users, packs)
+            seen = _moved_first(moved, seen)
         bar.advance(users.size)
-    unreadable = _absent(found, absent, last_seen, packs)
+    unreadable = _absent(found, absent, seen, packs)
     # Deltas in a pack present: their bases are needed too, and must be keyframes in a pack present.
     base[~present] = _KEYFRAME
     at = np.concatenate([o[0] for o in outside] + [np.empty(0, np.int32)])
@@ -335,18 +344,17 @@ def _locate_extras(index, users: np.ndarray, extra: np.ndarray, packs):
     return base, present, held
 
 
-def _absent(found: _Findings, absent: list, last_seen, packs) -> set[str]:
+def _absent(found: _Findings, absent: list, seen, packs) -> set[str]:
     """Report each user in no pack present (``absent``: position, pack indexed in or None) by what became of
-    it; returns the packs whose table is unreadable."""
+    it (``seen``: see :func:`_refresh_cache`); returns the packs whose table is unreadable."""
     unreadable: set[str] = set()
-    seen_packs, seen_at = last_seen if last_seen is not None else ([], None)
     for i, pack in absent:
         cid = found.users[i].tobytes()
         if pack is not None:
             found.bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=pack,
                                      chunk_id=cid.hex())
             continue
-        gone = seen_packs[seen_at[i]] if seen_at is not None and seen_at[i] >= 0 else None
+        gone = seen(i, cid)
         if gone is not None and gone not in packs:
             found.bad[cid] = Problem(ProblemKind.MISSING_PACK, "pack holding the chunk is missing", pack=gone,
                                      chunk_id=cid.hex())

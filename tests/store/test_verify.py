@@ -225,11 +225,14 @@ def test_deleted_pack_found_at_level_0(populated):
     assert_items_equal(saved["b"], store.load("b"))
 
 
-def test_deleted_pack_is_reported_as_missing_pack_with_its_name(populated):
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_deleted_pack_is_reported_as_missing_pack_with_its_name(populated, level):
+    """Level 0 rebuilds a cache that names a pack gone, levels 1-2 reconcile it with the tables: either way
+    the chunks whose record it drops are reported with the pack the cache located them in before."""
     store, _ = populated
     (pack,) = packs_of_checkpoint(store, "c")
     store.backend.delete(pack_key(pack))
-    r = verify_store(store, level=0)
+    r = verify_store(store, level=level)
     assert _kinds(r) == {"missing-pack"}
     assert {p.pack for p in r.problems} == {pack}
 

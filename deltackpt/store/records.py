@@ -5,7 +5,6 @@ held to the same rules, so a save or a load of many chunks builds no object per 
 from __future__ import annotations
 
 import struct
-from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,26 +102,39 @@ class Located:
     delta_base: np.ndarray  # V16: the base of each of those deltas
 
 
+_LOCATE_BLOCK = 256  # ids whose records are held at once (~210 B each: bytes objects, then joined)
+
+
 def locate_in(get, ids: np.ndarray) -> Located:
     """The pack and delta base of each of ``ids`` (an array of 16-byte ids), with ``get`` (chunk id -> record
-    bytes or None, e.g. an LMDB transaction's); only the fields a structure check needs are read."""
-    raw = memoryview(np.ascontiguousarray(ids).view(np.uint8))  # no copy of the ids
+    bytes or None, e.g. an LMDB transaction's); only the fields a structure check needs are checked (its
+    size, and a base exactly when it is a delta), in arrays a block at a time."""
+    ids = np.ascontiguousarray(ids)
     names: dict[bytes, int] = {}
-    # Sized up front: grown an append at a time, its reallocations held it twice at moments.
-    pack_of, delta_at, bases = array("i", [-1]) * (len(raw) // 16), array("i"), bytearray()
-    for k in range(0, len(raw), 16):
-        rec = get(raw[k:k + 16])
-        if rec is None:
-            continue
-        base = rec[42:58]  # see _RECORD: pack, 3 x u64, codec (byte 40), elem size, base
-        if len(rec) != _RECORD.size or is_delta(rec[40]) != (base != _NO_BASE):
-            raise ManifestFormatError(f"index record for chunk {raw[k:k + 16].hex()} is malformed")
-        pack_of[k // 16] = names.setdefault(rec[:16], len(names))
-        if is_delta(rec[40]):
-            delta_at.append(k // 16)
-            bases += base
-    return Located([n.hex() for n in names], np.frombuffer(pack_of, dtype=np.int32),
-                   np.frombuffer(delta_at, dtype=np.int32), np.frombuffer(bases, dtype="V16"))
+    pack_of = np.full(ids.size, -1, dtype=np.int32)
+    delta_at, bases = [np.empty(0, dtype=np.int32)], [np.empty(0, dtype="V16")]
+    for start in range(0, ids.size, _LOCATE_BLOCK):
+        block = ids[start:start + _LOCATE_BLOCK]
+        got = list(map(get, block.tolist()))  # V16 items are bytes: the loop in C
+        at = np.arange(start, start + len(got), dtype=np.int32)
+        if None in got:
+            found = np.array([g is not None for g in got], dtype=bool)
+            got, block, at = [g for g in got if g is not None], block[found], at[found]
+        if set(map(len, got)) - {_RECORD.size}:
+            bad = next(k for k, g in enumerate(got) if len(g) != _RECORD.size)
+            raise ManifestFormatError(f"index record for chunk {block[bad].tobytes().hex()} is malformed")
+        recs = np.frombuffer(b"".join(got), dtype=RECORD_DTYPE)
+        delta = _IS_DELTA[recs["codec"]]
+        wrong = delta != (recs["base"] != NO_BASE_VOID)
+        if wrong.any():
+            raise ManifestFormatError(f"index record for chunk {block[int(np.argmax(wrong))].tobytes().hex()} "
+                                      "is malformed")
+        packs, which = np.unique(recs["pack"], return_inverse=True)
+        number = np.array([names.setdefault(p.tobytes(), len(names)) for p in packs], dtype=np.int32)
+        pack_of[at] = number[which]
+        delta_at.append(at[delta])
+        bases.append(recs["base"][delta])
+    return Located([n.hex() for n in names], pack_of, np.concatenate(delta_at), np.concatenate(bases))
 
 
 def records_in(get, chunk_ids) -> tuple[np.ndarray, np.ndarray]:

@@ -36,6 +36,7 @@ from .progress import Progress, phase
 from .source import ChunkSource
 
 _BLOCK = 1 << 12  # ids per vectorised pass where a pass's temporaries would otherwise grow with all the ids
+_LOCATE_BLOCK = 1 << 10  # ids located per call: its records (~210 B an id) and the packs they name held at once
 _KEYFRAME, _UNFOLLOWED = -1, -2  # _Findings.node_base of a chunk that is no delta (or not found), of a chain's end
 
 
@@ -269,7 +270,7 @@ def _pack_numbers(index, ids: np.ndarray) -> tuple[list[str], np.ndarray]:
         number = np.array([names.setdefault(p, len(names)) for p in loc.packs] + [-1], dtype=np.int32)
         pack_of[start:start + loc.pack_of.size] = number[loc.pack_of]  # pack_of -1: the last, -1
 
-    index.locate_each(ids, block, _BLOCK)
+    index.locate_each(ids, block, _LOCATE_BLOCK)
     return list(names), pack_of
 
 
@@ -296,7 +297,7 @@ def _locate(index, ids: np.ndarray, packs, deltas):
         if out is not None:
             told.append(out)
 
-    index.locate_each(ids, block, _BLOCK)
+    index.locate_each(ids, block, _LOCATE_BLOCK)
     return present, held, absent, told
 
 

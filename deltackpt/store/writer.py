@@ -74,9 +74,9 @@ class ChunkWriter:
                  max_inflight_bytes: int | None = None, parent_packs: frozenset[str] | None = None):
         """``parent``: the previous checkpoint (its manifest, or the part of its map this writer's items
         cover), whose chunks are delta bases and are reused by slice when boundaries moved. ``parent_packs``:
-        packs that held every chunk ``parent`` references, and their delta bases, when it was committed; a
-        chunk of the parent is then reused without an index look-up, and those packs join ``reused_packs``
-        (the commit checks they still exist)."""
+        packs that held every chunk ``parent`` references, and their delta bases, when it was committed; while
+        the index still holds them all, a chunk of the parent is reused without an index look-up, and those
+        packs join ``reused_packs`` (the commit checks they still exist)."""
         self.store = store
         store.ensure_features()  # the format gate: an older reader refuses what this writer may produce
         self.config = store.config
@@ -97,7 +97,10 @@ class ChunkWriter:
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
         self._reused_packs: set[str] = set()  # see WriteSummary.reused_packs
-        self._parent_packs = parent_packs if self.parent else None
+        # A pack the index dropped since (lost, or gc moved its chunks): its chunks are looked up, and rewritten
+        # if gone.
+        self._parent_packs = parent_packs if self.parent and parent_packs and \
+            store.index.indexes_packs(parent_packs) else None
         self._failed: BaseException | None = None  # the first coding job's (or upload's) error: stop queueing
         self._sink = PackSink(store, on_error=self._note_failure)
         self._inflight = 0

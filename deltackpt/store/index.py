@@ -214,6 +214,13 @@ class ChunkIndex(LmdbCache):
     def known_packs(self) -> set[str]:
         return self._known_packs()
 
+    @guarded()
+    def indexes_packs(self, names) -> bool:
+        """Whether every pack of ``names`` is indexed (one get each, not a pass over every pack)."""
+        _, packs, _ = self._dbs()
+        with self.env.begin(db=packs) as txn:
+            return all(txn.get(bytes.fromhex(p)) is not None for p in names)
+
     def _known_packs(self) -> set[str]:
         _, packs, _ = self._dbs()
         with self.env.begin(db=packs) as txn:

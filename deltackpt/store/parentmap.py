@@ -52,6 +52,10 @@ class _LazyExtents(Sequence):
         ref, start = self._refs[i], self._starts[i]
         return Extent(start, start + ref.length, ref.id, ref.skip)
 
+    def ids(self, i: int, j: int) -> list[bytes]:
+        """The chunk ids of extents ``i:j``, without an Extent each."""
+        return [ref.id for ref in self._refs[i:j]]
+
 
 class ParentMap:
     """Group name -> sorted extents of the parent checkpoint's array items (or of the part of them one DCP
@@ -148,6 +152,15 @@ class ParentMap:
                 out.append(extents[i])
             i += 1
         return out
+
+    def ids_near(self, group: str, start: int, end: int) -> list[bytes]:
+        """The chunk ids of the parent's extents that share a byte with ``[start, end)``, and maybe of the one
+        before them (cheaper than :meth:`overlapping`: no Extent each)."""
+        starts, extents = self._extents(group)
+        i, j = max(bisect.bisect_right(starts, start) - 1, 0), bisect.bisect_left(starts, end)
+        if isinstance(extents, _LazyExtents):
+            return extents.ids(i, j)
+        return [e.chunk_id for e in extents[i:j]]
 
     def covering(self, group: str, start: int, end: int) -> list[Extent] | None:
         """Parent extents that together cover ``[start, end)`` without a gap, else None."""

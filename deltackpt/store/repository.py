@@ -73,6 +73,9 @@ class Store:
         self._index_current = False  # refreshed, or brought up to a commit by index_as_of, in this process
         self._index_lock = threading.Lock()
         self.base_cache = BaseCache.from_settings()  # keyframes this object's saves keep for its next save
+        # (name, created_ns, manifest size, mtime, packs) of this object's last commit: the packs that held
+        # all its chunks, for its next save when that checkpoint is still the newest (ChunkWriter parent_packs).
+        self._last_commit: tuple[str, int, int, float, frozenset[str]] | None = None
 
     def __repr__(self) -> str:
         return f"Store({self.backend!r}, store_id={self.config.store_id[:8]})"
@@ -315,11 +318,16 @@ class Store:
         return name
 
     def _newest_manifest(self, fallback: bool) -> Manifest | None:
+        newest = self._newest(fallback)
+        return newest[1] if newest is not None else None
+
+    def _newest(self, fallback: bool) -> tuple[CheckpointInfo, Manifest] | None:
+        """The newest checkpoint's listing and manifest (see :meth:`resolve` for ``fallback``)."""
         for info in reversed(self.list_checkpoints(include_damaged=True)):
             damage = info.damage
             if damage is None:
                 try:
-                    return self.read_manifest(info.name)  # a cached summary does not prove it still decodes
+                    return info, self.read_manifest(info.name)  # a cached summary does not prove it still decodes
                 except CheckpointNotFoundError:
                     continue  # forgotten meanwhile
                 except CorruptManifestError as e:
@@ -403,8 +411,9 @@ class Store:
         if len(set(keys)) != len(keys):
             raise ValueError("item keys must be unique within a checkpoint")
         packs = dict(packs or {})
+        self._last_commit = None  # a failed commit (a pack lost) must not be trusted by the next save
         entries = index_new_packs(self, entries, packs)
-        check_chunks(self, name, items, entries, packs, checked_packs)
+        holding = check_chunks(self, name, items, entries, packs, checked_packs)
         if parent is None:
             latest = self.list_checkpoints()
             parent = latest[-1].name if latest else None
@@ -424,6 +433,8 @@ class Store:
         crash_point("commit:after-manifest")
         obj = self._manifest_object(name)
         mtime_s = obj.mtime_s if obj else 0.0
+        if holding is not None and obj is not None:
+            self._last_commit = (name, manifest.created_ns, len(data), mtime_s, frozenset(holding))
         # LAST_COMMIT_KEY: this cache holds every pack up to this commit.
         self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s))},
                                  meta={LAST_COMMIT_KEY: name.encode()})
@@ -443,11 +454,12 @@ class Store:
             return self._save_locked(name, items, metadata, overwrite, lock, writer_kwargs)
 
     def _save_locked(self, name, items, metadata, overwrite, lock, writer_kwargs) -> Manifest:
-        parent = self.latest_manifest()
+        newest = self._newest(fallback=True)
+        parent = newest[1] if newest is not None else None
         # Under the lock: caught up with the commits other processes made since this cache's last one (a
         # stale cache costs only dedup: it re-stores what it lacks), and with a gc that may have deleted packs.
         self.index_as_of(parent.name if parent is not None else None).sync()
-        w = self.writer(parent=parent, **writer_kwargs)
+        w = self.writer(parent=parent, parent_packs=self._own_packs(newest), **writer_kwargs)
         try:
             for key, value in items.items():
                 if isinstance(value, np.generic):
@@ -470,6 +482,16 @@ class Store:
         except BaseException:
             w.abort()  # its spool files, and its packs unless the commit already indexed them
             raise
+
+    def _own_packs(self, newest: tuple[CheckpointInfo, Manifest] | None) -> frozenset[str] | None:
+        """The packs that held every chunk of the newest checkpoint when this object committed it, if it is
+        that checkpoint still (same name, creation time, manifest size and mtime: not rewritten since)."""
+        last = self._last_commit
+        if newest is None or last is None:
+            return None
+        info, m = newest
+        same = (m.name, m.created_ns, info.manifest_bytes, info.manifest_mtime_s) == last[:4]
+        return last[4] if same else None
 
     def lock(self, kind: str = SHARED, **kwargs) -> StoreLock:
         """A store lock to use as a context manager: SHARED for saves, EXCLUSIVE for gc."""

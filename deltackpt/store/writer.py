@@ -71,9 +71,12 @@ class ChunkWriter:
     """Writes items' chunks into packs. Use once: ``add_*`` any number of times, then ``finish``."""
 
     def __init__(self, store, *, parent: Manifest | ParentMap | None = None, num_threads: int | None = None,
-                 max_inflight_bytes: int | None = None):
+                 max_inflight_bytes: int | None = None, parent_packs: frozenset[str] | None = None):
         """``parent``: the previous checkpoint (its manifest, or the part of its map this writer's items
-        cover), whose chunks are delta bases and are reused by slice when boundaries moved."""
+        cover), whose chunks are delta bases and are reused by slice when boundaries moved. ``parent_packs``:
+        packs that held every chunk ``parent`` references, and their delta bases, when it was committed; while
+        the index still holds them all, a chunk of the parent is reused without an index look-up, and those
+        packs join ``reused_packs`` (the commit checks they still exist)."""
         self.store = store
         store.ensure_features()  # the format gate: an older reader refuses what this writer may produce
         self.config = store.config
@@ -94,6 +97,10 @@ class ChunkWriter:
         self._lock = threading.Lock()
         self._claimed: set[bytes] = set()
         self._reused_packs: set[str] = set()  # see WriteSummary.reused_packs
+        # A pack the index dropped since (lost, or gc moved its chunks): its chunks are looked up, and rewritten
+        # if gone.
+        self._parent_packs = parent_packs if self.parent and parent_packs and \
+            store.index.indexes_packs(parent_packs) else None
         self._failed: BaseException | None = None  # the first coding job's (or upload's) error: stop queueing
         self._sink = PackSink(store, on_error=self._note_failure)
         self._inflight = 0
@@ -205,7 +212,10 @@ class ChunkWriter:
         batch, slots = self._batch, self._batch_slots
         self._batch, self._batch_slots, self._batch_bytes = [], [], 0
         ids = [chunk_ids_of(view, spans) for view, spans, *_ in batch]
-        reusable = self._reusable({cid for piece in ids for cid in piece})
+        wanted = {cid for piece in ids for cid in piece}
+        known = self._parent_ids(batch, wanted)
+        rest = wanted - known if known else wanted
+        reusable = self._reusable(rest) | known if rest else known
         out: list[list[ChunkRef] | None] = [
             [ChunkRef(cid, e - s) for (s, e), cid in zip(spans, piece)] if reusable.issuperset(piece) else None
             for (_view, spans, *_), piece in zip(batch, ids)]
@@ -295,13 +305,29 @@ class ChunkWriter:
         self._store_chunk(cid, view, elem_size, base, is_array=group is not None)
         return [ChunkRef(cid, n)]
 
+    def _parent_ids(self, batch, wanted: set[bytes]) -> set[bytes]:
+        """The ones of ``wanted`` the parent references near the batch's pieces, when the packs that held them
+        at the parent's commit are known (``parent_packs``): restorable as they were then, unless a pack is
+        gone, which the commit's check of those packs finds (and then looks every chunk up)."""
+        if not self._parent_packs:
+            return set()
+        near = set()
+        for _view, spans, _es, group, goff in batch:
+            if group is not None:
+                near.update(self.parent.ids_near(group, goff + spans[0][0], goff + spans[-1][1]))
+        known = wanted & near
+        if known:
+            self._note_reused(self._parent_packs)
+        return known
+
     def _reusable(self, ids) -> set[bytes]:
         """Which of ``ids`` the store holds a restorable copy of to deduplicate against (a claim, which gc
         spares while this save holds its shared lock): indexed, and if a delta, every base down its chain
         indexed too, within the store's chain limit (a delta whose base is gone, e.g. with a lost pack, is
         written again rather than claimed). Bulk look-ups, one per chain level: chains.chain_entries and
         restorable in arrays, since every chunk of every save passes here. Their packs join
-        :attr:`WriteSummary.reused_packs`: this look-up is the only one per chunk, the commit trusts it."""
+        :attr:`WriteSummary.reused_packs`: this look-up is the only one per chunk, the commit trusts it (a
+        chunk of the parent skips it when ``parent_packs`` is known: :meth:`_parent_ids`)."""
         index = self.store.index
         found, recs = index.lookup_records(ids)
         ok = np.ones(len(found), bool)

@@ -14,6 +14,7 @@ import pytest
 from deltackpt.errors import MissingChunkError
 from deltackpt.store import ChunkRef, Item, Manifest, ParentMap, Stats, Store
 from deltackpt.store import writer as writer_mod
+from deltackpt.store.gc import plan_gc
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.pack import pack_key
 from deltackpt.store.parentmap import Extent
@@ -56,11 +57,28 @@ def _state(rng, n_items=4, chunks_per_item=64):
 def test_unchanged_save_looks_each_chunk_up_once(store, rng, lookups):
     items = _state(rng)
     store.save("a", items)
+    fresh = Store.open(store.backend, cache_dir=store.cache_dir)  # no word on where "a"'s chunks are
     lookups.clear()
-    m = store.save("b", items)
+    m = fresh.save("b", items)
     assert m.stats.new_chunks == 0
     # Once by the writer; the commit looked every chunk (and delta base) up a second time before.
     assert lookups["ids"] == m.stats.num_chunks
+
+
+def test_save_after_its_own_commit_looks_up_no_chunk_of_the_parent(store, rng, lookups, monkeypatch):
+    """The Store that committed the parent knows the packs that held all its chunks: the next save reuses
+    them without a look-up each (160k chunks: ~0.3 s of a 0.8 s 1 % save), and the commit checks just
+    that those packs exist."""
+    items = _state(rng)
+    store.save("a", items)
+    stats = []
+    real_exists = type(store.backend).exists
+    monkeypatch.setattr(type(store.backend), "exists", lambda self, key: stats.append(key) or real_exists(self, key))
+    lookups.clear()
+    m = store.save("b", items)
+    assert (m.stats.new_chunks, lookups["ids"]) == (0, 0)
+    assert {pack_key(p) for p in packs_of_checkpoint(store, "a")} <= set(stats)
+    assert_items_equal(items, store.load("b"))
 
 
 def test_one_percent_save_looks_up_chunks_once_plus_its_changes(store, rng, lookups):
@@ -72,9 +90,9 @@ def test_one_percent_save_looks_up_chunks_once_plus_its_changes(store, rng, look
     m = store.save("b", items)
     changed = m.stats.new_chunks
     assert 0 < changed < m.stats.num_chunks // 8
-    # The writer's look-up of every chunk, then per changed chunk its delta base (parent chunk and keyframe)
-    # and the commit's check of this save's own new entries.
-    assert lookups["ids"] <= m.stats.num_chunks + 4 * changed
+    # Per changed chunk: itself, its delta base (parent chunk and keyframe) and the commit's check of this
+    # save's own new entries; the unchanged chunks are the parent's, whose packs this Store knows.
+    assert lookups["ids"] <= 4 * changed
 
 
 def test_chunks_the_store_holds_never_reach_the_coding_threads(store, rng, monkeypatch):
@@ -157,6 +175,52 @@ def test_commit_trusting_the_writer_still_refuses_a_pack_gone_since(store, rng, 
         store.commit("b", summary.items, entries=summary.entries, packs=summary.packs,
                      checked_packs=summary.reused_packs)
     assert not store.exists("b")
+
+
+def test_save_trusting_its_last_commit_refuses_a_pack_lost_since_then_heals(store, rng):
+    """A pack of the parent lost behind the index's back: the commit's check of the parent's packs finds it
+    (MissingChunkError, nothing committed, as when each chunk was looked up), and the next save, trusting
+    nothing, writes the lost chunks again."""
+    items = _state(rng, n_items=2)
+    store.save("a", items)
+    victim = sorted(packs_of_checkpoint(store, "a"))[0]
+    store.backend.delete(pack_key(victim))
+    with pytest.raises(MissingChunkError):
+        store.save("b", items)
+    assert not store.exists("b")
+    m = store.save("b", items)
+    assert m.stats.new_chunks > 0
+    assert_items_equal(items, store.load("b"))
+
+
+def test_save_trusts_only_the_parent_it_committed_itself(make_store, rng, lookups):
+    """The newest checkpoint rewritten by another Store object (same name, other chunks): no trust."""
+    store = make_store("local")
+    items = _state(rng, n_items=2)
+    store.save("a", items)
+    other = Store.open(store.backend, cache_dir=store.cache_dir)
+    items = _state(rng, n_items=2)
+    other.save("a", items, overwrite=True)
+    lookups.clear()
+    m = store.save("b", items)
+    assert m.stats.new_chunks == 0
+    assert lookups["ids"] >= m.stats.num_chunks
+    assert_items_equal(items, store.load("b"))
+
+
+def test_save_after_a_gc_moved_the_parents_chunks(store, rng):
+    """gc (between saves: never during one, it waits for the save's lock) repacked the pack the parent's
+    chunks were in: the packs this Store remembers are gone, the commit looks the chunks up and commits."""
+    items = _state(rng, n_items=1)
+    store.save("a", {**items, "dead": random_array(rng, "float32", (64 * CHUNK // 4,))})
+    store.save("b", items)
+    old = packs_of_checkpoint(store, "b")
+    store.forget("a")
+    plan_gc(store, grace_s=0).execute()
+    assert not old & {i.key[len("packs/"):] for i in store.backend.list("packs/")}  # moved
+    m = store.save("c", items)
+    assert m.stats.new_chunks == 0
+    assert_items_equal(items, store.load("c"))
 
 
 def test_commit_without_the_writers_word_looks_every_chunk_up(store, rng, lookups):

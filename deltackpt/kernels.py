@@ -48,6 +48,7 @@ __all__ = [
     "BACKEND",
     "ELEM_SIZES",
     "fastcdc_cuts",
+    "find_bucketed",
     "find_sorted",
     "native_impl",
     "numpy_impl",
@@ -592,6 +593,16 @@ def _python_find_sorted(ids, keys, out) -> None:
     dest[:] = np.where(a[pos] == k, pos, -1)
 
 
+def _python_find_bucketed(ids, starts, bits, keys, out) -> None:
+    """The twin of the native ``find_bucketed``: the same answers as :func:`_python_find_sorted` for a bucket
+    table ``starts`` of ``bits`` bits as idset.bucket_starts makes it (checked for its length only)."""
+    if not 1 <= bits <= 32:
+        raise ValueError("bits must be 1-32")
+    if memoryview(starts).nbytes != ((1 << bits) + 1) * 4:
+        raise ValueError("starts must be 2**bits + 1 uint32")
+    _python_find_sorted(ids, keys, out)
+
+
 # unshuffle_check(buf, frames, elem_size, src, outs, ids, ok) -> passed: the planes of many chunks unshuffled into
 # outs and each hashed against its id in one call (store/planebatch.py; docstring in native/binding.c).
 # xxh3_64_rows(rows, stride, nbytes, out): the digests of many entry headers.
@@ -599,3 +610,5 @@ unshuffle_check = _batch_kernel("unshuffle_check", _python_unshuffle_check)
 xxh3_64_rows = _batch_kernel("xxh3_64_rows", _python_xxh3_64_rows)
 # find_sorted(ids, keys, out): where each key is in a sorted set of 16-byte ids (store/idset.py).
 find_sorted = _batch_kernel("find_sorted", _python_find_sorted)
+# find_bucketed(ids, starts, bits, keys, out): the same, keys in any order, through a bucket table (idset).
+find_bucketed = _batch_kernel("find_bucketed", _python_find_bucketed)

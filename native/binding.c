@@ -751,8 +751,88 @@ static PyObject *py_find_sorted(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(find_bucketed_doc,
+"find_bucketed(ids, starts, bits, keys, out) -> None\n\n"
+"As find_sorted, keys in any order, each looked for among the ids of its bucket only: b = its first `bits`\n"
+"bits (1-32, big-endian), ids[starts[b]:starts[b + 1]] (starts: 2**bits + 1 uint32, as idset.bucket_starts\n"
+"makes them; a wrong table gives wrong answers, never a read out of bounds). ValueError on bad lengths.");
+static PyObject *py_find_bucketed(PyObject *self, PyObject *args)
+{
+    PyObject *ids_obj, *starts_obj, *keys_obj, *out_obj;
+    Py_buffer ids, starts, keys, out;
+    Py_ssize_t bits;
+    size_t n, m, i;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOnOO:find_bucketed", &ids_obj, &starts_obj, &bits, &keys_obj, &out_obj))
+        return NULL;
+    if (bits < 1 || bits > 32) {
+        PyErr_SetString(PyExc_ValueError, "bits must be 1-32");
+        return NULL;
+    }
+    if (get_in(ids_obj, &ids, "ids") < 0)
+        return NULL;
+    if (get_in(starts_obj, &starts, "starts") < 0) {
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    if (get_in(keys_obj, &keys, "keys") < 0) {
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    if (get_out(out_obj, &out) < 0) {
+        PyBuffer_Release(&keys);
+        PyBuffer_Release(&starts);
+        PyBuffer_Release(&ids);
+        return NULL;
+    }
+    n = (size_t)ids.len / 16;
+    m = (size_t)keys.len / 16;
+    if (ids.len % 16 || keys.len % 16 || (size_t)out.len != m * sizeof(int64_t)
+            || (size_t)starts.len != (((size_t)1 << bits) + 1) * sizeof(uint32_t)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "ids and keys must be 16-byte ids, out an int64 per key, starts 2**bits + 1 uint32");
+    } else {
+        const uint8_t *set = (const uint8_t *)ids.buf, *key = (const uint8_t *)keys.buf;
+        const uint8_t *table = (const uint8_t *)starts.buf;
+        int64_t *pos = (int64_t *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (i = 0; i < m; i++, key += 16) {
+            uint64_t head = 0;
+            uint32_t lo32, hi32;
+            size_t b, left, right;
+            int k;
+            for (k = 0; k < 8; k++)
+                head = (head << 8) | key[k];
+            b = (size_t)(head >> (64 - bits));
+            memcpy(&lo32, table + 4 * b, 4);
+            memcpy(&hi32, table + 4 * (b + 1), 4);
+            left = lo32 < n ? lo32 : n;
+            right = hi32 < left ? left : (hi32 < n ? hi32 : n);
+            while (left < right) {  /* the first id >= key in the bucket */
+                size_t mid = left + (right - left) / 2;
+                if (memcmp(set + 16 * mid, key, 16) < 0)
+                    left = mid + 1;
+                else
+                    right = mid;
+            }
+            pos[i] = left < n && memcmp(set + 16 * left, key, 16) == 0 ? (int64_t)left : -1;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&ids);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_methods[] = {
     {"find_sorted", py_find_sorted, METH_VARARGS, find_sorted_doc},
+    {"find_bucketed", py_find_bucketed, METH_VARARGS, find_bucketed_doc},
     {"shuffle", py_shuffle, METH_VARARGS, shuffle_doc},
     {"unshuffle", py_unshuffle, METH_VARARGS, unshuffle_doc},
     {"xor_shuffle", py_xor_shuffle, METH_VARARGS, xor_shuffle_doc},

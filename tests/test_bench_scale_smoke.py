@@ -55,6 +55,8 @@ def test_quick_run_measures_and_fits_every_operation(tmp_path, capsys):
             assert len(o["time_s"]) == 2 and all(t > 0 for t in o["time_s"]), (sweep, op)
             assert math.isfinite(o["exponent"]) and math.isfinite(o["last_doubling"]), (sweep, op)
             assert f"{op} " in text, (sweep, op)
+        if "verify 0" in ops:  # what verify allocates, measured apart from RSS
+            assert all(b > 0 for b in s["ops"]["verify 0"]["heap_bytes"]), sweep
     targets = [t for t, _ok, _detail in data["targets"]]
     for name in ("save 1% <=", "load of 200 8 KiB chunks", "gc <= verify --level 0", "verify --level 0 <= 40 B",
                  "per-rank save cost at 4 ranks"):

@@ -881,6 +881,43 @@ def test_find_sorted_finds_every_key_in_any_order(find, n):
         assert out.tolist() == [want.get(k.tobytes(), -1) for k in q]
 
 
+_BUCKETED = [kernels._python_find_bucketed] + (
+    [kernels._native.find_bucketed] if kernels._native is not None and hasattr(kernels._native, "find_bucketed")
+    else [])
+
+
+@pytest.mark.parametrize("find", _BUCKETED)
+@pytest.mark.parametrize("n,spread", [(1, True), (2, True), (1000, True), (20_000, True), (1000, False)])
+def test_find_bucketed_finds_every_key_through_the_bucket_table(find, n, spread):
+    """find_sorted's answers, keys in any order, through idset.bucket_starts' table: ids spread as hashes
+    are, and ids crowded into a few buckets (few values a byte)."""
+    from deltackpt.store import idset
+
+    rng = np.random.default_rng(n)
+    raw = rng.integers(0, 256 if spread else 4, (n, 16), dtype=np.uint8)
+    ids = np.unique(raw.view("V16").ravel())
+    absent = rng.integers(0, 256 if spread else 4, (300, 16), dtype=np.uint8).view("V16").ravel()
+    keys = np.ascontiguousarray(rng.permutation(np.concatenate(
+        [ids, ids[: n // 2], absent, np.array([bytes(16), b"\xff" * 16], dtype="V16")])))
+    starts, bits = idset.bucket_starts(ids)
+    assert starts.size == (1 << bits) + 1 and starts[0] == 0 and starts[-1] == ids.size
+    out = np.empty(keys.size, np.int64)
+    find(ids, starts, bits, keys, out)
+    want = {k.tobytes(): i for i, k in enumerate(ids)}
+    assert out.tolist() == [want.get(k.tobytes(), -1) for k in keys]
+
+
+@pytest.mark.parametrize("find", _BUCKETED)
+def test_find_bucketed_refuses_bad_lengths(find):
+    ids = np.zeros(2, "V16")
+    starts = np.zeros(3, np.uint32)
+    for args in ((ids, starts, 1, ids, np.empty(3, np.int64)),  # out of the wrong size
+                 (ids, starts[:2], 1, ids, np.empty(2, np.int64)),  # a table not of 2**bits + 1
+                 (ids, starts, 0, ids, np.empty(2, np.int64))):  # bits out of range
+        with pytest.raises(ValueError):
+            find(*args)
+
+
 @pytest.mark.parametrize("find", _FINDERS)
 def test_find_sorted_refuses_bad_lengths(find):
     ids = np.zeros(2, "V16")

@@ -38,10 +38,6 @@ def rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _private_bytes() -> int:
-    return (_status_kib("RssAnon") or 0) * 1024
-
-
 def _reset_hwm() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -53,21 +49,14 @@ def _reset_hwm() -> bool:
 
 
 class PeakRSS:
-    """``with PeakRSS() as m: ...`` -> ``m.baseline``, ``m.peak`` (bytes), ``m.method``; ``m.overhead``.
+    """``with PeakRSS() as m: ...`` -> ``m.baseline``, ``m.peak`` (bytes), ``m.method``; ``m.overhead``."""
 
-    ``private=True`` also polls the process's private memory (``RssAnon``: its heap and arrays, not the file
-    pages it maps, such as an LMDB index read through mmap, which the page cache can take back) every
-    ``poll_interval_s``: ``m.private_overhead``."""
-
-    def __init__(self, poll_interval_s: float = 0.001, private: bool = False) -> None:
+    def __init__(self, poll_interval_s: float = 0.001) -> None:
         self.poll_interval_s = poll_interval_s
         self.baseline = self.peak = self._polled = 0
-        self.private = private
-        self.private_baseline = self.private_peak = 0
         self.method = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._poll_rss = False
 
     def __enter__(self) -> "PeakRSS":
         self.baseline = rss_bytes()
@@ -75,36 +64,23 @@ class PeakRSS:
             self.method = "VmHWM reset via clear_refs"
         else:
             self.method = f"RSS polled every {self.poll_interval_s * 1e3:g} ms"
-            self._polled, self._poll_rss = self.baseline, True
-        if self.private:
-            self.private_baseline = self.private_peak = _private_bytes()
-        if self._poll_rss or self.private:
+            self._polled = self.baseline
             self._thread = threading.Thread(target=self._poll, daemon=True)
             self._thread.start()
         return self
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            if self._poll_rss:
-                self._polled = max(self._polled, rss_bytes())
-            if self.private:
-                self.private_peak = max(self.private_peak, _private_bytes())
+            self._polled = max(self._polled, rss_bytes())
             time.sleep(self.poll_interval_s)
 
     def __exit__(self, *exc) -> None:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-        if self.private:
-            self.private_peak = max(self.private_peak, _private_bytes())
-        if self._poll_rss:
             self.peak = max(self._polled, rss_bytes())
         else:
             self.peak = max((_status_kib("VmHWM") or 0) * 1024, rss_bytes())
-
-    @property
-    def private_overhead(self) -> int:
-        return max(0, self.private_peak - self.private_baseline)
 
     def add_child(self, child_peak_bytes: int) -> None:
         """Account a child that ran inside the phase while this process sat at about its baseline."""

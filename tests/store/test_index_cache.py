@@ -11,6 +11,7 @@ import pytest
 
 from deltackpt.store import LocalBackend, MemoryBackend, Store
 from deltackpt.store.gc import plan_gc
+from deltackpt.store import index as index_mod
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.pack import pack_key
 
@@ -268,6 +269,21 @@ def test_records_rebuild_a_malformed_cache_record(local_store, rng, at, value):
         txn.put(victim.chunk_id, bytes(rec))
     recs, found = index.records([victim.chunk_id])
     assert found[0] and recs[0]["codec"] == victim.codec and recs[0]["offset"] == victim.offset
+
+
+def test_check_records_counts_each_kind_of_malformed_record(local_store, rng, monkeypatch):
+    monkeypatch.setattr(index_mod, "_CHECK_RECORDS", 3)  # damage in several batches, and sound batches between
+    _history(local_store, rng)
+    index = local_store.index
+    assert index.check_records() == 0
+    victims = [e for e in index.iter_entries() if e.base_id is None][:3]
+    with index.env.begin(write=True, db=index._db[b"chunks"]) as txn:
+        txn.put(victims[0].chunk_id, b"short")  # a record of the wrong size
+        rec = bytearray(txn.get(victims[1].chunk_id))
+        rec[40] = 9  # no such codec
+        txn.put(victims[1].chunk_id, bytes(rec))
+        txn.put(b"\x07" * 15, txn.get(victims[2].chunk_id))  # a key that is no chunk id
+    assert index.check_records() == 3
 
 
 # -- catching up with other processes' commits (Store.save: index_as_of the newest checkpoint) -----------------

@@ -151,6 +151,20 @@ def test_collector_is_the_sorted_unique_union(rng):
     assert c.result().size == 0  # the set was handed over
 
 
+def test_collector_of_a_large_set_looks_ids_up_through_its_buckets(rng, monkeypatch):
+    monkeypatch.setattr(idset, "_SORTED_SEARCH_ABOVE", 1000)  # the bucket table from 1,000 ids on
+    found = []
+    real = idset.bucket_starts
+    monkeypatch.setattr(idset, "bucket_starts", lambda ids: found.append(ids.size) or real(ids))
+    c = idset.Collector()
+    pool = idset.from_ids(b"".join(_ids(20_000)))
+    batches = [pool[rng.integers(0, pool.size, size=3000)].copy() for _ in range(10)]
+    for b in batches:
+        c.add(b)
+    assert found, "the set grew past the threshold: its look-ups went through a bucket table"
+    assert c.result().tobytes() == np.unique(np.concatenate(batches)).tobytes()
+
+
 @native  # without the C reader the refs are decoded into objects (~300 B each): correct, not lean
 def test_verify_level_0_memory_per_unique_chunk(make_store, rng):
     """A checkpoint of 20k chunks: verify level 0 holds the set of ids (16 B a chunk, room for ~15 % more

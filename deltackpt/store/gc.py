@@ -150,7 +150,8 @@ class GcPlan:
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
                 store.backend.delete(pack_key(name))
-            store.index.remove_packs(set(plan.delete_packs) | old_repacked)
+            gone = set(plan.delete_packs) | old_repacked
+            store.index.remove_packs(gone, _concat([plan.pack_entries[n].chunk_ids for n in gone]))
             if epoch is not None:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:

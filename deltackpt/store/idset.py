@@ -30,6 +30,13 @@ def unique(ids: np.ndarray) -> np.ndarray:
     return np.unique(ids) if ids.size else np.empty(0, dtype=ID)
 
 
+def argsort(ids: np.ndarray) -> np.ndarray:
+    """The stable order that sorts ``ids``: by their two big-endian halves (numpy's comparison of ``V16``
+    items took 1.7x as long at 1.2M ids)."""
+    halves = np.ascontiguousarray(ids).view(_HALVES).reshape(-1, 2)
+    return np.lexsort((halves[:, 1], halves[:, 0]))
+
+
 def union(sorted_ids: np.ndarray, *more: np.ndarray) -> np.ndarray:
     """``sorted_ids`` (sorted unique) with the ids of ``more`` (any order) added, sorted unique."""
     more = [m for m in more if m.size]

@@ -26,6 +26,7 @@ import logging
 import shutil
 import struct
 import time
+from functools import partial
 from itertools import compress, islice
 from pathlib import Path
 
@@ -274,15 +275,21 @@ class ChunkIndex(LmdbCache):
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
 
     @guarded()
-    def remove_packs(self, names) -> None:
+    def remove_packs(self, names, ids: np.ndarray | None = None) -> None:
         """Forget ``names`` and every chunk located in them (used by gc after deleting packs), in one
-        transaction; one pass over the records, holding only the ids it removes."""
+        transaction: one pass over the records, holding only the ids it removes; with ``ids`` (the chunk ids
+        of those packs' tables), a look-up of each instead, which touches only what is removed."""
         raw_names = {bytes.fromhex(n) for n in names}
         if not raw_names:
             return
         chunks, packs_db, _ = self._dbs()
         with self.env.begin(write=True) as txn:
-            doomed = [bytes(k) for k, v in txn.cursor(db=chunks) if bytes(v[:16]) in raw_names]
+            if ids is None:
+                doomed = [bytes(k) for k, v in txn.cursor(db=chunks) if bytes(v[:16]) in raw_names]
+            else:
+                keys = idset.unique(ids).tolist()  # in key order: the B-tree's pages in turn
+                doomed = [k for k, v in zip(keys, map(partial(txn.get, db=chunks), keys))
+                          if v is not None and bytes(v[:16]) in raw_names]
             for k in doomed:
                 txn.delete(k, db=chunks)
             for rn in raw_names:
@@ -449,8 +456,8 @@ class ChunkIndex(LmdbCache):
         chunks, packs_db, _ = self._dbs()
         changed = 0
         with self.env.begin(write=True, db=chunks) as txn:
-            match = _records_match(txn.get, ids, recs)
-            order = np.argsort(ids, kind="stable")  # the copies of a chunk stay newest first
+            order = idset.argsort(ids)  # stable: the copies of a chunk stay newest first
+            match = _records_match(txn.get, ids, recs, order)
             ids_sorted = ids[order]
             first = np.flatnonzero(np.r_[True, ids_sorted[1:] != ids_sorted[:-1]]) if ids.size else order
             settled = np.logical_or.reduceat(match[order], first) if ids.size else match
@@ -534,17 +541,17 @@ class ChunkIndex(LmdbCache):
 _MATCH_BLOCK = 1 << 16  # records compared per pass
 
 
-def _records_match(get, ids: np.ndarray, recs: np.ndarray) -> np.ndarray:
-    """A bool per id: whether ``get(id)`` (the cache's record) is ``recs``'s record of it, byte for byte."""
+def _records_match(get, ids: np.ndarray, recs: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """A bool per id: whether ``get(id)`` (the cache's record) is ``recs``'s record of it, byte for byte; the
+    ids are looked up in ``order`` (sorted: the B-tree's pages in turn, where the tables' order jumps)."""
     out = np.zeros(ids.size, dtype=bool)
     for start in range(0, ids.size, _MATCH_BLOCK):
-        want = recs[start:start + _MATCH_BLOCK]
-        got = list(map(get, ids[start:start + _MATCH_BLOCK].tolist()))  # V16 items are bytes: the loops in C
+        at = order[start:start + _MATCH_BLOCK]
+        want = recs[at]
+        got = list(map(get, ids[at].tolist()))  # V16 items are bytes: the loops in C
         if None in got or set(map(len, got)) != {RECORD_SIZE}:  # not indexed, or malformed: no match
             ok = np.array([g is not None and len(g) == RECORD_SIZE for g in got], dtype=bool)
-            got, want, at = [g for g, k in zip(got, ok.tolist()) if k], want[ok], start + np.flatnonzero(ok)
-        else:
-            at = slice(start, start + len(got))
+            got, want, at = [g for g, k in zip(got, ok.tolist()) if k], want[ok], at[ok]
         have = np.frombuffer(b"".join(got), dtype=np.uint8).reshape(-1, RECORD_SIZE)
         out[at] = (have == want.view(np.uint8).reshape(-1, RECORD_SIZE)).all(axis=1)
     return out

@@ -139,6 +139,23 @@ def test_mixed_pack_is_repacked(store, rng):
     assert_items_equal(b, fresh.load("b"))
 
 
+def test_gc_leaves_no_index_record_in_a_pack_it_removed(store, rng):
+    """The index forgets the chunks of deleted and repacked packs by looking up their tables' ids (not by a
+    pass over every record): none is left pointing at a pack that is gone."""
+    a_pack, a, b = _mixed(store, rng)
+    store.save("dead", {"x": _arr(rng, 4096)})
+    dead_packs = set(packs_of_checkpoint(store, "dead"))
+    store.forget("a")
+    store.forget("dead")
+    result = plan_gc(store, grace_s=0, max_unused=0.1).execute()
+    assert result.repacked_packs == 1 and result.deleted_packs == len(dead_packs) >= 1
+    gone = {a_pack} | dead_packs
+    assert not gone & set(pack_names(store))
+    assert not gone & {e.pack for e in store.index.iter_entries()}
+    assert not gone & store.index.known_packs()
+    _check_clean(store, {"b": b})
+
+
 def test_mixed_pack_below_max_unused_is_left_alone(store, rng):
     a_pack, a, b = _mixed(store, rng)
     store.forget("a")

@@ -151,6 +151,14 @@ def test_collector_is_the_sorted_unique_union(rng):
     assert c.result().size == 0  # the set was handed over
 
 
+def test_argsort_is_the_stable_memcmp_order(rng):
+    raw = rng.integers(0, 3, (5000, 16), dtype=np.uint8)  # many repeats and shared prefixes
+    raw[:, 15] = rng.integers(0, 256, 5000)  # ids that differ in the last byte only, trailing zeros among them
+    ids = raw.view("V16").ravel()
+    order = idset.argsort(ids)
+    assert order.tolist() == sorted(range(ids.size), key=lambda i: (ids[i].tobytes(), i))
+
+
 def test_collector_of_a_large_set_looks_ids_up_through_its_buckets(rng, monkeypatch):
     monkeypatch.setattr(idset, "_SORTED_SEARCH_ABOVE", 1000)  # the bucket table from 1,000 ids on
     found = []

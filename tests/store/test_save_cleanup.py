@@ -101,12 +101,22 @@ def test_exception_mid_save_cleans_up(tmp_path, rng):
 
 
 _CHILD = textwrap.dedent("""
-    import sys
+    import sys, time
     import numpy as np
     from deltackpt.store import Store
+
+    class Slow(dict):
+        # The save is paused after a few items, its packs published: a 384 MB save took 0.5 s, and a
+        # parent that missed the window by a hiccup saw it committed before its SIGINT arrived.
+        def items(self):
+            for i, kv in enumerate(super().items()):
+                if i == 4:
+                    time.sleep(120)
+                yield kv
+
     store = Store.open(sys.argv[1])
     rng = np.random.default_rng(7)
-    state = {f"p{i}": rng.integers(0, 256, size=16 << 20, dtype=np.uint8) for i in range(24)}
+    state = Slow({f"p{i}": rng.integers(0, 256, size=16 << 20, dtype=np.uint8) for i in range(24)})
     print("ready", flush=True)
     store.save("big", state, num_threads=int(sys.argv[2]))
     print("committed", flush=True)

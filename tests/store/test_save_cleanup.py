@@ -101,13 +101,17 @@ def test_exception_mid_save_cleans_up(tmp_path, rng):
 
 
 _CHILD = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     import numpy as np
     from deltackpt.store import Store
 
+    # Ctrl-C as a user's process gets it: a shell that starts a job in the background without job control
+    # (nohup ... &) hands it SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     class Slow(dict):
-        # The save is paused after a few items, its packs published: a 384 MB save took 0.5 s, and a
-        # parent that missed the window by a hiccup saw it committed before its SIGINT arrived.
+        # The save pauses after a few items, its packs published, so the signal lands mid-save however
+        # fast the rest would go (the whole 384 MB takes 0.5 s).
         def items(self):
             for i, kv in enumerate(super().items()):
                 if i == 4:

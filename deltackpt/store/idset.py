@@ -43,27 +43,28 @@ def union(sorted_ids: np.ndarray, *more: np.ndarray) -> np.ndarray:
     return unique(np.concatenate([sorted_ids, *more])) if more else sorted_ids
 
 
-def _search(sorted_ids: np.ndarray, query: np.ndarray):
+def _search(sorted_ids: np.ndarray, query: np.ndarray, buckets: tuple[np.ndarray, int] | None = None):
     """(start, positions: -1 where absent) per block of ``query`` looked up in ``sorted_ids`` (sorted unique,
-    not empty): passes holding ~40 bytes per id of a block, not of the query. In a set past the CPU's caches
-    a block is looked up in sorted order, each search galloping on from the last through nearby memory
-    (``kernels.find_sorted``; 1.2M ids: ~0.25 us an id with the sort, ~0.85 us searching each from the
-    middle of the set)."""
+    not empty): passes holding ~40 bytes per id of a block, not of the query. With ``buckets`` (the set's
+    :func:`bucket_starts`) each id is looked up in its bucket, in any order. Else, in a set past the CPU's
+    caches, a block is looked up in sorted order, each search galloping on from the last through nearby
+    memory (``kernels.find_sorted``; 1.2M ids: ~0.25 us an id with the sort, ~0.85 us searching each from
+    the middle of the set)."""
     sorted_ids = np.ascontiguousarray(sorted_ids)
-    by_order = sorted_ids.size >= _SORTED_SEARCH_ABOVE
+    by_order = buckets is None and sorted_ids.size >= _SORTED_SEARCH_ABOVE
     # In sorted order, a block of 1/16 of the set: consecutive searches land ~16 ids apart, in lines the last
     # one brought in or the prefetcher follows (2^14 ids: ~75 apart at 1.2M, a cache miss an id; 40 B a
     # block's id of temporaries: 2.5 B an id of the set).
     block = max(_BLOCK, sorted_ids.size // 16) if by_order else _BLOCK
     for start in range(0, query.size, block):
         q = np.ascontiguousarray(query[start:start + block])
-        order = None
-        if by_order and q.size >= 64:
-            halves = q.view(_HALVES).reshape(-1, 2)  # memcmp order: the high half, then the low
-            order = np.lexsort((halves[:, 1], halves[:, 0]))
-            q = q[order]
         pos = np.empty(q.size, dtype=np.int64)
-        kernels.find_sorted(sorted_ids, q, pos)
+        if buckets is not None:
+            kernels.find_bucketed(sorted_ids, buckets[0], buckets[1], q, pos)
+            yield start, pos
+            continue
+        order = argsort(q) if by_order and q.size >= 64 else None
+        kernels.find_sorted(sorted_ids, q if order is None else q[order], pos)
         if order is not None:  # back to the query's order
             back = np.empty_like(pos)
             back[order] = pos
@@ -75,14 +76,7 @@ def isin(sorted_ids: np.ndarray, query: np.ndarray, buckets: tuple[np.ndarray, i
     """A bool per id of ``query``: whether it is in ``sorted_ids`` (sorted unique); ``buckets``: its
     :func:`bucket_starts`, for many small queries against one large set."""
     out = np.zeros(query.size, dtype=bool)
-    if buckets is not None:
-        pos = np.empty(min(query.size, _BLOCK), dtype=np.int64)
-        for start in range(0, query.size, _BLOCK):
-            q = np.ascontiguousarray(query[start:start + _BLOCK])
-            kernels.find_bucketed(sorted_ids, buckets[0], buckets[1], q, pos[:q.size])
-            out[start:start + q.size] = pos[:q.size] >= 0
-        return out
-    for start, pos in _search(sorted_ids, query) if sorted_ids.size else ():
+    for start, pos in _search(sorted_ids, query, buckets) if sorted_ids.size else ():
         out[start:start + pos.size] = pos >= 0
     return out
 
@@ -134,9 +128,11 @@ class Collector:
     def _isin(self, ids: np.ndarray) -> np.ndarray:
         """isin against the set: a large one through its bucket table (made once per merge: batches of a few
         thousand ids searched in sorted order each missed the cache at every step, ~0.7 us an id at 1.2M)."""
-        if self._n >= _SORTED_SEARCH_ABOVE and self._buckets is None:
+        if self._n < _SORTED_SEARCH_ABOVE:
+            return isin(self._set, ids)
+        if self._buckets is None:
             self._buckets = bucket_starts(self._set)
-        return isin(self._set, ids, self._buckets if self._n >= _SORTED_SEARCH_ABOVE else None)
+        return isin(self._set, ids, self._buckets)
 
     @property
     def _set(self) -> np.ndarray:

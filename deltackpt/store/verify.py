@@ -193,7 +193,7 @@ def _refresh_cache(store, users: np.ndarray, level: int, progress):
                 # Sound records, and no pack gone: the refresh only indexes the packs new since (a cache of
                 # another store is rebuilt: where it located them says nothing); no record moves.
                 store.refresh_index(pack_stamps(listed))
-                return {name: info.size_bytes for name, info in listed.items()}, _nowhere
+                return _sizes(listed), _nowhere
             # A pack gone: the cache is rebuilt, so where it located each chunk is taken first.
             try:
                 names, pack_of = _pack_numbers(index, users)
@@ -217,8 +217,13 @@ def _moved_first(moved: dict[bytes, str], seen):
     return lambda i, cid: moved.get(cid) or seen(i, cid)
 
 
+def _sizes(listed: dict) -> dict[str, int]:
+    """Pack name -> size of a pack listing (:func:`~.pack.list_packs`)."""
+    return {name: info.size_bytes for name, info in listed.items()}
+
+
 def _list_pack_sizes(store) -> dict[str, int]:
-    return {name: info.size_bytes for name, info in list_packs(store.backend).items()}
+    return _sizes(list_packs(store.backend))
 
 
 def _check_structure(store, found: _Findings, seen, packs, level: int, progress) -> None:

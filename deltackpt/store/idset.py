@@ -38,19 +38,32 @@ def argsort(ids: np.ndarray) -> np.ndarray:
 
 
 def union(sorted_ids: np.ndarray, *more: np.ndarray) -> np.ndarray:
-    """``sorted_ids`` (sorted unique) with the ids of ``more`` (any order) added, sorted unique."""
+    """``sorted_ids`` (sorted unique) with the ids of ``more`` (any order) added, sorted unique: the new ones
+    sorted and merged in (a few bases added to 1.2M ids: 5 ms, where sorting the whole again took 0.13 s)."""
     more = [m for m in more if m.size]
-    return unique(np.concatenate([sorted_ids, *more])) if more else sorted_ids
+    if not more:
+        return sorted_ids
+    add = unique(np.concatenate(more))
+    if not sorted_ids.size:
+        return add
+    add = add[~isin(sorted_ids, add)]
+    if not add.size:
+        return sorted_ids
+    return np.insert(sorted_ids, np.searchsorted(sorted_ids, add), add)
 
 
 def _search(sorted_ids: np.ndarray, query: np.ndarray, buckets: tuple[np.ndarray, int] | None = None):
     """(start, positions: -1 where absent) per block of ``query`` looked up in ``sorted_ids`` (sorted unique,
     not empty): passes holding ~40 bytes per id of a block, not of the query. With ``buckets`` (the set's
-    :func:`bucket_starts`) each id is looked up in its bucket, in any order. Else, in a set past the CPU's
+    :func:`bucket_starts`, made here for a query of over 16k ids and an eighth of the set's size) each id is looked
+    up in its bucket, in any order. Else, in a set past the CPU's
     caches, a block is looked up in sorted order, each search galloping on from the last through nearby
     memory (``kernels.find_sorted``; 1.2M ids: ~0.25 us an id with the sort, ~0.85 us searching each from
     the middle of the set)."""
     sorted_ids = np.ascontiguousarray(sorted_ids)
+    if buckets is None and query.size >= max(_BLOCK, sorted_ids.size // 8):
+        # A large query: the table pays for itself (1.2M ids in a set of 1.2M: 0.22 -> 0.11 s; of 12k: 0.15 -> 0.03 s).
+        buckets = bucket_starts(sorted_ids)
     by_order = buckets is None and sorted_ids.size >= _SORTED_SEARCH_ABOVE
     # In sorted order, a block of 1/16 of the set: consecutive searches land ~16 ids apart, in lines the last
     # one brought in or the prefetcher follows (2^14 ids: ~75 apart at 1.2M, a cache miss an id; 40 B a

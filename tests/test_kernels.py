@@ -925,3 +925,26 @@ def test_find_sorted_refuses_bad_lengths(find):
                  (ids, ids, np.empty(3, np.int64))):  # out of the wrong size
         with pytest.raises(ValueError):
             find(*args)
+
+
+@pytest.mark.parametrize("n,m", [(0, 5), (5, 0), (1000, 10), (20_000, 20_000), (10, 30_000)])
+def test_idset_union_find_and_order_agree_with_numpy(n, m):
+    """union merges new ids into the sorted set (the few-new case inserts, no full sort), find goes through a
+    bucket table for a large query: both give numpy's answers, ids sharing prefixes and trailing NULs too."""
+    from deltackpt.store import idset
+
+    rng = np.random.default_rng(n + m)
+    raw = rng.integers(0, 256, (n + m, 16), dtype=np.uint8)
+    raw[::3, 8:] = 0  # trailing NULs, which S16 would strip
+    raw[::5, :8] = 0
+    base = np.unique(raw[:n].view("V16").ravel())
+    more = np.concatenate([raw[n:].view("V16").ravel(), base[: m // 2]])
+    merged = idset.union(base, rng.permutation(more))
+    assert merged.tolist() == np.unique(np.concatenate([base, more])).tolist()
+    assert idset.is_sorted_unique(merged)
+    if merged.size > 1:
+        assert not idset.is_sorted_unique(merged[::-1])
+        assert not idset.is_sorted_unique(np.concatenate([merged[:1], merged]))
+    query = rng.permutation(np.concatenate([more, raw[:n].view("V16").ravel()]))
+    want = {k.tobytes(): i for i, k in enumerate(base)}
+    assert idset.find(base, query).tolist() == [want.get(k.tobytes(), -1) for k in query]

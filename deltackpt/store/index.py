@@ -30,6 +30,7 @@ from functools import partial
 from itertools import compress, islice
 from pathlib import Path
 
+import lmdb
 import numpy as np
 
 from . import lmdbenv
@@ -40,8 +41,8 @@ from .lmdbenv import LmdbCache, close_env, guarded, opened_here
 from .pack import PackEntry, PackTable, list_packs, pack_key, pack_stamps, read_pack_entries, read_pack_table, \
     walk_entries
 from .progress import Progress, phase
-from .records import (RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, malformed,
-                      records_in, records_of)
+from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, decode_record, encode_record, locate_in,
+                      malformed, records_in, records_of)
 
 log = logging.getLogger("deltackpt.store")
 
@@ -422,16 +423,21 @@ class ChunkIndex(LmdbCache):
             return len(present), max(0, before - len(present))
 
     @guarded()
-    def reconcile(self, progress: Progress | None = None, moved: dict[bytes, str] | None = None) -> int:
+    def reconcile(self, progress: Progress | None = None, moved: dict[bytes, str] | None = None,
+                  snapshot: list | None = None) -> int:
         """Make the cache say what the pack tables say, in one transaction that writes only what differs.
 
         verify's check of the cache: unlike :meth:`rebuild` it keeps the checkpoint summaries, and a cache
         that was right is not written at all (a rebuild rewrites every record, and LMDB cannot reuse the
         pages it frees at once, so the file grows). A record that matches a copy in some table stays; a
         chunk none of whose copies matches gets the newest copy. Returns the records written or deleted;
-        ``moved`` gets the pack each of those chunks was indexed in before (chunk id -> pack name)."""
+        ``moved`` gets the pack each of those chunks was indexed in before (chunk id -> pack name);
+        ``snapshot`` a :class:`~.records.RecordSnapshot` of the records of every chunk the tables hold, as
+        written (none when the cache was rebuilt instead)."""
         if moved is not None:
             moved.clear()  # filled again from the start when a fault of the cache is repaired and this retried
+        if snapshot is not None:
+            snapshot.clear()
         if self._is_foreign():
             return self._rebuild(progress=progress)[0]
         with self._repair_lock:
@@ -446,39 +452,67 @@ class ChunkIndex(LmdbCache):
                         tables.append(table)
             ids = np.concatenate([t.chunk_ids for t in tables] + [idset.from_ids(b"")])
             recs = np.concatenate([records_of(t) for t in tables] + [np.empty(0, dtype=RECORD_DTYPE)])
+            names = [t.name for t in tables]
+            owner = np.repeat(np.arange(len(tables), dtype=np.int32), [len(t) for t in tables])
             del tables
-            changed = self._reconcile(ids, recs, sizes, {} if moved is None else moved)
+            changed = self._reconcile(ids, recs, sizes, {} if moved is None else moved,
+                                      None if snapshot is None else (snapshot, names, owner))
             self._trusted = True
             self._gen += 1 if changed else 0
             return changed
 
-    def _reconcile(self, ids: np.ndarray, recs: np.ndarray, sizes: dict[bytes, bytes], moved: dict) -> int:
+    def _reconcile(self, ids: np.ndarray, recs: np.ndarray, sizes: dict[bytes, bytes], moved: dict,
+                   snapshot: tuple | None = None) -> int:
+        """reconcile's work on the tables' entries (``ids``, ``recs``: newest pack first); ``snapshot``: (a list
+        to append the RecordSnapshot to, the tables' pack names, the number of each entry's pack). The cache
+        is read whole, in key order (a cursor's walk: 1.2M records in ~0.4 s, where a look-up of each table
+        entry, sorted first, took 0.9 s), and compared with the entries as arrays."""
         chunks, packs_db, _ = self._dbs()
-        changed = 0
         with self.env.begin(write=True, db=chunks) as txn:
-            order = idset.argsort(ids)  # stable: the copies of a chunk stay newest first
-            match = _records_match(txn.get, ids, recs, order)
-            ids_sorted = ids[order]
-            first = np.flatnonzero(np.r_[True, ids_sorted[1:] != ids_sorted[:-1]]) if ids.size else order
-            settled = np.logical_or.reduceat(match[order], first) if ids.size else match
-            for k in order[first[~settled]].tolist():
-                key = ids[k].tobytes()
+            keys, have, doomed = _cache_arrays(txn)  # 16-byte keys in order, their records
+            pos = idset.find(keys, ids)
+            inside = pos >= 0
+            match = np.zeros(ids.size, dtype=bool)
+            rec_bytes, have_bytes = _as_bytes(recs), _as_bytes(have)
+            for start in range(0, ids.size, _MATCH_BLOCK):  # a block at a time: no gather of every record
+                at = start + np.flatnonzero(inside[start:start + _MATCH_BLOCK])
+                match[at] = (have_bytes[pos[at]] == rec_bytes[at]).all(axis=1)
+            settled = np.zeros(keys.size, dtype=bool)
+            settled[pos[match]] = True
+            # The entries to write: of each chunk no copy of which the cache holds, the newest (the first).
+            stale = np.flatnonzero(inside & ~settled[np.maximum(pos, 0)])
+            stale = stale[np.unique(pos[stale], return_index=True)[1]]
+            absent = np.flatnonzero(~inside)
+            absent = absent[np.unique(ids[absent], return_index=True)[1]] if absent.size else absent
+            changed = 0
+            for k in np.concatenate([stale, absent]).tolist():
+                key, rec = ids[k].tobytes(), recs[k].tobytes()
                 old = txn.get(key)
-                if old is not None and len(old) == RECORD_SIZE:
+                if old is not None:
                     moved[key] = bytes(old[:16]).hex()
-                txn.put(key, recs[k].tobytes())
+                txn.put(key, rec)
                 changed += 1
+            held = np.zeros(keys.size, dtype=bool)  # the keys some table entry holds
+            held[pos[inside]] = True
+            if snapshot is not None:
+                out, names, owner = snapshot
+                pack_of = np.full(keys.size, -1, dtype=np.int32)
+                pack_of[pos[match]] = owner[match]  # a matching copy's pack is the one its record names
+                snap = have.copy()
+                snap[pos[stale]], pack_of[pos[stale]] = recs[stale], owner[stale]
+                snap_ids, snap, pack_of = keys[held], snap[held], pack_of[held]
+                if absent.size:  # chunks the cache lacked, now written: merged in, in order
+                    snap_ids = np.concatenate([snap_ids, ids[absent]])
+                    order = idset.argsort(snap_ids)
+                    snap_ids = snap_ids[order]
+                    snap = np.concatenate([snap, recs[absent]])[order]
+                    pack_of = np.concatenate([pack_of, owner[absent]])[order]
+                out.append(RecordSnapshot(snap_ids, snap, names, pack_of, self.locate))
+            del pos, inside, match, settled
             # A record of a chunk in no table read is wrong, unless its pack was published since the listing.
             known = {bytes(k): bytes(v) for k, v in txn.cursor(db=packs_db)}
             alive = set(sizes) | {p for p in known if p not in sizes and self.backend.exists(pack_key(p.hex()))}
-            keys, doomed = bytearray(), []
-            for key in txn.cursor().iternext(keys=True, values=False):
-                if len(key) == 16:
-                    keys += key
-                else:
-                    doomed.append(bytes(key))
-            keys = idset.from_ids(keys)
-            for k in np.flatnonzero(~idset.isin(ids_sorted[first] if ids.size else ids, keys)).tolist():
+            for k in np.flatnonzero(~held).tolist():
                 key = keys[k].tobytes()
                 pack = bytes(txn.get(key)[:16])
                 if pack in sizes or pack not in alive:
@@ -538,20 +572,39 @@ class ChunkIndex(LmdbCache):
                 return None
 
 
-_MATCH_BLOCK = 1 << 16  # records compared per pass
+_MATCH_BLOCK = 1 << 16  # records compared per pass, and keys and values read from the cache per block
 
 
-def _records_match(get, ids: np.ndarray, recs: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """A bool per id: whether ``get(id)`` (the cache's record) is ``recs``'s record of it, byte for byte; the
-    ids are looked up in ``order`` (sorted: the B-tree's pages in turn, where the tables' order jumps)."""
-    out = np.zeros(ids.size, dtype=bool)
-    for start in range(0, ids.size, _MATCH_BLOCK):
-        at = order[start:start + _MATCH_BLOCK]
-        want = recs[at]
-        got = list(map(get, ids[at].tolist()))  # V16 items are bytes: the loops in C
-        if None in got or set(map(len, got)) != {RECORD_SIZE}:  # not indexed, or malformed: no match
-            ok = np.array([g is not None and len(g) == RECORD_SIZE for g in got], dtype=bool)
-            got, want, at = [g for g, k in zip(got, ok.tolist()) if k], want[ok], at[ok]
-        have = np.frombuffer(b"".join(got), dtype=np.uint8).reshape(-1, RECORD_SIZE)
-        out[at] = (have == want.view(np.uint8).reshape(-1, RECORD_SIZE)).all(axis=1)
-    return out
+def _as_bytes(recs: np.ndarray) -> np.ndarray:
+    """RECORD_DTYPE records as rows of bytes (a view)."""
+    return np.ascontiguousarray(recs).view(np.uint8).reshape(-1, RECORD_SIZE)
+
+
+def _cache_arrays(txn) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    """The chunk records of the cache, walked in key order: (the 16-byte keys, sorted V16; the record of each;
+    the other keys, none of which is a chunk's). A record of the wrong size raises lmdb.CorruptedError. Read
+    a block of keys, then of values, at a time (two cursors of one transaction walk the same keys): no bytes
+    object is held per record past its block."""
+    parts, other = [], []
+    keys_it = txn.cursor().iternext(keys=True, values=False)
+    vals_it = txn.cursor().iternext(keys=False, values=True)
+    while True:
+        ks = list(islice(keys_it, _MATCH_BLOCK))
+        if not ks:
+            break
+        vs = list(islice(vals_it, len(ks)))
+        if set(map(len, ks)) != {16}:
+            other += [bytes(k) for k in ks if len(k) != 16]
+            vs = [v for k, v in zip(ks, vs) if len(k) == 16]
+            ks = [k for k in ks if len(k) == 16]
+        if set(map(len, vs)) - {RECORD_SIZE}:
+            # Never written so: the file is damaged, and LMDB has no checksums to say where else (a put next
+            # to such a record spoiled its neighbours). The cache is rebuilt (see lmdbenv.guarded).
+            bad = next(k for k, v in zip(ks, vs) if len(v) != RECORD_SIZE)
+            raise lmdb.CorruptedError(f"index record of chunk {bytes(bad).hex()} has the wrong size")
+        parts.append((idset.from_ids(b"".join(ks)), np.frombuffer(b"".join(vs), dtype=RECORD_DTYPE)))
+    keys = np.concatenate([k for k, _ in parts] + [idset.from_ids(b"")])
+    if not idset.is_sorted_unique(keys):  # a B-tree's walk is in key order, unless a page is damaged
+        raise lmdb.CorruptedError("index cache keys out of order")
+    recs = np.concatenate([r for _, r in parts] + [np.empty(0, dtype=RECORD_DTYPE)])
+    return keys, recs, other

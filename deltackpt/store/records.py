@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import idset
+
 from ..errors import ManifestFormatError
 from .codec import CODEC_NAMES, DELTA_CODECS, VALID_ELEM_SIZES, is_delta
 from .pack import MAX_CHUNK_BYTES, PackEntry, _check_fields
@@ -100,6 +102,53 @@ class Located:
     pack_of: np.ndarray  # int32 per chunk: its pack's number, -1 when not indexed
     delta_at: np.ndarray  # int32: positions of the chunks stored as deltas
     delta_base: np.ndarray  # V16: the base of each of those deltas
+
+
+class RecordSnapshot:
+    """What the index held for each of a sorted set of chunks at one moment (right after a reconcile wrote
+    it: every chunk the pack tables hold), as arrays: located with a vectorised search instead of a B-tree
+    look-up each (1.2M chunks: ~1.1 s of LMDB gets). A chunk it lacks (its pack published since) is looked
+    up with ``fallback`` (e.g. ``ChunkIndex.locate``). 37 bytes a chunk."""
+
+    def __init__(self, ids: np.ndarray, recs: np.ndarray, packs: list[str], pack_of: np.ndarray, fallback) -> None:
+        """``ids``: sorted unique V16; ``recs``: the record (RECORD_DTYPE) of each; ``pack_of``: the number in
+        ``packs`` of each one's pack (what its record names)."""
+        self.ids = ids
+        self._packs = np.array(list(packs) + [None], dtype=object)  # [-1]: none
+        self._pack_of = np.ascontiguousarray(pack_of, dtype=np.int32)
+        self._delta = _IS_DELTA[recs["codec"]]
+        self._base = recs["base"].copy()
+        self._buckets = idset.bucket_starts(ids) if ids.size else None
+        self._fallback = fallback
+
+    def locate(self, ids: np.ndarray) -> Located:
+        """As ``ChunkIndex.locate``: the pack and delta base of each of ``ids``, as the index had them."""
+        pos = idset.find(self.ids, ids, self._buckets) if self.ids.size else np.full(ids.size, -1, dtype=np.int64)
+        hit = pos >= 0
+        number = np.where(hit, self._pack_of[np.maximum(pos, 0)], -1)
+        used, pack_of = np.unique(number, return_inverse=True)  # the block's packs only, numbered anew
+        names = self._packs[used].tolist()
+        pack_of = pack_of.astype(np.int32).reshape(-1)
+        if used.size and used[0] < 0:  # -1 sorts first: it becomes -1 again, the others count from 0
+            names, pack_of = names[1:], pack_of - 1
+        delta_at = np.flatnonzero(hit & self._delta[np.maximum(pos, 0)]).astype(np.int32)
+        delta_base = self._base[pos[delta_at]]
+        miss = np.flatnonzero(~hit)
+        if miss.size:
+            other = self._fallback(np.ascontiguousarray(ids[miss]))
+            if other.packs:
+                numbers = {n: i for i, n in enumerate(names)}
+                renumber = np.array([numbers.setdefault(n, len(numbers)) for n in other.packs] + [-1], dtype=np.int32)
+                names = list(numbers)
+                pack_of[miss] = renumber[other.pack_of]
+            order = np.argsort(np.concatenate([delta_at, miss[other.delta_at].astype(np.int32)]), kind="stable")
+            delta_at = np.concatenate([delta_at, miss[other.delta_at].astype(np.int32)])[order]
+            delta_base = np.concatenate([delta_base, other.delta_base])[order]
+        return Located(names, pack_of, delta_at, delta_base)
+
+    def locate_each(self, ids: np.ndarray, fn, block: int = 1 << 16) -> list:
+        """As ``ChunkIndex.locate_each``."""
+        return [fn(start, self.locate(ids[start:start + block])) for start in range(0, ids.size, block)]
 
 
 _LOCATE_BLOCK = 256  # ids whose records are held at once (~210 B each: bytes objects, then joined)

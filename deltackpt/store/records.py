@@ -5,6 +5,7 @@ held to the same rules, so a save or a load of many chunks builds no object per 
 from __future__ import annotations
 
 import struct
+from itertools import islice
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,6 +185,84 @@ def locate_in(get, ids: np.ndarray) -> Located:
         delta_at.append(at[delta])
         bases.append(recs["base"][delta])
     return Located([n.hex() for n in names], pack_of, np.concatenate(delta_at), np.concatenate(bases))
+
+
+_WALK_BLOCK = 1 << 12  # cache records read per step of a walk (~0.4 MiB of bytes objects held)
+
+
+def locate_walk(txn, ids: np.ndarray, fn, block: int) -> list:
+    """``fn(start, Located)`` for each block of at most ``block`` of ``ids`` (sorted unique, most of the
+    cache's chunks), as locate_in finds them, by walking the cache (an LMDB transaction) in key order: a
+    cursor's step costs ~0.3 us a record where a look-up costs ~0.85 us, once the ids are a large share of
+    the keys. The ids a step's keys reach are matched against them in arrays, and their records checked as
+    locate_in checks them."""
+    out = []
+    keys_it = txn.cursor().iternext(keys=True, values=False)
+    vals_it = txn.cursor().iternext(keys=False, values=True)
+    done = 0
+
+    def hand_over(upto: int, keys: np.ndarray, recs: np.ndarray) -> None:
+        nonlocal done
+        part = ids[done:upto]
+        pos = np.searchsorted(keys, part) if keys.size else np.zeros(part.size, dtype=np.int64)
+        hit = keys[np.minimum(pos, keys.size - 1)] == part if keys.size else np.zeros(part.size, dtype=bool)
+        recs = recs[pos[hit]]
+        delta = _IS_DELTA[recs["codec"]]
+        wrong = delta != (recs["base"] != NO_BASE_VOID)
+        if wrong.any():
+            bad = part[np.flatnonzero(hit)[int(np.argmax(wrong))]]
+            raise ManifestFormatError(f"index record for chunk {bad.tobytes().hex()} is malformed")
+        names, number = _pack_numbers(recs["pack"])
+        pack_of = np.full(part.size, -1, dtype=np.int32)
+        pack_of[hit] = number
+        is_delta = np.zeros(part.size, dtype=bool)
+        is_delta[hit] = delta
+        base = np.zeros(part.size, dtype="V16")
+        base[hit] = recs["base"]
+        for start in range(0, part.size, block):
+            p, d = pack_of[start:start + block], np.flatnonzero(is_delta[start:start + block]).astype(np.int32)
+            used, p = np.unique(p, return_inverse=True)  # the block's packs only, numbered anew
+            p = p.astype(np.int32).reshape(-1)
+            if used.size and used[0] < 0:  # -1 sorts first: it stays -1
+                used, p = used[1:], p - 1
+            out.append(fn(done + start, Located([names[k] for k in used.tolist()], p, d, base[start + d])))
+        done = max(done, upto)
+
+    while done < ids.size:
+        ks = list(islice(keys_it, _WALK_BLOCK))
+        if not ks:
+            break
+        vs = list(islice(vals_it, len(ks)))
+        if set(map(len, ks)) != {16}:  # not a chunk's key: never one of ids
+            vs = [v for k, v in zip(ks, vs) if len(k) == 16]
+            ks = [k for k in ks if len(k) == 16]
+        if not ks:
+            continue
+        keys = np.frombuffer(b"".join(ks), dtype="V16")
+        upto = int(np.searchsorted(ids, keys[-1], side="right"))  # the ids up to this step's last key
+        lo = int(np.searchsorted(keys, ids[done])) if done < upto else keys.size
+        keys, vs = keys[lo:], vs[lo:]  # keys before the next id: not needed
+        if set(map(len, vs)) - {_RECORD.size}:  # malformed: an error if an id's, else left out
+            keep = np.array([len(v) == _RECORD.size for v in vs], dtype=bool)
+            wanted = np.isin(keys[~keep], ids[done:upto])
+            if wanted.any():
+                bad = keys[~keep][int(np.argmax(wanted))]
+                raise ManifestFormatError(f"index record for chunk {bad.tobytes().hex()} is malformed")
+            keys, vs = keys[keep], [v for v, k in zip(vs, keep.tolist()) if k]
+        hand_over(upto, keys, np.frombuffer(b"".join(vs), dtype=RECORD_DTYPE))
+    hand_over(ids.size, np.empty(0, dtype="V16"), np.empty(0, dtype=RECORD_DTYPE))
+    return out
+
+
+def _pack_numbers(packs: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(the distinct pack ids of ``packs`` (V16) as names, the number of each): numbered by their first 8
+    bytes as integers (a third of sorting V16), unless two differ only past them."""
+    heads = np.ascontiguousarray(packs).view("<u8").reshape(-1, 2)[:, 0]
+    _, first, number = np.unique(heads, return_index=True, return_inverse=True)
+    distinct = packs[first]
+    if packs.size and not (distinct[number.reshape(-1)] == packs).all():
+        distinct, number = np.unique(packs, return_inverse=True)
+    return [p.tobytes().hex() for p in distinct], number.astype(np.int32).reshape(-1)
 
 
 def records_in(get, chunk_ids) -> tuple[np.ndarray, np.ndarray]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deltackpt.errors import ManifestFormatError
 from deltackpt.store import LocalBackend, MemoryBackend, Store, codec
 from deltackpt.store.gc import plan_gc
 from deltackpt.store import index as index_mod
@@ -384,3 +385,46 @@ def test_reconcile_rebuilds_a_cache_with_a_record_of_the_wrong_size(local_store,
     index.reconcile()
     assert any("rebuilding" in r.getMessage() for r in caplog.records)
     assert {e.chunk_id: e for e in index.iter_entries()} == truth
+
+
+def test_a_walk_of_the_cache_locates_as_look_ups_do(local_store, rng, monkeypatch):
+    """Sorted ids that are most of the cache are located by walking it in key order (a cursor step costs a
+    third of a look-up): the same packs and bases as look-ups, in steps that end anywhere among the ids,
+    ids the cache lacks included; a malformed record is an error only when it is one of the ids'."""
+    from deltackpt.store import idset, records
+
+    _history(local_store, rng)
+    index = local_store.index
+    monkeypatch.setattr(records, "_WALK_BLOCK", 7)  # many steps, cut between any two ids
+    entries = sorted(index.iter_entries(), key=lambda e: e.chunk_id)
+    ids = idset.unique(idset.from_ids([e.chunk_id for e in entries[1:]] + [bytes(16), b"\xff" * 16, b"\x80" * 16]))
+    assert any(codec.is_delta(e.codec) for e in entries), "the fixture must hold deltas"
+    chunks = index._db[b"chunks"]
+
+    def both(ids, block):
+        with index.env.begin(db=chunks) as txn:
+            walked = records.locate_walk(txn, ids, lambda start, loc: (start, loc), block)
+            return walked, records.locate_in(txn.get, ids)
+
+    def flat(parts, n):
+        pack, base = [None] * n, {}
+        for start, loc in parts:
+            for k, p in enumerate(loc.pack_of.tolist()):
+                pack[start + k] = loc.packs[p] if p >= 0 else None
+            base.update({start + a: b.tobytes() for a, b in zip(loc.delta_at.tolist(), loc.delta_base)})
+        return pack, base
+
+    for block in (1, 5, 1000):
+        walked, looked = both(ids, block)
+        sizes = [loc.pack_of.size for _, loc in walked]
+        assert [s for s, _ in walked] == [sum(sizes[:k]) for k in range(len(walked))]  # in order, no gap
+        assert sum(sizes) == ids.size and max(sizes) <= block
+        assert flat(walked, ids.size) == flat([(0, looked)], ids.size)
+    with index.env.begin(write=True, db=chunks) as txn:
+        txn.put(entries[0].chunk_id, b"short")  # a record of no id asked for: left out
+    walked, looked = both(ids, 3)
+    assert flat(walked, ids.size) == flat([(0, looked)], ids.size)
+    with index.env.begin(write=True, db=chunks) as txn:
+        txn.put(entries[3].chunk_id, b"short")  # one of the ids': refused, as a look-up refuses it
+    with index.env.begin(db=chunks) as txn, pytest.raises(ManifestFormatError, match=entries[3].chunk_id.hex()):
+        records.locate_walk(txn, ids, lambda start, loc: None, 3)

@@ -17,7 +17,7 @@ from deltackpt.store.chunking import chunk_id_of
 from deltackpt.store.copy import copy_checkpoints
 from deltackpt.store.gc import plan_gc
 from deltackpt.store.manifest import ChunkRef, Item, Manifest, Stats, encode_manifest
-from deltackpt.store.pack import HEADER_SIZE, PackBuilder, pack_key
+from deltackpt.store.pack import HEADER_SIZE, PackBuilder, list_packs, pack_key
 from deltackpt.store.verify import verify_store
 
 from store_helpers import mutate_object
@@ -390,3 +390,25 @@ def test_sparse_link_rule_reads_the_stored_delta():
         stored = bytes(codec.encode_delta(new.view(np.uint8), base.view(np.uint8), 4, 1, codec.ZDELTA))
         assert deltapolicy.is_sparse_link(stored, new.nbytes, 4) is sparse
     assert not deltapolicy.is_sparse_link(b"DCPL" + b"\0" * 40, few.nbytes, 4)  # damaged: never a base
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_gc_marks_each_chain_from_the_pack_tables_as_the_index_does(tmp_path, keep):
+    """gc's marking follows a tip's chain through the pack tables, level by level, and keeps each entry's
+    position in the growing live set as bases are merged in: the same set as the index's chains give, and
+    the positions a fresh search of it gives."""
+    from deltackpt.store import gc as gc_mod, idset
+    from deltackpt.store.pack import read_pack_table
+
+    store, _ = _chained_store(tmp_path / "s", 4, 6)
+    store.forget([f"c{i}" for i in range(6 - keep)])
+    tables = [read_pack_table(store.backend, n, i.size_bytes) for n, i in list_packs(store.backend).items()]
+    ids = np.concatenate([t.chunk_ids for t in tables])
+    bases = np.concatenate([t.base_ids for t in tables])
+    has_base = np.concatenate([t.has_base for t in tables])
+    manifest_ids = gc_mod._manifest_ids(store)
+    live, pos = gc_mod._mark(store, manifest_ids, bases[:0], ids, bases, has_base)
+    want = gc_mod.with_chain_bases(store, manifest_ids)
+    assert live.size > manifest_ids.size, "the tips are coded against chunks of forgotten checkpoints"
+    assert live.tobytes() == want.tobytes()
+    assert pos.tolist() == idset.find(live, ids).tolist()

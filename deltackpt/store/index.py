@@ -41,8 +41,8 @@ from .lmdbenv import LmdbCache, close_env, guarded, opened_here
 from .pack import PackEntry, PackTable, list_packs, pack_key, pack_stamps, read_pack_entries, read_pack_table, \
     walk_entries
 from .progress import Progress, phase
-from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, decode_record, encode_record, locate_in,
-                      locate_walk, malformed, records_in, records_of)
+from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, decode_record, encode_record,
+                      is_delta_codec, locate_in, locate_walk, malformed, records_in, records_of)
 
 log = logging.getLogger("deltackpt.store")
 
@@ -497,20 +497,25 @@ class ChunkIndex(LmdbCache):
                 changed += 1
             held = np.zeros(keys.size, dtype=bool)  # the keys some table entry holds
             held[pos[inside]] = True
-            if snapshot is not None:
+            if snapshot is not None:  # the fields verify locates by, of each record as it now is
                 out, names, owner = snapshot
                 pack_of = np.full(keys.size, -1, dtype=np.int32)
                 pack_of[pos[match]] = owner[match]  # a matching copy's pack is the one its record names
-                snap = have.copy()
-                snap[pos[stale]], pack_of[pos[stale]] = recs[stale], owner[stale]
-                snap_ids, snap, pack_of = keys[held], snap[held], pack_of[held]
+                base, delta = have["base"].copy(), is_delta_codec(have["codec"])
+                at = pos[stale]
+                base[at], delta[at] = recs["base"][stale], is_delta_codec(recs["codec"][stale])
+                pack_of[at] = owner[stale]
+                snap_ids = keys
+                if not held.all():
+                    snap_ids, base, delta, pack_of = keys[held], base[held], delta[held], pack_of[held]
                 if absent.size:  # chunks the cache lacked, now written: merged in, in order
                     snap_ids = np.concatenate([snap_ids, ids[absent]])
                     order = idset.argsort(snap_ids)
                     snap_ids = snap_ids[order]
-                    snap = np.concatenate([snap, recs[absent]])[order]
+                    base = np.concatenate([base, recs["base"][absent]])[order]
+                    delta = np.concatenate([delta, is_delta_codec(recs["codec"][absent])])[order]
                     pack_of = np.concatenate([pack_of, owner[absent]])[order]
-                out.append(RecordSnapshot(snap_ids, snap, names, pack_of, self.locate))
+                out.append(RecordSnapshot(snap_ids, base, delta, names, pack_of, self.locate))
             del pos, inside, match, settled
             # A record of a chunk in no table read is wrong, unless its pack was published since the listing.
             known = {bytes(k): bytes(v) for k, v in txn.cursor(db=packs_db)}

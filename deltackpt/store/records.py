@@ -28,6 +28,11 @@ _KNOWN_CODEC, _VALID_ELEM, _IS_DELTA = (np.isin(np.arange(256), list(v)) for v i
                                         (CODEC_NAMES, VALID_ELEM_SIZES, DELTA_CODECS))
 
 
+def is_delta_codec(codecs: np.ndarray) -> np.ndarray:
+    """A bool per codec id (u1): whether it is a delta's."""
+    return _IS_DELTA[codecs]
+
+
 def encode_record(e: PackEntry) -> bytes:
     return _RECORD.pack(bytes.fromhex(e.pack), e.offset, e.stored_len, e.raw_len, e.codec, e.elem_size,
                         e.base_id or _NO_BASE, e.age)
@@ -111,14 +116,15 @@ class RecordSnapshot:
     look-up each (1.2M chunks: ~1.1 s of LMDB gets). A chunk it lacks (its pack published since) is looked
     up with ``fallback`` (e.g. ``ChunkIndex.locate``). 37 bytes a chunk."""
 
-    def __init__(self, ids: np.ndarray, recs: np.ndarray, packs: list[str], pack_of: np.ndarray, fallback) -> None:
-        """``ids``: sorted unique V16; ``recs``: the record (RECORD_DTYPE) of each; ``pack_of``: the number in
-        ``packs`` of each one's pack (what its record names)."""
+    def __init__(self, ids: np.ndarray, base: np.ndarray, delta: np.ndarray, packs: list[str], pack_of: np.ndarray,
+                 fallback) -> None:
+        """``ids``: sorted unique V16; of each, its record's ``base`` (V16), whether it is a ``delta``, and the
+        number in ``packs`` of its pack."""
         self.ids = ids
         self._packs = np.array(list(packs) + [None], dtype=object)  # [-1]: none
         self._pack_of = np.ascontiguousarray(pack_of, dtype=np.int32)
-        self._delta = _IS_DELTA[recs["codec"]]
-        self._base = recs["base"].copy()
+        self._delta = delta
+        self._base = base
         self._buckets = idset.bucket_starts(ids) if ids.size else None
         self._fallback = fallback
 

@@ -53,6 +53,7 @@ __all__ = [
     "native_impl",
     "numpy_impl",
     "shuffle",
+    "sort_ids",
     "sparse_apply",
     "sparse_merge",
     "sparse_split",
@@ -603,6 +604,15 @@ def _python_find_bucketed(ids, starts, bits, keys, out) -> None:
     _python_find_sorted(ids, keys, out)
 
 
+def _python_sort_ids(ids) -> None:
+    """The twin of the native ``sort_ids``: the 16-byte ids of the writable buffer ``ids`` sorted in place."""
+    nbytes = memoryview(ids).nbytes
+    if nbytes % 16:
+        raise ValueError("ids must be 16-byte ids")
+    if nbytes:
+        np.frombuffer(ids, dtype="V16").sort()
+
+
 # unshuffle_check(buf, frames, elem_size, src, outs, ids, ok) -> passed: the planes of many chunks unshuffled into
 # outs and each hashed against its id in one call (store/planebatch.py; docstring in native/binding.c).
 # xxh3_64_rows(rows, stride, nbytes, out): the digests of many entry headers.
@@ -612,3 +622,5 @@ xxh3_64_rows = _batch_kernel("xxh3_64_rows", _python_xxh3_64_rows)
 find_sorted = _batch_kernel("find_sorted", _python_find_sorted)
 # find_bucketed(ids, starts, bits, keys, out): the same, keys in any order, through a bucket table (idset).
 find_bucketed = _batch_kernel("find_bucketed", _python_find_bucketed)
+# sort_ids(ids): 16-byte ids sorted in place, in memcmp order (idset's sets).
+sort_ids = _batch_kernel("sort_ids", _python_sort_ids)

@@ -830,9 +830,90 @@ static PyObject *py_find_bucketed(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* In-place sort of 16-byte ids in memcmp order: an MSD radix sort (American flag: each byte's buckets
+ * counted, then filled by swaps in place; no second buffer), an insertion sort for small buckets. Ids are
+ * hashes, so two byte levels leave buckets of a few ids: O(n), where numpy's comparison sort of V16 is
+ * O(n log n) and compares through a generic void path. */
+static void insertion16(uint8_t *base, size_t n)
+{
+    size_t i, j;
+    uint8_t key[16];
+    for (i = 1; i < n; i++) {
+        memcpy(key, base + 16 * i, 16);
+        for (j = i; j > 0 && memcmp(base + 16 * (j - 1), key, 16) > 0; j--)
+            memcpy(base + 16 * j, base + 16 * (j - 1), 16);
+        memcpy(base + 16 * j, key, 16);
+    }
+}
+
+static void flag_sort16(uint8_t *base, size_t n, int depth)
+{
+    size_t count[256] = {0}, start[256], next[256], i;
+    int b;
+    if (depth >= 16)
+        return;  /* every byte equal: repeats */
+    if (n <= 32) {
+        insertion16(base, n);
+        return;
+    }
+    for (i = 0; i < n; i++)
+        count[base[16 * i + depth]]++;
+    start[0] = 0;
+    for (b = 1; b < 256; b++)
+        start[b] = start[b - 1] + count[b - 1];
+    memcpy(next, start, sizeof(next));
+    for (b = 0; b < 256; b++) {
+        size_t end = start[b] + count[b];
+        while (next[b] < end) {
+            uint8_t *x = base + 16 * next[b];
+            int v = x[depth];
+            if (v == b) {
+                next[b]++;
+            } else {  /* to the next free place of its bucket, and what was there here */
+                uint8_t tmp[16];
+                uint8_t *y = base + 16 * next[v]++;
+                memcpy(tmp, x, 16);
+                memcpy(x, y, 16);
+                memcpy(y, tmp, 16);
+            }
+        }
+    }
+    for (b = 0; b < 256; b++)
+        if (count[b] > 1)
+            flag_sort16(base + 16 * start[b], count[b], depth + 1);
+}
+
+PyDoc_STRVAR(sort_ids_doc,
+"sort_ids(ids) -> None\n\n"
+"Sort the 16-byte ids of the writable buffer ids in place, in memcmp order (numpy's order for V16): a\n"
+"radix sort, no second buffer. ValueError when its length is not a multiple of 16.");
+static PyObject *py_sort_ids(PyObject *self, PyObject *args)
+{
+    PyObject *ids_obj;
+    Py_buffer ids;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O:sort_ids", &ids_obj))
+        return NULL;
+    if (get_out(ids_obj, &ids) < 0)
+        return NULL;
+    if (ids.len % 16) {
+        PyErr_SetString(PyExc_ValueError, "ids must be 16-byte ids");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        flag_sort16((uint8_t *)ids.buf, (size_t)ids.len / 16, 0);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&ids);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef native_methods[] = {
     {"find_sorted", py_find_sorted, METH_VARARGS, find_sorted_doc},
     {"find_bucketed", py_find_bucketed, METH_VARARGS, find_bucketed_doc},
+    {"sort_ids", py_sort_ids, METH_VARARGS, sort_ids_doc},
     {"shuffle", py_shuffle, METH_VARARGS, shuffle_doc},
     {"unshuffle", py_unshuffle, METH_VARARGS, unshuffle_doc},
     {"xor_shuffle", py_xor_shuffle, METH_VARARGS, xor_shuffle_doc},

@@ -948,3 +948,27 @@ def test_idset_union_find_and_order_agree_with_numpy(n, m):
     query = rng.permutation(np.concatenate([more, raw[:n].view("V16").ravel()]))
     want = {k.tobytes(): i for i, k in enumerate(base)}
     assert idset.find(base, query).tolist() == [want.get(k.tobytes(), -1) for k in query]
+
+
+_SORTERS = [kernels._python_sort_ids] + (
+    [kernels._native.sort_ids] if kernels._native is not None and hasattr(kernels._native, "sort_ids") else [])
+
+
+@pytest.mark.parametrize("sort", _SORTERS)
+@pytest.mark.parametrize("n,values", [(0, 256), (1, 256), (31, 256), (33, 2), (5000, 256), (5000, 3), (300, 1)])
+def test_sort_ids_sorts_in_place_in_numpys_order(sort, n, values):
+    """16-byte ids sorted in place as numpy sorts V16 (memcmp order): hashes, ids crowded into few byte
+    values (every radix level used, down to repeats that differ in no byte), trailing NULs."""
+    rng = np.random.default_rng(n * 7 + values)
+    raw = rng.integers(0, values, (n, 16), dtype=np.uint8)
+    raw[::4, 10:] = 0
+    ids = np.ascontiguousarray(raw).view("V16").ravel()
+    want = np.sort(ids.copy())
+    sort(ids)
+    assert ids.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("sort", _SORTERS)
+def test_sort_ids_refuses_a_buffer_of_no_whole_ids(sort):
+    with pytest.raises(ValueError):
+        sort(bytearray(17))

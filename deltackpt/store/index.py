@@ -176,7 +176,7 @@ class ChunkIndex(LmdbCache):
         block, so it should write into its own arrays by position only."""
         chunks, _, _ = self._dbs()
         with self.env.begin(db=chunks) as txn:
-            if ids.size > 1 << 17 and 2 * ids.size >= txn.stat(chunks)["entries"] and idset.is_sorted_unique(ids):
+            if ids.size > _WALK_ABOVE and 2 * ids.size >= txn.stat(chunks)["entries"] and idset.is_sorted_unique(ids):
                 return locate_walk(txn, ids, fn, block)  # most of the cache, in its order: walked, not looked up
             return [fn(start, locate_in(txn.get, ids[start:start + block])) for start in range(0, ids.size, block)]
 
@@ -580,6 +580,7 @@ class ChunkIndex(LmdbCache):
                 return None
 
 
+_WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
 _MATCH_BLOCK = 1 << 16  # records compared per pass, and keys and values read from the cache per block
 
 

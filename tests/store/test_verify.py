@@ -518,3 +518,34 @@ def test_level_0_memory_grows_with_unique_chunks_not_with_references(mem_store, 
     extra_refs = 90 * 2000
     # A "checkpoint:item" string per reference cost ~70 bytes each; an id array 16 bytes per unique chunk.
     assert peaks[100] - peaks[10] < 10 * extra_refs, peaks
+
+
+@pytest.mark.parametrize("damage", ["none", "pack-gone", "record-gone"])
+def test_level_0_reports_the_same_when_it_walks_the_cache(populated, monkeypatch, damage):
+    """Past 2^17 ids, locating most of the cache walks it instead of a look-up each: forced here at a small
+    size, the report (problems, their packs and chunks, damaged checkpoints) is the one look-ups give."""
+    from deltackpt.store import index as index_mod
+
+    store, _ = populated
+    (pack,) = packs_of_checkpoint(store, "c")
+    if damage == "pack-gone":
+        store.backend.delete(pack_key(pack))
+    elif damage == "record-gone":
+        victim = _entry(store, "c", "z")
+        with store.index.env.begin(write=True, db=store.index._db[b"chunks"]) as txn:
+            txn.delete(victim.chunk_id)
+    copy = store.backend.local_path().parent / "copy"
+    shutil.copytree(store.backend.local_path(), copy)
+
+    def report(path, walk: bool):
+        monkeypatch.setattr(index_mod, "_WALK_ABOVE", 0 if walk else 1 << 62)
+        walked = []
+        real = index_mod.locate_walk
+        monkeypatch.setattr(index_mod, "locate_walk", lambda *a: walked.append(1) or real(*a))
+        r = verify_store(Store.open(path), level=0)
+        return sorted((p.kind.value, p.pack, p.chunk_id) for p in r.problems), r.damaged_checkpoints, bool(walked)
+
+    looked, walked = report(copy, False), report(store.backend.local_path(), True)
+    assert walked[2] and not looked[2]
+    assert walked[:2] == looked[:2]
+    assert bool(looked[0]) == (damage == "pack-gone")  # a record the cache lost is the cache's, repaired

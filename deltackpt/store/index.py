@@ -41,8 +41,8 @@ from .lmdbenv import LmdbCache, close_env, guarded, opened_here
 from .pack import PackEntry, PackTable, list_packs, pack_key, pack_stamps, read_pack_entries, read_pack_table, \
     walk_entries
 from .progress import Progress, phase
-from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, decode_record, encode_record,
-                      is_delta_codec, locate_in, locate_walk, malformed, records_in, records_of)
+from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, cache_blocks, decode_record,
+                      encode_record, is_delta_codec, locate_in, locate_walk, malformed, records_in, records_of)
 
 log = logging.getLogger("deltackpt.store")
 
@@ -591,21 +591,11 @@ def _as_bytes(recs: np.ndarray) -> np.ndarray:
 
 def _cache_arrays(txn) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
     """The chunk records of the cache, walked in key order: (the 16-byte keys, sorted V16; the record of each;
-    the other keys, none of which is a chunk's). A record of the wrong size raises lmdb.CorruptedError. Read
-    a block of keys, then of values, at a time (two cursors of one transaction walk the same keys): no bytes
-    object is held per record past its block."""
+    the other keys, none of which is a chunk's). A record of the wrong size raises lmdb.CorruptedError.
+    Read a block at a time (:func:`~.records.cache_blocks`)."""
     parts, other = [], []
-    keys_it = txn.cursor().iternext(keys=True, values=False)
-    vals_it = txn.cursor().iternext(keys=False, values=True)
-    while True:
-        ks = list(islice(keys_it, _MATCH_BLOCK))
-        if not ks:
-            break
-        vs = list(islice(vals_it, len(ks)))
-        if set(map(len, ks)) != {16}:
-            other += [bytes(k) for k in ks if len(k) != 16]
-            vs = [v for k, v in zip(ks, vs) if len(k) == 16]
-            ks = [k for k in ks if len(k) == 16]
+    for ks, vs, odd in cache_blocks(txn, _MATCH_BLOCK):
+        other += odd
         if set(map(len, vs)) - {RECORD_SIZE}:
             # Never written so: the file is damaged, and LMDB has no checksums to say where else (a put next
             # to such a record spoiled its neighbours). The cache is rebuilt (see lmdbenv.guarded).

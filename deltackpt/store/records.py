@@ -121,7 +121,7 @@ class RecordSnapshot:
         """``ids``: sorted unique V16; of each, its record's ``base`` (V16), whether it is a ``delta``, and the
         number in ``packs`` of its pack."""
         self.ids = ids
-        self._packs = np.array(list(packs) + [None], dtype=object)  # [-1]: none
+        self._packs = list(packs)
         self._pack_of = np.ascontiguousarray(pack_of, dtype=np.int32)
         self._delta = delta
         self._base = base
@@ -132,12 +132,7 @@ class RecordSnapshot:
         """As ``ChunkIndex.locate``: the pack and delta base of each of ``ids``, as the index had them."""
         pos = idset.find(self.ids, ids, self._buckets) if self.ids.size else np.full(ids.size, -1, dtype=np.int64)
         hit = pos >= 0
-        number = np.where(hit, self._pack_of[np.maximum(pos, 0)], -1)
-        used, pack_of = np.unique(number, return_inverse=True)  # the block's packs only, numbered anew
-        names = self._packs[used].tolist()
-        pack_of = pack_of.astype(np.int32).reshape(-1)
-        if used.size and used[0] < 0:  # -1 sorts first: it becomes -1 again, the others count from 0
-            names, pack_of = names[1:], pack_of - 1
+        names, pack_of = _block_packs(np.where(hit, self._pack_of[np.maximum(pos, 0)], -1), self._packs)
         delta_at = np.flatnonzero(hit & self._delta[np.maximum(pos, 0)]).astype(np.int32)
         delta_base = self._base[pos[delta_at]]
         miss = np.flatnonzero(~hit)
@@ -196,6 +191,33 @@ def locate_in(get, ids: np.ndarray) -> Located:
 _WALK_BLOCK = 1 << 12  # cache records read per step of a walk (~0.4 MiB of bytes objects held)
 
 
+def cache_blocks(txn, size: int):
+    """The cache (an LMDB transaction's records), walked in key order a block at a time: (16-byte keys,
+    their values, the block's other keys, none of which is a chunk's). Keys and values are read by two
+    cursors of the transaction (they walk the same keys): no tuple per record, and no bytes object held past
+    its block."""
+    keys_it = txn.cursor().iternext(keys=True, values=False)
+    vals_it = txn.cursor().iternext(keys=False, values=True)
+    while ks := list(islice(keys_it, size)):
+        vs = list(islice(vals_it, len(ks)))
+        other = []
+        if set(map(len, ks)) != {16}:
+            other = [bytes(k) for k in ks if len(k) != 16]
+            vs = [v for k, v in zip(ks, vs) if len(k) == 16]
+            ks = [k for k in ks if len(k) == 16]
+        yield ks, vs, other
+
+
+def _block_packs(number: np.ndarray, names) -> tuple[list[str], np.ndarray]:
+    """(the names of the packs a block's ``number`` (int, -1: none) uses, each id's number among them, -1
+    staying -1): a block's Located names only its own packs."""
+    used, pack_of = np.unique(number, return_inverse=True)
+    pack_of = pack_of.astype(np.int32).reshape(-1)
+    if used.size and used[0] < 0:  # -1 sorts first: it stays -1, the others count from 0
+        used, pack_of = used[1:], pack_of - 1
+    return [names[k] for k in used.tolist()], pack_of
+
+
 def locate_walk(txn, ids: np.ndarray, fn, block: int) -> list:
     """``fn(start, Located)`` for each block of at most ``block`` of ``ids`` (sorted unique, most of the
     cache's chunks), as locate_in finds them, by walking the cache (an LMDB transaction) in key order: a
@@ -203,8 +225,6 @@ def locate_walk(txn, ids: np.ndarray, fn, block: int) -> list:
     the keys. The ids a step's keys reach are matched against them in arrays, and their records checked as
     locate_in checks them."""
     out = []
-    keys_it = txn.cursor().iternext(keys=True, values=False)
-    vals_it = txn.cursor().iternext(keys=False, values=True)
     done = 0
 
     def hand_over(upto: int, keys: np.ndarray, recs: np.ndarray) -> None:
@@ -226,22 +246,14 @@ def locate_walk(txn, ids: np.ndarray, fn, block: int) -> list:
         base = np.zeros(part.size, dtype="V16")
         base[hit] = recs["base"]
         for start in range(0, part.size, block):
-            p, d = pack_of[start:start + block], np.flatnonzero(is_delta[start:start + block]).astype(np.int32)
-            used, p = np.unique(p, return_inverse=True)  # the block's packs only, numbered anew
-            p = p.astype(np.int32).reshape(-1)
-            if used.size and used[0] < 0:  # -1 sorts first: it stays -1
-                used, p = used[1:], p - 1
-            out.append(fn(done + start, Located([names[k] for k in used.tolist()], p, d, base[start + d])))
+            d = np.flatnonzero(is_delta[start:start + block]).astype(np.int32)
+            out.append(fn(done + start, Located(*_block_packs(pack_of[start:start + block], names), d,
+                                                base[start + d])))
         done = max(done, upto)
 
-    while done < ids.size:
-        ks = list(islice(keys_it, _WALK_BLOCK))
-        if not ks:
+    for ks, vs, _ in cache_blocks(txn, _WALK_BLOCK):  # a key of another length is never one of ids
+        if done >= ids.size:
             break
-        vs = list(islice(vals_it, len(ks)))
-        if set(map(len, ks)) != {16}:  # not a chunk's key: never one of ids
-            vs = [v for k, v in zip(ks, vs) if len(k) == 16]
-            ks = [k for k in ks if len(k) == 16]
         if not ks:
             continue
         keys = np.frombuffer(b"".join(ks), dtype="V16")

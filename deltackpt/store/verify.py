@@ -205,9 +205,16 @@ def _refresh_cache(store, users: np.ndarray, level: int, progress):
     # Levels 1-2 read every pack anyway, so checking the cache against the pack tables costs little and means
     # no damage to the cache (a malformed or a well-formed but wrong record) is mistaken for damage to the store.
     moved: dict[bytes, str] = {}
+    records = _reconciled(index, moved, progress)
+    return _list_pack_sizes(store), lambda _i, cid: moved.get(cid), records
+
+
+def _reconciled(index, moved: dict, progress):
+    """Reconcile the cache with the pack tables (``moved`` as ``ChunkIndex.reconcile`` fills it); returns what
+    to locate chunks with: the snapshot of the records it left, or the index when it rebuilt instead."""
     snapshot: list = []
     index.reconcile(progress=progress, moved=moved, snapshot=snapshot)
-    return _list_pack_sizes(store), lambda _i, cid: moved.get(cid), snapshot[0] if snapshot else index
+    return snapshot[0] if snapshot else index
 
 
 def _nowhere(_i, _cid) -> None:
@@ -239,9 +246,7 @@ def _check_structure(store, found: _Findings, seen, packs, level: int, records, 
             # may mean the cache itself is damaged (a record well-formed but wrong, or under a wrong key),
             # which is not damage to the store: check it against the pack tables and look again.
             moved: dict[bytes, str] = {}
-            snapshot: list = []
-            index.reconcile(progress=progress, moved=moved, snapshot=snapshot)
-            records = snapshot[0] if snapshot else index
+            records = _reconciled(index, moved, progress)
             base, present, held, absent, outside = _locate_users(records, users, packs)
             seen = _moved_first(moved, seen)
         bar.advance(users.size)

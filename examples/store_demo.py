@@ -16,9 +16,10 @@ import numpy as np
 from deltackpt.cli import main as cli
 from deltackpt.errors import DeltackptError
 from deltackpt.store import Store
+from deltackpt.store.backend import STORE_FOLDERS
 
 MARK = {"made_by": "examples/store_demo.py"}  # in every checkpoint's metadata: what a rerun may delete
-STORE_ENTRIES = {"config", "packs", "manifests", "locks", "tags", "cache"}
+STORE_ENTRIES = {"config", "cache", *STORE_FOLDERS}
 
 
 def remove_previous_demo(path: Path) -> None:

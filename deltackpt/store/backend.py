@@ -29,7 +29,7 @@ from typing import Iterator
 from ..errors import DeltackptError, DiskFullError, StorePermissionError
 
 _TMP_MARK = ".tmp-"
-STORE_FOLDERS = ("packs", "manifests", "locks", "tags")  # the store's folders of objects; see Store.init
+STORE_FOLDERS = ("packs", "manifests", "locks", "tags", "commits")  # the store's folders of objects; see Store.init
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -70,8 +70,9 @@ class Backend(abc.ABC):
         """Store ``data`` under ``key`` atomically; replaces an existing object."""
 
     def put_transient(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """:meth:`put` for an object that only coordinates running processes (a lock): as atomic, but it need
-        not survive a crash, which ends every process it speaks for. Backends may skip making it durable."""
+        """:meth:`put` for an object that only coordinates running processes (a lock), or a hint whose loss
+        costs only time (a commit record): as atomic, but it need not survive a crash. Backends may skip
+        making it durable."""
         self.put(key, data)
 
     @abc.abstractmethod

@@ -59,7 +59,7 @@ from .config import chain_limit
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
 from ..errors import CheckpointNotFoundError, DiskFullError, ManifestFormatError
-from . import idset
+from . import commits, idset
 from .index import GC_EPOCH_KEY
 from .pack import (
     FOOTER_SIZE,
@@ -158,6 +158,7 @@ class GcPlan:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:
                 store.backend.delete_temp(path)
+            _drop_orphan_records(store)
         return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack) - len(plan.merge),
                         merged_packs=len(plan.merge), new_packs=len(published), moved_chunks=moved,
                         reclaimed_bytes=plan.reclaim_bytes,
@@ -308,6 +309,17 @@ def _mark(store, live: np.ndarray, pins: np.ndarray, ids: np.ndarray, bases: np.
         fpos = idset.find(frontier, ids)
         pos[fpos >= 0] = at[fpos[fpos >= 0]]
     return live, pos
+
+
+def _drop_orphan_records(store) -> None:
+    """Delete the commit records (:mod:`.commits`) of checkpoints whose manifest is gone (a forget that
+    stopped between the two deletes). Under the exclusive lock: no commit is between its manifest and its
+    record."""
+    names = set(store.checkpoint_names())
+    for info in store.backend.list(commits.PREFIX):
+        name = info.key[len(commits.PREFIX):]
+        if "/" not in name and name not in names:
+            store.backend.delete(info.key)
 
 
 def _read_epoch(store) -> bytes:

@@ -65,6 +65,7 @@ class ChunkIndex(LmdbCache):
         super().__init__([Path(d) / "index.lmdb" for d in (cache_dir, *fallback_dirs)])
         self.backend = backend
         self.store_id = store_id.encode()
+        self._refreshes = 0
 
     def __getstate__(self):
         raise TypeError("ChunkIndex holds an LMDB environment and is not picklable; reopen the store")
@@ -77,6 +78,11 @@ class ChunkIndex(LmdbCache):
     def generation(self) -> int:
         """Changes whenever the index is repaired or rebuilt (see :meth:`distrust`)."""
         return self._gen
+
+    @property
+    def refreshes(self) -> int:
+        """How many times this object refreshed from a listing (:meth:`refresh`)."""
+        return self._refreshes
 
     def distrust(self, gen: int) -> bool:
         """A caller found a record of the index wrong (its pack is missing, its bytes are not that chunk):
@@ -333,9 +339,25 @@ class ChunkIndex(LmdbCache):
     def has_seen(self, commit: str | None) -> bool:
         """Whether this cache is this store's and indexed ``commit``'s commit itself (None: a store without
         checkpoints, nothing to have seen): then it holds every pack that commit's checkpoint relies on."""
+        return commit is None or self.last_commit() == commit
+
+    @guarded()
+    def last_commit(self) -> str | None:
+        """The commit this cache indexed last (:meth:`has_seen`), or None (none, or a cache of another store)."""
         if self._is_foreign():
-            return False
-        return commit is None or self.get_meta(LAST_COMMIT_KEY) == commit.encode()
+            return None
+        seen = self.get_meta(LAST_COMMIT_KEY)
+        return None if seen is None else seen.decode("utf-8", "replace")
+
+    @guarded()
+    def add_packs(self, packs: dict[str, int]) -> int:
+        """Index those of ``packs`` (name -> size, in the order a chunk's location is taken: first found) this
+        cache has not; a pack gone is skipped, as a listing would not show it. Returns how many were new."""
+        _, known, _ = self._dbs()
+        with self.env.begin(db=known) as txn:
+            new = [(p, size) for p, size in packs.items() if txn.get(bytes.fromhex(p)) is None]
+        self._index_packs(new)
+        return len(new)
 
     def sync(self) -> None:
         """Refresh this cache if a gc deleted packs since it last looked (call holding a shared store lock,
@@ -370,10 +392,13 @@ class ChunkIndex(LmdbCache):
             present = self._listed()
             gone = known - present.keys()
         if gone or self._is_foreign():
-            return self._rebuild(present)
-        new = [n for n in present if n not in known]
-        self._index_packs([(n, present[n][0]) for n in new])
-        return len(new), 0
+            out = self._rebuild(present)
+        else:
+            new = [n for n in present if n not in known]
+            self._index_packs([(n, present[n][0]) for n in new])
+            out = len(new), 0
+        self._refreshes += 1  # once indexed: a thread that looked up before this and missed looks again
+        return out
 
     @guarded()
     def rebuild(self, present: dict[str, tuple[int, float]] | None = None,

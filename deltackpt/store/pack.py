@@ -80,7 +80,7 @@ def pack_key(name: str) -> str:
 
 def pack_name_from_key(key: str) -> str | None:
     parts = key.split("/")
-    if len(parts) == 3 and parts[0] == "packs" and _is_hex_name(parts[2]) and parts[1] == parts[2][:2]:
+    if len(parts) == 3 and parts[0] == "packs" and is_pack_name(parts[2]) and parts[1] == parts[2][:2]:
         return parts[2]
     return None
 
@@ -100,7 +100,8 @@ def pack_stamps(listed: dict[str, object]) -> dict[str, tuple[int, float]]:
     return {name: (info.size_bytes, info.mtime_s) for name, info in listed.items()}
 
 
-def _is_hex_name(s: str) -> bool:
+def is_pack_name(s: str) -> bool:
+    """Whether ``s`` is a pack's name: 32 lowercase hex digits (its xxh3-128)."""
     return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
 
 

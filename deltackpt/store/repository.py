@@ -12,6 +12,7 @@ it is missing or stale, so a crash between pack upload and index update loses no
 from __future__ import annotations
 
 import difflib
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -35,6 +36,7 @@ from .cachedir import default_cache_dir, user_cache_dirs
 from .commit import build_manifest, check_chunks, index_new_packs
 from .location import open_backend
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config, writer_features
+from .commits import CommitRecord, encode_record, packs_since, record_key
 from .index import LAST_COMMIT_KEY, ChunkIndex
 from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
                        manifest_key, refs_from_body, validate_name)
@@ -49,10 +51,11 @@ from .reader import CheckpointReader
 from .summary import CheckpointInfo, StoreUsage, damaged_info, summarize_manifest
 from .writer import ChunkWriter, WriteSummary
 
+log = logging.getLogger("deltackpt.store")
+
 
 def _as_backend(location, storage_options: dict | None = None) -> Backend:
     return open_backend(location, storage_options)
-
 
 
 _RECEIVED_CACHES: dict[str, BaseCache] = {}  # store id -> the cache of Stores unpickled in this process
@@ -206,8 +209,9 @@ class Store:
 
     def index_as_of(self, head: str | None) -> ChunkIndex:
         """The index, brought up to the commit of ``head`` (the store's newest checkpoint when a save began,
-        None when it had none): refreshed from a listing of every pack only when its cache has not seen that
-        commit. Packs written since (other ranks' of the same save) are never needed to deduplicate against.
+        None when it had none) when its cache has not seen that commit: from the records of the commits it
+        missed (:mod:`.commits`), else from a listing of every pack. Packs written since (other ranks' of the
+        same save) are never needed to deduplicate against.
         A DCP rank names the head its coordinator sent: a cache the coordinator commits into is current
         without a listing per rank (O(ranks x packs) per save, and on a first save each rank listed the
         packs the ranks before it had written), and a cache on another host, or of another process, catches
@@ -218,17 +222,34 @@ class Store:
             # listed every pack and read every new pack's table, all at once, when it missed a commit.
             with index.one_at_a_time():
                 if not index.has_seen(head):
-                    index.refresh()
+                    self._catch_up(index, head)
                     if head is not None:
                         index.set_meta(LAST_COMMIT_KEY, head.encode())
         self._index_current = True
         return index
 
-    def refresh_index(self, listed: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
+    def _catch_up(self, index: ChunkIndex, head: str | None) -> None:
+        """Index the packs committed since the cache's last commit up to ``head``: from the commit records
+        when they vouch for every commit in between (a request each), else from a listing of every pack."""
+        seen = index.last_commit()
+        packs = None
+        if head is not None and seen is not None:
+            packs = packs_since(self.backend, self.config.store_id, head, seen)
+        if packs is None:
+            index.refresh()
+        else:
+            index.add_packs(packs)
+
+    def refresh_index(self, listed: dict[str, tuple[int, float]] | None = None, *,
+                      since: int | None = None) -> tuple[int, int]:
         """Bring the index in line with the packs (``listed``: the caller's fresh listing of them, name ->
-        (size, mtime)); one listing, not the first use's and then this one's."""
+        (size, mtime)); one listing, not the first use's and then this one's. ``since``: the index's
+        :attr:`~ChunkIndex.refreshes` when the caller looked a chunk up and missed it; if another thread
+        refreshed since, nothing is listed again (the threads of a read that all missed listed once each)."""
         index = self._cache_index()
         with self._index_lock:
+            if since is not None and index.refreshes != since:
+                return 0, 0
             out = index.refresh(listed)
             self._index_current = True
         return out
@@ -431,6 +452,7 @@ class Store:
             except FileExistsError:
                 raise CheckpointExistsError(name) from None
         crash_point("commit:after-manifest")
+        self._record_commit(manifest, packs)
         obj = self._manifest_object(name)
         mtime_s = obj.mtime_s if obj else 0.0
         if holding is not None and obj is not None:
@@ -439,6 +461,19 @@ class Store:
         self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s))},
                                  meta={LAST_COMMIT_KEY: name.encode()})
         return manifest
+
+    def _record_commit(self, manifest: Manifest, packs: Mapping[str, int]) -> None:
+        """Write the commit's record (:mod:`.commits`), naming the commit this cache indexed before it. A hint:
+        a record that cannot be written is logged, not raised (the checkpoint is committed), and costs a
+        listing of the packs to a cache that catches up through it."""
+        after = self._cache_index().last_commit()
+        record = CommitRecord(store_id=self.config.store_id, name=manifest.name, created_ns=manifest.created_ns,
+                              packs=dict(packs), after=None if after == manifest.name else after)
+        try:
+            self.backend.put_transient(record_key(manifest.name), encode_record(record))
+        except Exception as exc:  # noqa: BLE001 - the commit stands; only the next catch-up lists the packs
+            log.warning("%s: commit record of %s not written (%s: %s)", _describe(self.backend), manifest.name,
+                        type(exc).__name__, exc)
 
     def save(self, name: str, items: Mapping[str, Any], *, metadata=None, overwrite: bool = False,
              lock_wait_s: float = DEFAULT_WAIT_S, **writer_kwargs) -> Manifest:
@@ -507,6 +542,7 @@ class Store:
             if self.exists(name):
                 crash_point("forget:before-delete")
                 self.backend.delete(manifest_key(name))
+                self.backend.delete(record_key(name))  # after it: a crash between leaves a record gc removes
                 removed.append(name)
         self.index.put_summaries({}, drop=removed)
         return removed

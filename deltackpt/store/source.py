@@ -50,10 +50,10 @@ class ChunkSource:
 
     def entry(self, cid: bytes, *, checkpoint=None, item=None) -> PackEntry:
         index = self.store.index
-        gen = index.generation
+        gen, refreshes = index.generation, index.refreshes
         entry = index.lookup(cid)
         if entry is None:
-            self.store.refresh_index()
+            self.store.refresh_index(since=refreshes)
             entry = index.lookup(cid)
         if entry is None and index.distrust(gen):  # a damaged cache can lose a record the packs still hold
             entry = index.lookup(cid)

@@ -212,6 +212,27 @@ def test_a_node_local_cache_catches_up_before_every_save(tmp_path, lookups):
     assert stores[0].read_manifest("s2").stats.new_chunks == 0
 
 
+def test_a_rank_on_another_host_catches_up_from_the_commit_record(tmp_path, lookups):
+    """A rank whose cache is its own (another host) and missed the coordinator's last commit reads that
+    commit's record, not a listing of every pack (a request per 1,000 packs on object storage, at every save
+    on every host but the coordinator's), and still stores nothing the other ranks wrote before."""
+    path = tmp_path / "s"
+    Store.init(path, chunk_size_bytes=CHUNK)
+    stores = [Store.open(ListingBackend(path)) for _ in range(7)]
+    stores.append(Store.open(ListingBackend(path), cache_dir=tmp_path / "other-host"))
+    state = make_state(STATE_BYTES, rows=512)
+    simulate_save(stores, "s0", state)
+    simulate_save(stores, "s1", perturb(state, 0.05))  # the other host's cache saw no commit yet: it lists
+    other = stores[-1].backend
+    assert other.reads["list:packs"] == 1
+    for name, fraction in (("s2", 0.05), ("s3", 0.0)):
+        state = perturb(state, fraction) if fraction else state
+        reads = other.reads["commits"]
+        simulate_save(stores, name, state)
+        assert other.reads["list:packs"] == 1 and other.reads["commits"] == reads + 1
+    assert stores[0].read_manifest("s3").stats.new_chunks == 0
+
+
 def test_a_first_save_lists_no_packs(tmp_path, lookups):
     """A first save (a store without checkpoints) has nothing to deduplicate against, and the packs other
     ranks are writing meanwhile are never needed: no rank lists the store's packs (in one process, ranks one

@@ -24,7 +24,7 @@ from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, code
 from deltackpt.store.config import FORMAT_VERSION, decode_config, encode_config, new_config
 from deltackpt.store.records import decode_record, decode_records, encode_record
 from deltackpt import kernels
-from deltackpt.store import refstream
+from deltackpt.store import commits, refstream
 from deltackpt.store.manifest import (MANIFEST_MAGIC, decode_manifest, decode_manifest_refs, encode_manifest,
                                       manifest_key)
 from fuzz_helpers import FUZZ, OUR_ERRORS, MiB, attempt, mutate, mutations
@@ -726,3 +726,44 @@ def test_codec_forged_content_size_is_a_value_error(size):
     finally:
         tracemalloc.stop()
     assert peak < 64 * MiB
+
+
+# -- commit records ----------------------------------------------------------------------------------------------
+
+_RECORD = commits.CommitRecord(store_id="s" * 32, name="step-10", created_ns=123, packs={"ab" * 16: 4096},
+                               after="step-9")
+VALID_RECORD = commits.encode_record(_RECORD)
+_RECORD_HEAD = len(commits.MAGIC) + 1
+
+
+def _seal_record(body: bytes) -> bytes:
+    out = commits.MAGIC + bytes([commits.VERSION]) + body
+    return out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out))
+
+
+def _decode_commit(data: bytes):
+    return commits.decode_record(data, "step-10", "s" * 32)  # a hint: anything wrong is None, nothing raised
+
+
+@FUZZ
+@given(st.binary(max_size=2048))
+def test_commit_record_random_bytes(data):
+    for candidate in (data, _seal_record(data)):
+        record = _decode_commit(candidate)
+        assert record is None or (record.name == "step-10" and candidate.startswith(commits.MAGIC))
+
+
+@FUZZ
+@given(mutations)
+def test_commit_record_mutations_are_caught_by_the_checksum(ops):
+    data = mutate(VALID_RECORD, ops)
+    assert _decode_commit(data) == (_RECORD if data == VALID_RECORD else None)
+
+
+@FUZZ
+@given(mutations)
+def test_commit_record_mutated_body_resealed(ops):
+    record = _decode_commit(_seal_record(mutate(VALID_RECORD[_RECORD_HEAD:-8], ops)))
+    if record is not None:
+        assert record.store_id == "s" * 32 and record.created_ns >= 0
+        assert all(len(p) == 32 for p in record.packs) and all(size >= 0 for size in record.packs.values())

@@ -335,3 +335,24 @@ def test_access_denied_is_one_line_not_retried_and_writes_nothing(s3_server, s3_
     r = subprocess.run([sys.executable, "-m", "deltackpt", "ls", s3_url], capture_output=True, text=True,
                        timeout=60, env={**os.environ, **env})
     assert r.returncode == 3 and "access denied" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_host_that_missed_a_commit_catches_up_with_one_get_not_a_listing(s3_server, s3_url, proxy, rng, tmp_path):
+    """Two hosts (caches of their own) save in turn into one bucket. The one whose cache missed the other's
+    commit reads that commit's record, one GET, and lists no packs (a LIST per 1,000 packs, per host and
+    save on a job of many hosts); it still deduplicates against the other's chunks."""
+    url = s3_url
+    a = Store.init(_backend(s3_server, url, proxy.endpoint), cache_dir=tmp_path / "cache-a", **SIZES)
+    b = Store.open(_backend(s3_server, url, proxy.endpoint), cache_dir=tmp_path / "cache-b")
+    s0 = _state(rng, 0)
+    a.save("s0", s0)
+    s1 = _state(rng, 1, s0)
+    b.save("s1", s1)  # b's cache saw no commit before: it lists
+    proxy.log.clear()
+    m = a.save("s2", s1)
+    assert m.stats.new_chunks == 0
+    listings = [r.target for r in proxy.log if "list-type=2" in r.target]
+    assert listings and not [t for t in listings if "packs" in t], listings
+    records = [r.target for r in proxy.log if r.method == "GET" and "/commits/" in r.target]
+    assert records == [f"/{url[len('s3://'):]}/commits/s1"]
+    assert_items_equal(s1, b.load("s2"))

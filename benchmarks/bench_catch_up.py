@@ -1,0 +1,137 @@
+"""How a host's index cache catches up with a commit it missed, on S3 (a moto server in a child process):
+through the commit's record (one GET) vs a listing of every pack (a LIST request per 1,000 packs).
+
+On a job of many hosts, every host but the coordinator's missed the last commit at every save. For stores
+of ``--packs`` packs (each save of a long many-rank run adds one per rank): a store is built locally and
+uploaded, a cache on "host A" indexes it (commit c0), a second host commits c1 (one changed chunk), and
+copies of host A's cache catch up to c1 both ways, interleaved, ``--repeats`` times. Both ways read the same
+new pack tables; what differs is the record's GET against the listing. Reported: median seconds and
+requests (LIST pages, GETs) per catch-up, and their ratio.
+
+Usage:
+  python benchmarks/bench_catch_up.py [--packs 1000,4000] [--repeats 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_s3 import MotoServer  # noqa: E402
+from deltackpt.store import Store, commits  # noqa: E402
+from deltackpt.store.fsspec_backend import FsspecBackend  # noqa: E402
+
+CHUNK = 4096
+
+
+class CountingBackend(FsspecBackend):
+    """Counts the requests that matter here: LIST pages (1,000 keys each) and whole or ranged GETs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.requests: Counter = Counter()
+
+    def list(self, prefix=""):
+        infos = list(super().list(prefix))
+        self.requests["list pages"] += max(1, -(-len(infos) // 1000))
+        return iter(infos)
+
+    def get(self, key):
+        self.requests["gets"] += 1
+        return super().get(key)
+
+    def get_range(self, key, offset, length):
+        self.requests["gets"] += 1
+        return super().get_range(key, offset, length)
+
+
+def _build(server: MotoServer, num_packs: int, tmp: Path) -> tuple[str, Path]:
+    """An S3 store of ``num_packs`` one-chunk packs (checkpoint c0), and a cache that indexed it."""
+    local = tmp / f"local-{num_packs}"
+    store = Store.init(local, chunk_size_bytes=CHUNK, pack_target_bytes=CHUNK)
+    data = np.random.default_rng(num_packs).integers(0, 256, num_packs * CHUNK, dtype=np.uint8)
+    store.save("c0", {"x": data})
+    url = f"s3://{server.new_bucket()}/run"
+    for path in sorted(local.rglob("*")):
+        rel = path.relative_to(local)
+        if path.is_file() and rel.parts[0] != "cache":
+            server.fs.pipe_file(f"{url[len('s3://'):]}/{rel.as_posix()}", path.read_bytes())
+    cache = tmp / f"cache-{num_packs}"
+    Store.open(FsspecBackend(url, server.storage_options), cache_dir=cache).index_as_of("c0")
+    other = tmp / f"other-{num_packs}"
+    shutil.copytree(cache, other)
+    changed = data.copy()
+    changed[:16] ^= 0xFF
+    Store.open(FsspecBackend(url, server.storage_options), cache_dir=other).save("c1", {"x": changed})
+    return url, cache
+
+
+def _catch_up(server: MotoServer, url: str, cache: Path, tmp: Path, through_records: bool) -> tuple[float, dict]:
+    host = tmp / "host"
+    shutil.rmtree(host, ignore_errors=True)
+    shutil.copytree(cache, host)
+    backend = CountingBackend(url, server.storage_options)
+    store = Store.open(backend, cache_dir=host)
+    store._cache_index().has_seen("c0")  # open the cache before the clock starts
+    backend.requests.clear()
+    walk = commits.MAX_WALK
+    commits.MAX_WALK = walk if through_records else 0  # 0: the records vouch for nothing, so a listing
+    try:
+        t0 = time.perf_counter()
+        index = store.index_as_of("c1")
+        elapsed = time.perf_counter() - t0
+    finally:
+        commits.MAX_WALK = walk
+    assert index.has_seen("c1")
+    return elapsed, dict(backend.requests)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--packs", default="1000,4000")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    server = MotoServer()
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            for num_packs in (int(p) for p in args.packs.split(",")):
+                url, cache = _build(server, num_packs, tmp)
+                times = {True: [], False: []}
+                requests = {}
+                for _ in range(args.repeats):
+                    for through_records in (True, False):
+                        t, req = _catch_up(server, url, cache, tmp, through_records)
+                        times[through_records].append(t)
+                        requests[through_records] = req
+                row = {"packs": num_packs, "record_s": statistics.median(times[True]),
+                       "listing_s": statistics.median(times[False]),
+                       "record_requests": requests[True], "listing_requests": requests[False]}
+                row["ratio"] = row["record_s"] / row["listing_s"]
+                rows.append(row)
+                print(f"{num_packs:>6} packs: record {row['record_s']:.3f} s {requests[True]}, listing "
+                      f"{row['listing_s']:.3f} s {requests[False]} -> {row['ratio']:.2f}x", flush=True)
+    finally:
+        server.stop()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -74,11 +74,14 @@ def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite:
 def _needed_entries(src, manifest: Manifest) -> dict[bytes, PackEntry]:
     """Every chunk the checkpoint reads, with the bases its deltas are coded against (down each chain)."""
     ids = {ref.id for it in manifest.items for ref in it.chunks}
-    found = chain_entries(src.index, ids, chain_limit(src.config))
-    missing = (ids | needed_ids(found)) - found.keys()
-    if missing:
-        raise MissingChunkError(next(iter(missing)).hex(), checkpoint=manifest.name)
-    return found
+    for attempt in range(2):
+        found = chain_entries(src.index, ids, chain_limit(src.config))
+        missing = (ids | needed_ids(found)) - found.keys()
+        if not missing:
+            return found
+        if attempt == 0:  # a cache that missed a commit (or the walk of the commit log did): look again
+            src.refresh_index()
+    raise MissingChunkError(next(iter(missing)).hex(), checkpoint=manifest.name)
 
 
 def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, progress) -> None:

@@ -59,7 +59,7 @@ from .config import chain_limit
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
 from ..errors import CheckpointNotFoundError, DiskFullError, ManifestFormatError
-from . import commits, idset
+from . import commitlog, idset
 from .index import GC_EPOCH_KEY
 from .pack import (
     FOOTER_SIZE,
@@ -312,12 +312,12 @@ def _mark(store, live: np.ndarray, pins: np.ndarray, ids: np.ndarray, bases: np.
 
 
 def _drop_orphan_records(store) -> None:
-    """Delete the commit records (:mod:`.commits`) of checkpoints whose manifest is gone (a forget that
+    """Delete the commit records (:mod:`.commitlog`) of checkpoints whose manifest is gone (a forget that
     stopped between the two deletes). Under the exclusive lock: no commit is between its manifest and its
     record."""
     names = set(store.checkpoint_names())
-    for info in store.backend.list(commits.PREFIX):
-        name = info.key[len(commits.PREFIX):]
+    for info in store.backend.list(commitlog.PREFIX):
+        name = info.key[len(commitlog.PREFIX):]
         if "/" not in name and name not in names:
             store.backend.delete(info.key)
 

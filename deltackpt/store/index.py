@@ -35,6 +35,7 @@ import numpy as np
 
 from . import lmdbenv
 from .backend import local_root
+from .commitlog import Commit
 from ..errors import ManifestFormatError
 from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded, opened_here
@@ -54,6 +55,7 @@ _CHECK_RECORDS = 256  # records checked at once by check_records (~50 KiB of obj
 # Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
 GC_EPOCH_KEY = "gc-epoch"
 LAST_COMMIT_KEY = b"last_commit"  # meta: the checkpoint whose commit this cache indexed last (Store.index_as_of)
+LAST_COMMIT_NS_KEY = b"last_commit_ns"  # meta: that commit's created_ns (decimal), empty when not known
 _envs, _close_env = lmdbenv._envs, close_env  # the registry, under the names the tests close it by
 
 
@@ -65,7 +67,8 @@ class ChunkIndex(LmdbCache):
         super().__init__([Path(d) / "index.lmdb" for d in (cache_dir, *fallback_dirs)])
         self.backend = backend
         self.store_id = store_id.encode()
-        self._refreshes = 0
+        self._refreshes_begun = 0  # refreshes from a listing of their own, counted as they list
+        self._refreshed_upto = 0  # the highest of those numbers whose refresh finished
 
     def __getstate__(self):
         raise TypeError("ChunkIndex holds an LMDB environment and is not picklable; reopen the store")
@@ -81,8 +84,13 @@ class ChunkIndex(LmdbCache):
 
     @property
     def refreshes(self) -> int:
-        """How many times this object refreshed from a listing (:meth:`refresh`)."""
-        return self._refreshes
+        """How many refreshes from a listing of their own (:meth:`refresh`) this object began."""
+        return self._refreshes_begun
+
+    def refreshed_since(self, refreshes: int) -> bool:
+        """Whether a refresh that listed the packs after :attr:`refreshes` read ``refreshes`` has finished:
+        a chunk whose pack was published before then is indexed, if the packs hold it."""
+        return self._refreshed_upto > refreshes
 
     def distrust(self, gen: int) -> bool:
         """A caller found a record of the index wrong (its pack is missing, its bytes are not that chunk):
@@ -339,15 +347,33 @@ class ChunkIndex(LmdbCache):
     def has_seen(self, commit: str | None) -> bool:
         """Whether this cache is this store's and indexed ``commit``'s commit itself (None: a store without
         checkpoints, nothing to have seen): then it holds every pack that commit's checkpoint relies on."""
-        return commit is None or self.last_commit() == commit
+        seen = self._last_commit()
+        return commit is None or (seen is not None and seen.name == commit)
 
     @guarded()
-    def last_commit(self) -> str | None:
+    def last_commit(self) -> Commit | None:
         """The commit this cache indexed last (:meth:`has_seen`), or None (none, or a cache of another store)."""
+        return self._last_commit()
+
+    def _last_commit(self) -> Commit | None:
         if self._is_foreign():
             return None
-        seen = self.get_meta(LAST_COMMIT_KEY)
-        return None if seen is None else seen.decode("utf-8", "replace")
+        _, _, meta = self._dbs()
+        with self.env.begin(db=meta) as txn:
+            name, ns = txn.get(LAST_COMMIT_KEY), txn.get(LAST_COMMIT_NS_KEY)
+        if name is None:
+            return None
+        ns = bytes(ns or b"")
+        return Commit(bytes(name).decode("utf-8", "replace"), int(ns) if ns.isdigit() else None)
+
+    @staticmethod
+    def commit_meta(commit: Commit) -> dict[bytes, bytes]:
+        """The meta keys that say this cache indexed ``commit`` (for :meth:`put_summaries`)."""
+        ns = b"" if commit.created_ns is None else str(commit.created_ns).encode()
+        return {LAST_COMMIT_KEY: commit.name.encode(), LAST_COMMIT_NS_KEY: ns}
+
+    def set_last_commit(self, commit: Commit) -> None:
+        self.put_summaries({}, meta=self.commit_meta(commit))
 
     @guarded()
     def add_packs(self, packs: dict[str, int]) -> int:
@@ -385,6 +411,9 @@ class ChunkIndex(LmdbCache):
         """Bring the cache in line with the packs in the backend (``listed``: a listing the caller just made,
         name -> (size, mtime), instead of a new one). Returns (packs added, packs removed)."""
         # Known before listed: a pack a concurrent commit indexes in between must not look gone (a rebuild).
+        number = None
+        if listed is None:  # a listing of our own, from now: it covers every pack published before this
+            number = self._refreshes_begun = self._refreshes_begun + 1
         known = self._known_packs()
         present = self._listed() if listed is None else listed
         gone = known - present.keys()
@@ -397,7 +426,8 @@ class ChunkIndex(LmdbCache):
             new = [n for n in present if n not in known]
             self._index_packs([(n, present[n][0]) for n in new])
             out = len(new), 0
-        self._refreshes += 1  # once indexed: a thread that looked up before this and missed looks again
+        if number is not None:
+            self._refreshed_upto = max(self._refreshed_upto, number)
         return out
 
     @guarded()
@@ -427,12 +457,7 @@ class ChunkIndex(LmdbCache):
             chunks, packs_db, meta = self._dbs()
             # A cache refilled from every pack still holds what the commit it recorded indexed (not so another
             # store's): a failed commit's refresh must not make the next save list every pack again.
-            if not self._is_foreign():
-                with self.env.begin(db=meta) as txn:
-                    last_commit = txn.get(LAST_COMMIT_KEY)
-                    last_commit = None if last_commit is None else bytes(last_commit)
-            else:
-                last_commit = None
+            last_commit = self._last_commit()
             with self.env.begin(write=True) as txn:
                 txn.drop(chunks, delete=False)
                 txn.drop(packs_db, delete=False)
@@ -445,7 +470,8 @@ class ChunkIndex(LmdbCache):
             self._add([], {})
             if last_commit is not None:  # only once every pack is indexed: an interrupted rebuild claims nothing
                 with self.env.begin(write=True, db=meta) as txn:
-                    txn.put(LAST_COMMIT_KEY, last_commit)
+                    for key, value in self.commit_meta(last_commit).items():
+                        txn.put(key, value)
             self._trusted = True
             self._gen += 1
             return len(present), max(0, before - len(present))
@@ -571,8 +597,10 @@ class ChunkIndex(LmdbCache):
         if_present = local_root(self.backend) is not None
         entries, sizes = [], {}
         for name, size in packs:
-            entries += self._read_entries(name, size) or []
-            sizes[name] = size
+            found = self._read_entries(name, size)
+            if found is not None:  # a pack gone since it was listed (or recorded) is not known: never "gone"
+                entries += found
+                sizes[name] = size
             if bar is not None:
                 bar.advance(1)
             if len(entries) >= _BATCH_ENTRIES:

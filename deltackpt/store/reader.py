@@ -53,7 +53,8 @@ class CheckpointReader:
         self.store = store
         self.manifest = manifest
         self.items: dict[str, Item] = manifest.item_map()
-        self.source = ChunkSource(store)
+        # Its chunks were published before its manifest was read, so before now.
+        self.source = ChunkSource(store, published_before=store._cache_index().refreshes)
         self.remote = local_root(store.backend) is None  # object storage: coalesced requests, many in flight
         self.num_threads = num_threads or default_read_threads(remote=self.remote)
         self._pool: ThreadPoolExecutor | None = None

@@ -36,8 +36,9 @@ from .cachedir import default_cache_dir, user_cache_dirs
 from .commit import build_manifest, check_chunks, index_new_packs
 from .location import open_backend
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config, writer_features
-from .commits import CommitRecord, encode_record, packs_since, record_key
-from .index import LAST_COMMIT_KEY, ChunkIndex
+from .commitlog import (Commit, CommitRecord, commit_record_key, encode_commit_record, packs_since,
+                        read_commit_record)
+from .index import ChunkIndex
 from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
                        manifest_key, refs_from_body, validate_name)
 from . import idset
@@ -111,7 +112,7 @@ class Store:
 
         ``storage_options`` go to the fsspec filesystem of a URL; ``config`` overrides the store's defaults.
         A directory may hold other files: the store only uses its own ``config``, ``packs/``, ``manifests/``,
-        ``locks/``, ``tags/`` and ``cache/``. Packs or manifests without a config (a damaged store) are refused.
+        ``locks/``, ``tags/``, ``commits/`` and ``cache/``. Packs or manifests without a config (a damaged store) are refused.
         """
         backend = _as_backend(location, storage_options)
         if backend.exists(CONFIG_KEY):
@@ -210,7 +211,7 @@ class Store:
     def index_as_of(self, head: str | None) -> ChunkIndex:
         """The index, brought up to the commit of ``head`` (the store's newest checkpoint when a save began,
         None when it had none) when its cache has not seen that commit: from the records of the commits it
-        missed (:mod:`.commits`), else from a listing of every pack. Packs written since (other ranks' of the
+        missed (:mod:`.commitlog`), else from a listing of every pack. Packs written since (other ranks' of the
         same save) are never needed to deduplicate against.
         A DCP rank names the head its coordinator sent: a cache the coordinator commits into is current
         without a listing per rank (O(ranks x packs) per save, and on a first save each rank listed the
@@ -223,32 +224,37 @@ class Store:
             with index.one_at_a_time():
                 if not index.has_seen(head):
                     self._catch_up(index, head)
-                    if head is not None:
-                        index.set_meta(LAST_COMMIT_KEY, head.encode())
         self._index_current = True
         return index
 
     def _catch_up(self, index: ChunkIndex, head: str | None) -> None:
         """Index the packs committed since the cache's last commit up to ``head``: from the commit records
         when they vouch for every commit in between (a request each), else from a listing of every pack."""
+        if head is None:
+            index.refresh()
+            return
         seen = index.last_commit()
+        # Read before any listing: the packs of the commit it names were published before it.
+        record = read_commit_record(self.backend, head, self.config.store_id)
         packs = None
-        if head is not None and seen is not None:
-            packs = packs_since(self.backend, self.config.store_id, head, seen)
+        if record is not None and seen is not None:
+            packs = packs_since(self.backend, self.config.store_id, record, seen)
         if packs is None:
             index.refresh()
         else:
             index.add_packs(packs)
+        index.set_last_commit(Commit(head, record.created_ns if record is not None else None))
 
     def refresh_index(self, listed: dict[str, tuple[int, float]] | None = None, *,
                       since: int | None = None) -> tuple[int, int]:
         """Bring the index in line with the packs (``listed``: the caller's fresh listing of them, name ->
         (size, mtime)); one listing, not the first use's and then this one's. ``since``: the index's
-        :attr:`~ChunkIndex.refreshes` when the caller looked a chunk up and missed it; if another thread
-        refreshed since, nothing is listed again (the threads of a read that all missed listed once each)."""
+        :attr:`~ChunkIndex.refreshes` before the caller looked a chunk up and missed it; when a refresh that
+        listed after that has finished meanwhile, nothing is listed again (the threads of a read that all
+        missed listed once each)."""
         index = self._cache_index()
         with self._index_lock:
-            if since is not None and index.refreshes != since:
+            if since is not None and index.refreshed_since(since):
                 return 0, 0
             out = index.refresh(listed)
             self._index_current = True
@@ -457,20 +463,22 @@ class Store:
         mtime_s = obj.mtime_s if obj else 0.0
         if holding is not None and obj is not None:
             self._last_commit = (name, manifest.created_ns, len(data), mtime_s, frozenset(holding))
-        # LAST_COMMIT_KEY: this cache holds every pack up to this commit.
+        # The last commit: this cache holds every pack up to this commit.
         self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s))},
-                                 meta={LAST_COMMIT_KEY: name.encode()})
+                                 meta=ChunkIndex.commit_meta(Commit(name, manifest.created_ns)))
         return manifest
 
     def _record_commit(self, manifest: Manifest, packs: Mapping[str, int]) -> None:
-        """Write the commit's record (:mod:`.commits`), naming the commit this cache indexed before it. A hint:
+        """Write the commit's record (:mod:`.commitlog`), naming the commit this cache indexed before it. A hint:
         a record that cannot be written is logged, not raised (the checkpoint is committed), and costs a
         listing of the packs to a cache that catches up through it."""
         after = self._cache_index().last_commit()
+        if after is not None and after.name == manifest.name:
+            after = None  # an overwrite: the commit before it is not known here
         record = CommitRecord(store_id=self.config.store_id, name=manifest.name, created_ns=manifest.created_ns,
-                              packs=dict(packs), after=None if after == manifest.name else after)
+                              packs=dict(packs), after=after and after.name, after_ns=after and after.created_ns)
         try:
-            self.backend.put_transient(record_key(manifest.name), encode_record(record))
+            self.backend.put_transient(commit_record_key(manifest.name), encode_commit_record(record))
         except Exception as exc:  # noqa: BLE001 - the commit stands; only the next catch-up lists the packs
             log.warning("%s: commit record of %s not written (%s: %s)", _describe(self.backend), manifest.name,
                         type(exc).__name__, exc)
@@ -542,7 +550,7 @@ class Store:
             if self.exists(name):
                 crash_point("forget:before-delete")
                 self.backend.delete(manifest_key(name))
-                self.backend.delete(record_key(name))  # after it: a crash between leaves a record gc removes
+                self.backend.delete(commit_record_key(name))  # after it: a crash between leaves a record gc removes
                 removed.append(name)
         self.index.put_summaries({}, drop=removed)
         return removed

@@ -40,9 +40,12 @@ class ChunkSource:
     SCRATCH_MAX = 16 * MiB
     PROBE_ELEMS = 256  # elements of a byte plane compared by differs()
 
-    def __init__(self, store, cache_bytes: int = 64 * MiB) -> None:
+    def __init__(self, store, cache_bytes: int = 64 * MiB, *, published_before: int | None = None) -> None:
         self.store = store
         self.cache_bytes = cache_bytes
+        # The index's refreshes when every chunk this source will be asked for had been published (a reader's
+        # manifest was read): a refresh begun since lists them all, so a miss after it need not list again.
+        self.published_before = published_before
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
         self._cached = 0
         self._lock = threading.Lock()
@@ -50,7 +53,8 @@ class ChunkSource:
 
     def entry(self, cid: bytes, *, checkpoint=None, item=None) -> PackEntry:
         index = self.store.index
-        gen, refreshes = index.generation, index.refreshes
+        gen = index.generation
+        refreshes = index.refreshes if self.published_before is None else self.published_before
         entry = index.lookup(cid)
         if entry is None:
             self.store.refresh_index(since=refreshes)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from deltackpt.store import Store
-from deltackpt.store.commits import record_key
+from deltackpt.store.commitlog import commit_record_key
 
 from store_helpers import SMALL, assert_items_equal, subprocess_env
 
@@ -46,7 +46,7 @@ def test_processes_sharing_a_stale_cache_list_the_packs_once(tmp_path):
     Store.open(root, cache_dir=cache).index_as_of("c0")  # the host's cache saw c0's commit...
     x1 = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
     store.save("c1", {"x": x1})  # ...but not c1's, made elsewhere
-    store.backend.delete(record_key("c1"))  # and c1 has no commit record (an older release's): a listing
+    store.backend.delete(commit_record_key("c1"))  # and c1 has no commit record (an older release's): a listing
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     log = tmp_path / "listings"

@@ -24,7 +24,7 @@ from deltackpt.store import ChunkRef, Item, Manifest, MemoryBackend, Stats, code
 from deltackpt.store.config import FORMAT_VERSION, decode_config, encode_config, new_config
 from deltackpt.store.records import decode_record, decode_records, encode_record
 from deltackpt import kernels
-from deltackpt.store import commits, refstream
+from deltackpt.store import commitlog, refstream
 from deltackpt.store.manifest import (MANIFEST_MAGIC, decode_manifest, decode_manifest_refs, encode_manifest,
                                       manifest_key)
 from fuzz_helpers import FUZZ, OUR_ERRORS, MiB, attempt, mutate, mutations
@@ -730,19 +730,19 @@ def test_codec_forged_content_size_is_a_value_error(size):
 
 # -- commit records ----------------------------------------------------------------------------------------------
 
-_RECORD = commits.CommitRecord(store_id="s" * 32, name="step-10", created_ns=123, packs={"ab" * 16: 4096},
-                               after="step-9")
-VALID_RECORD = commits.encode_record(_RECORD)
-_RECORD_HEAD = len(commits.MAGIC) + 1
+_RECORD = commitlog.CommitRecord(store_id="s" * 32, name="step-10", created_ns=123, packs={"ab" * 16: 4096},
+                               after="step-9", after_ns=100)
+VALID_RECORD = commitlog.encode_commit_record(_RECORD)
+_RECORD_HEAD = len(commitlog.MAGIC) + 1
 
 
 def _seal_record(body: bytes) -> bytes:
-    out = commits.MAGIC + bytes([commits.VERSION]) + body
+    out = commitlog.MAGIC + bytes([commitlog.VERSION]) + body
     return out + struct.pack("<Q", xxhash.xxh3_64_intdigest(out))
 
 
 def _decode_commit(data: bytes):
-    return commits.decode_record(data, "step-10", "s" * 32)  # a hint: anything wrong is None, nothing raised
+    return commitlog.decode_commit_record(data, "step-10", "s" * 32)  # a hint: anything wrong is None, nothing raised
 
 
 @FUZZ
@@ -750,7 +750,7 @@ def _decode_commit(data: bytes):
 def test_commit_record_random_bytes(data):
     for candidate in (data, _seal_record(data)):
         record = _decode_commit(candidate)
-        assert record is None or (record.name == "step-10" and candidate.startswith(commits.MAGIC))
+        assert record is None or (record.name == "step-10" and candidate.startswith(commitlog.MAGIC))
 
 
 @FUZZ

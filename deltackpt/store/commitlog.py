@@ -1,0 +1,140 @@
+"""The commit log: a record per commit of the packs it added, so a cache that missed a few commits catches up
+without a listing of every pack.
+
+A cache remembers the last commit it indexed (``LAST_COMMIT_KEY``, and when known that commit's
+``created_ns``). Before a save it must also hold the packs of every commit since, up to the store's newest
+(:meth:`Store.index_as_of`). Listing every pack costs a request per 1,000 packs on object storage, and a long
+run on many ranks holds 10^5 packs: on a job of many hosts, every host but the committing one missed the
+last commit at every save. So :meth:`Store.commit` writes, after its manifest, a record ``commits/<name>``::
+
+    b"DCCR", version byte 1, msgpack(CommitRecord), xxh3-64 of what precedes (LE u64)
+
+``CommitRecord``: ``store_id``, ``name``, ``created_ns`` (the manifest's), ``packs`` (name -> size: the packs
+this commit indexed) and ``after`` / ``after_ns``: the commit the committing cache had indexed last, before
+this one (its name and ``created_ns``). A cache that last saw commit ``L`` (created at ``t``) and is asked for
+``H`` reads ``H``'s record, then its ``after``'s, ... until a record names ``L`` created at ``t`` as its
+``after``, and indexes those records' packs: a request per missed commit, plus the pack tables it needs in
+any case. Each step checks that the record it reads is of the commit the step before named (same
+``created_ns``), so a name forgotten and saved again, or overwritten, never ends a walk early.
+
+The records are hints, never the truth; nothing else reads them, and no reader needs them (so no feature
+gates them; older releases ignore the ``commits/`` prefix). Whenever the walk cannot vouch for every commit
+since ``L`` (a record missing: a commit by an older release, a forgotten checkpoint, a put that failed;
+damaged; of another store or of a later commit of that name; unreadable; a cycle; more than ``MAX_WALK``
+steps; ``L`` or its time unknown) the cache lists the packs as before. What a walk can miss is a commit made
+concurrently with another (both name the same ``after``): that costs only dedup (the next save re-stores
+what the cache lacked), and a read that misses a chunk refreshes from a listing. A gc is not a commit: it
+changes the gc epoch, which sends a cache to a listing before it is trusted (:meth:`ChunkIndex.sync`).
+``forget`` deletes a checkpoint's record after its manifest, and gc deletes records whose manifest is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from typing import Annotated, NamedTuple
+
+import msgspec
+import xxhash
+
+from ..errors import DeltackptError
+from .manifest import validate_name
+from .pack import is_pack_name
+
+MAGIC = b"DCCR"
+VERSION = 1
+PREFIX = "commits/"
+MAX_RECORD_BYTES = 64 << 20
+MAX_WALK = 64  # records read to catch up; a cache further behind lists the packs
+_DIGEST = struct.Struct("<Q")
+log = logging.getLogger("deltackpt.store")
+
+
+class CommitRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    store_id: str
+    name: str
+    created_ns: Annotated[int, msgspec.Meta(ge=0)]
+    packs: dict[str, Annotated[int, msgspec.Meta(ge=0)]]
+    after: str | None = None
+    after_ns: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+class Commit(NamedTuple):
+    """A commit as a cache remembers it: the checkpoint's name and, when known, its ``created_ns``."""
+
+    name: str
+    created_ns: int | None
+
+
+_DECODER = msgspec.msgpack.Decoder(CommitRecord)
+
+
+def commit_record_key(name: str) -> str:
+    return PREFIX + validate_name(name)
+
+
+def encode_commit_record(record: CommitRecord) -> bytes:
+    out = MAGIC + bytes([VERSION]) + msgspec.msgpack.encode(record)
+    return out + _DIGEST.pack(xxhash.xxh3_64_intdigest(out))
+
+
+def decode_commit_record(data: bytes, name: str, store_id: str) -> CommitRecord | None:
+    """The record of commit ``name`` of store ``store_id``, or None when ``data`` is not one (damaged, of an
+    unknown version, of another commit or store): the caller then lists the packs."""
+    head = len(MAGIC) + 1
+    if not head + _DIGEST.size <= len(data) <= MAX_RECORD_BYTES or data[:len(MAGIC)] != MAGIC:
+        return None
+    if data[len(MAGIC)] != VERSION:
+        return None
+    body, (digest,) = data[head:-_DIGEST.size], _DIGEST.unpack(data[-_DIGEST.size:])
+    if xxhash.xxh3_64_intdigest(data[:-_DIGEST.size]) != digest:
+        return None
+    try:
+        record = _DECODER.decode(body)
+    except msgspec.DecodeError:  # ValidationError included
+        return None
+    if record.store_id != store_id or record.name != name or not all(map(is_pack_name, record.packs)):
+        return None
+    if record.after is not None:
+        try:
+            validate_name(record.after)
+        except ValueError:
+            return None
+    return record
+
+
+def read_commit_record(backend, name: str, store_id: str) -> CommitRecord | None:
+    """:func:`decode_commit_record` of the stored record; None when there is none or it cannot be read (a hint:
+    a request that failed costs a listing, never the save)."""
+    try:
+        data = bytes(backend.get(commit_record_key(name)))
+    except FileNotFoundError:
+        return None
+    except (OSError, DeltackptError, ValueError) as exc:  # ValueError: a name no record can have
+        log.warning("commit record of %s not read (%s: %s); listing the packs instead", name,
+                    type(exc).__name__, exc)
+        return None
+    return decode_commit_record(data, name, store_id)
+
+
+def packs_since(backend, store_id: str, head: CommitRecord, seen: Commit) -> dict[str, int] | None:
+    """The packs the commits after ``seen`` up to the one of record ``head`` added (name -> size), newest
+    commit's first, from their records; None when the records cannot vouch for every such commit (see the
+    module docstring)."""
+    if seen.created_ns is None:
+        return None
+    packs: dict[str, int] = {}
+    record, visited = head, {head.name}
+    for _ in range(MAX_WALK):
+        for pack, size in record.packs.items():
+            packs.setdefault(pack, size)
+        if record.after == seen.name:
+            return packs if record.after_ns == seen.created_ns else None
+        if record.after is None or record.after_ns is None or record.after in visited:
+            return None
+        visited.add(record.after)
+        expected_ns = record.after_ns
+        record = read_commit_record(backend, record.after, store_id)
+        if record is None or record.created_ns != expected_ns:
+            return None  # no record, or one of a later commit of that name than the step before named
+    return None

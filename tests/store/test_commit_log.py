@@ -1,0 +1,281 @@
+"""The commit log: a cache that missed commits (another host's) catches up by reading the records of the
+commits it missed instead of listing every pack, and lists the packs whenever the records cannot vouch for
+every commit in between. The records are hints: a missing, damaged or foreign one costs a listing, never a
+wrong answer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+
+from deltackpt.store import MemoryBackend, Store, commitlog
+from deltackpt.store.commitlog import (CommitRecord, commit_record_key, decode_commit_record,
+                                      encode_commit_record, read_commit_record)
+from deltackpt.store.index import ChunkIndex
+from deltackpt.store.copy import copy_checkpoints
+from deltackpt.store.gc import plan_gc
+
+from store_helpers import SMALL, assert_items_equal, random_array
+
+
+def _listing(monkeypatch, backend) -> list[str]:
+    """The prefixes ``backend`` (its class) is asked to list from now on."""
+    listed: list[str] = []
+    real_list = type(backend).list
+    monkeypatch.setattr(type(backend), "list", lambda self, prefix="": listed.append(prefix) or real_list(self, prefix))
+    return listed
+
+
+@pytest.fixture
+def two_hosts(tmp_path):
+    """Two Stores on one backend, each with a cache of its own (two hosts)."""
+    a = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache-a", **SMALL)
+    return a, Store.open(a.backend, cache_dir=tmp_path / "cache-b")
+
+
+def _arrays(rng, n: int) -> list:
+    return [random_array(rng, "float32", (20_000,)) for _ in range(n)]
+
+
+def test_a_cache_commits_behind_catches_up_through_their_records(two_hosts, rng, monkeypatch):
+    a, b = two_hosts
+    xs = _arrays(rng, 4)
+    a.save("s1", {"x0": xs[0]})
+    for i in (2, 3, 4):  # three commits a's cache never sees
+        b.save(f"s{i}", {f"x{j}": xs[j] for j in range(i)})
+    listed = _listing(monkeypatch, a.backend)
+    m = a.save("s5", {f"x{j}": xs[j] for j in range(4)})
+    assert m.stats.new_chunks == 0  # it indexed every pack b wrote
+    assert "packs/" not in listed
+    assert a.index.known_packs() == b.index.known_packs()
+    listed.clear()
+    b.save("s6", {"x0": xs[0]})
+    assert "packs/" not in listed
+    assert_items_equal({f"x{j}": xs[j] for j in range(4)}, b.load("s5"))
+
+
+def _corrupt(backend, name):
+    data = bytearray(backend.get(commit_record_key(name)))
+    data[len(data) // 2] ^= 0xFF
+    backend.put(commit_record_key(name), bytes(data))
+
+
+def _foreign(backend, name):
+    record = read_commit_record(backend, name, Store.open(backend).config.store_id)
+    backend.put(commit_record_key(name), encode_commit_record(msgspec.structs.replace(record, store_id="another-store")))
+
+
+def _self_after(backend, name):  # a cycle: the record names itself as the commit before it
+    record = read_commit_record(backend, name, Store.open(backend).config.store_id)
+    backend.put(commit_record_key(name), encode_commit_record(msgspec.structs.replace(record, after=name)))
+
+
+@pytest.mark.parametrize("spoil", [lambda backend, name: backend.delete(commit_record_key(name)), _corrupt, _foreign,
+                                   _self_after], ids=["missing", "damaged", "foreign", "cycle"])
+def test_a_record_that_cannot_vouch_for_a_commit_sends_the_cache_to_a_listing(two_hosts, rng, monkeypatch, spoil):
+    a, b = two_hosts
+    xs = _arrays(rng, 3)
+    a.save("s1", {"x0": xs[0]})
+    b.save("s2", {"x0": xs[0], "x1": xs[1]})
+    b.save("s3", {"x0": xs[0], "x1": xs[1], "x2": xs[2]})
+    spoil(a.backend, "s2")  # the older of the two a missed
+    listed = _listing(monkeypatch, a.backend)
+    m = a.save("s4", {"x0": xs[0], "x1": xs[1], "x2": xs[2]})
+    assert listed.count("packs/") == 1
+    assert m.stats.new_chunks == 0  # the listing found what the records could not vouch for
+
+
+def test_a_cache_further_behind_than_the_walk_lists_the_packs(two_hosts, rng, monkeypatch):
+    a, b = two_hosts
+    x = _arrays(rng, 1)[0]
+    a.save("s0", {"x": x})
+    for i in range(1, 4):
+        b.save(f"s{i}", {"x": x, "y": x + i})
+    monkeypatch.setattr(commitlog, "MAX_WALK", 2)
+    listed = _listing(monkeypatch, a.backend)
+    assert a.save("s4", {"x": x, "y": x + 3}).stats.new_chunks == 0
+    assert listed.count("packs/") == 1
+
+
+def test_a_commit_the_walk_misses_costs_only_dedup_and_is_still_read(tmp_path, rng, monkeypatch):
+    """Two commits made after the same one, neither seeing the other (each record names that one as before
+    it): a host that catches up to the newer walks past the older. Its save stores the older's chunks again,
+    and it reads and copies the older checkpoint whole (a chunk its cache lacks sends the read, and the copy,
+    to a listing)."""
+    a = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache-a", **SMALL)
+    b = Store.open(a.backend, cache_dir=tmp_path / "cache-b")
+    x, y, z = _arrays(rng, 3)
+    a.save("s1", {"x": x})
+    hosts = [Store.open(a.backend, cache_dir=tmp_path / f"cache-{i}") for i in range(3)]
+    for host in hosts:
+        host.index_as_of("s1")  # they saw s1, then nothing
+    b.save("s2", {"x": x, "y": y})
+    b.save("s3", {"x": x, "z": z})
+    record = read_commit_record(a.backend, "s3", a.config.store_id)
+    assert record.after == "s2"
+    s1 = read_commit_record(a.backend, "s1", a.config.store_id)
+    concurrent = msgspec.structs.replace(record, after="s1", after_ns=s1.created_ns)  # as if s2 were not seen
+    a.backend.put(commit_record_key("s3"), encode_commit_record(concurrent))
+    listed = _listing(monkeypatch, a.backend)
+    m = hosts[0].save("s4", {"x": x, "y": y, "z": z})
+    assert "packs/" not in listed
+    assert m.stats.new_chunks > 0  # y again: s2's packs were never indexed here
+    assert_items_equal({"x": x, "y": y, "z": z}, hosts[0].load("s4"))
+    hosts[1].index_as_of("s3")
+    assert "packs/" not in listed
+    assert_items_equal({"x": x, "y": y}, hosts[1].load("s2"))
+    assert listed.count("packs/") == 1  # the read that missed y's chunks listed them
+    hosts[2].index_as_of("s3")
+    dst = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache-dst", **SMALL)
+    copy_checkpoints(hosts[2], dst, ["s2"])  # a copy whose source cache lacks y's chunks looks again too
+    assert_items_equal({"x": x, "y": y}, dst.load("s2"))
+
+
+def test_forget_and_gc_remove_the_records_of_checkpoints_that_are_gone(two_hosts, rng):
+    a, _ = two_hosts
+    xs = _arrays(rng, 3)
+    for i, x in enumerate(xs):
+        a.save(f"s{i}", {"x": x})
+    assert sorted(i.key for i in a.backend.list(commitlog.PREFIX)) == [commit_record_key(f"s{i}") for i in range(3)]
+    a.forget("s0")
+    assert not a.backend.exists(commit_record_key("s0"))
+    a.backend.delete("manifests/s1")  # a forget that stopped between its two deletes
+    assert a.backend.exists(commit_record_key("s1"))
+    plan_gc(a, grace_s=0).execute()
+    assert [i.key for i in a.backend.list(commitlog.PREFIX)] == [commit_record_key("s2")]
+
+
+def test_a_commit_whose_record_cannot_be_written_still_commits(two_hosts, rng, monkeypatch, caplog):
+    a, b = two_hosts
+    x = _arrays(rng, 1)[0]
+    a.save("s0", {"x": x})
+    real_put = type(a.backend).put_transient
+
+    def put_transient(self, key, data):
+        if key.startswith(commitlog.PREFIX):
+            raise OSError("no route to the bucket")
+        return real_put(self, key, data)
+
+    monkeypatch.setattr(type(a.backend), "put_transient", put_transient)
+    a.save("s1", {"x": x, "y": x + 1})
+    assert "commit record of s1 not written" in caplog.text
+    monkeypatch.undo()
+    listed = _listing(monkeypatch, a.backend)
+    assert b.save("s2", {"x": x, "y": x + 1}).stats.new_chunks == 0
+    assert listed.count("packs/") == 1
+
+
+def _record(**changes) -> CommitRecord:
+    fields = dict(store_id="st", name="c1", created_ns=5, packs={"ab" * 16: 100}, after="c0", after_ns=4)
+    fields.update(changes)
+    return CommitRecord(**fields)
+
+
+def test_a_record_decodes_only_as_written():
+    data = encode_commit_record(_record())
+    assert decode_commit_record(data, "c1", "st") == _record()
+    assert decode_commit_record(data, "c2", "st") is None  # another commit's
+    assert decode_commit_record(data, "c1", "other") is None  # another store's
+    for bad in (data[:-1], data[:10], b"", b"XXXX" + data[4:], data[:4] + b"\x02" + data[5:],
+                data[:8] + bytes([data[8] ^ 1]) + data[9:]):
+        assert decode_commit_record(bad, "c1", "st") is None
+    for record in (_record(packs={"not-a-pack": 1}), _record(after="../x"), _record(created_ns=-1),
+                   _record(after_ns=-1)):
+        assert decode_commit_record(encode_commit_record(record), "c1", "st") is None
+    unknown = msgspec.msgpack.encode({**msgspec.structs.asdict(_record()), "extra": 1})
+    framed = commitlog.MAGIC + bytes([commitlog.VERSION]) + unknown
+    assert decode_commit_record(framed + commitlog._DIGEST.pack(commitlog.xxhash.xxh3_64_intdigest(framed)), "c1", "st") is None
+
+
+@pytest.mark.parametrize("reuse", ["forget-and-save-again", "overwrite"])
+def test_a_name_saved_again_never_ends_a_walk_early(two_hosts, rng, monkeypatch, reuse):
+    """The walk stops at the commit the cache saw, not at a later commit of the same name (it would skip the
+    commits in between): a record names the commit before it with that commit's time."""
+    a, b = two_hosts
+    xs = _arrays(rng, 4)
+    a.save("s0", {"x0": xs[0]})
+    b.save("s1", {"x0": xs[0], "x1": xs[1]})
+    b.save("s2", {"x0": xs[0], "x1": xs[1], "x2": xs[2]})
+    if reuse == "overwrite":
+        b.save("s0", {"x3": xs[3]}, overwrite=True)
+    else:
+        b.forget("s0")
+        b.save("s0", {"x3": xs[3]})
+    b.save("s3", {"x3": xs[3]})
+    assert read_commit_record(a.backend, "s3", a.config.store_id).after == "s0"
+    listed = _listing(monkeypatch, a.backend)
+    m = a.save("s4", {f"x{j}": xs[j] for j in range(4)})
+    assert listed.count("packs/") == 1  # s0 was saved again after a saw it: the records cannot vouch
+    assert m.stats.new_chunks == 0
+
+
+def test_a_record_that_cannot_be_read_costs_a_listing_not_the_save(two_hosts, rng, monkeypatch, caplog):
+    a, b = two_hosts
+    x, y = _arrays(rng, 2)
+    a.save("s0", {"x": x})
+    b.save("s1", {"x": x, "y": y})
+    real_get = type(a.backend).get
+
+    def get(self, key):
+        if key.startswith(commitlog.PREFIX):
+            raise PermissionError(13, "access denied", key)
+        return real_get(self, key)
+
+    monkeypatch.setattr(type(a.backend), "get", get)
+    listed = _listing(monkeypatch, a.backend)
+    assert a.save("s2", {"x": x, "y": y}).stats.new_chunks == 0
+    assert listed.count("packs/") == 1 and "commit record of s1 not read" in caplog.text
+
+
+def test_a_gc_between_the_commits_a_cache_missed_still_sends_it_to_a_listing(two_hosts, rng, monkeypatch):
+    """The records vouch for commits, not for a gc's deletions and repacks: the gc epoch does, and the cache
+    that walked the records refreshes from a listing before it deduplicates."""
+    a, b = two_hosts
+    xs = _arrays(rng, 3)
+    a.save("s0", {"x0": xs[0], "x1": xs[1]})
+    b.save("s1", {"x1": xs[1], "x2": xs[2]})
+    b.forget("s0")
+    swept = plan_gc(b, grace_s=0).execute()
+    assert swept.deleted_packs + swept.repacked_packs > 0
+    b.save("s2", {"x1": xs[1], "x2": xs[2]})
+    listed = _listing(monkeypatch, a.backend)
+    m = a.save("s3", {"x1": xs[1], "x2": xs[2]})
+    assert listed.count("packs/") == 1  # the gc epoch changed: a listing, whatever the records say
+    assert m.stats.new_chunks == 0
+    assert_items_equal({"x1": xs[1], "x2": xs[2]}, a.load("s3"))
+    assert_items_equal({"x1": xs[1], "x2": xs[2]}, Store.open(a.backend, cache_dir=a.cache_dir / "fresh").load("s3"))
+
+
+def test_a_read_that_misses_while_another_refresh_lists_still_finds_the_chunk(two_hosts, rng, monkeypatch):
+    """A refresh that listed the packs before a commit does not vouch for that commit's chunks: a read that
+    missed one while it ran lists again instead of reporting the chunk missing."""
+    a, b = two_hosts
+    x, y = _arrays(rng, 2)
+    a.save("s0", {"x": x})
+    a.rebuild_index()  # the cache is now trusted: a chunk still missing after a refresh is reported missing
+    listed_once, go = threading.Event(), threading.Event()
+    real_listed = ChunkIndex._listed
+
+    def slow_listed(self):
+        out = real_listed(self)
+        if threading.current_thread().name == "early-refresh":
+            listed_once.set()
+            go.wait(10)
+        return out
+
+    monkeypatch.setattr(ChunkIndex, "_listed", slow_listed)
+    early = threading.Thread(target=a.refresh_index, name="early-refresh")
+    early.start()
+    assert listed_once.wait(10)
+    b.save("s1", {"y": y})  # committed after the early refresh listed
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(a.load("s1")))
+    reader.start()
+    time.sleep(0.3)  # the reader missed and waits for the early refresh
+    go.set()
+    early.join(10)
+    reader.join(30)
+    assert_items_equal({"y": y}, got)

@@ -6,10 +6,14 @@ of ``--packs`` packs (each save of a long many-rank run adds one per rank): a st
 uploaded, a cache on "host A" indexes it (commit c0), a second host commits c1 (one changed chunk), and
 copies of host A's cache catch up to c1 both ways, interleaved, ``--repeats`` times. Both ways read the same
 new pack tables; what differs is the record's GET against the listing. Reported: median seconds and
-requests (LIST pages, GETs) per catch-up, and their ratio.
+requests (LIST pages, GETs) per catch-up, and their ratio. Then a host with an empty cache (a spare that took
+over a dead node's work) builds its index from every pack's table, reading them one at a time and
+``REMOTE_TABLE_THREADS`` at once (one run each), through a proxy that delays every request by
+``--latency-ms`` (object storage's per-request latency; the moto server on this machine has next to none, and
+its CPU is the bound).
 
 Usage:
-  python benchmarks/bench_catch_up.py [--packs 1000,4000] [--repeats 3] [--json PATH]
+  python benchmarks/bench_catch_up.py [--packs 1000,4000] [--repeats 3] [--latency-ms 20] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,9 +33,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # the fault proxy of the object-storage tests
 
 from bench_s3 import MotoServer  # noqa: E402
-from deltackpt.store import Store, commits  # noqa: E402
+from s3_faults import FaultProxy  # noqa: E402
+from deltackpt.store import Store, commitlog  # noqa: E402
+from deltackpt.store import index as index_mod  # noqa: E402
 from deltackpt.store.fsspec_backend import FsspecBackend  # noqa: E402
 
 CHUNK = 4096
@@ -87,25 +94,43 @@ def _catch_up(server: MotoServer, url: str, cache: Path, tmp: Path, through_reco
     store = Store.open(backend, cache_dir=host)
     store._cache_index().has_seen("c0")  # open the cache before the clock starts
     backend.requests.clear()
-    walk = commits.MAX_WALK
-    commits.MAX_WALK = walk if through_records else 0  # 0: the records vouch for nothing, so a listing
+    walk = commitlog.MAX_WALK
+    commitlog.MAX_WALK = walk if through_records else 0  # 0: the records vouch for nothing, so a listing
     try:
         t0 = time.perf_counter()
         index = store.index_as_of("c1")
         elapsed = time.perf_counter() - t0
     finally:
-        commits.MAX_WALK = walk
+        commitlog.MAX_WALK = walk
     assert index.has_seen("c1")
     return elapsed, dict(backend.requests)
+
+
+def _fresh_index(endpoint: str, server: MotoServer, url: str, tmp: Path, threads: int) -> float:
+    """Seconds for a host with an empty cache to index every pack, reading ``threads`` tables at once."""
+    cache = tmp / "fresh"
+    shutil.rmtree(cache, ignore_errors=True)
+    store = Store.open(FsspecBackend(url, {**server.storage_options, "endpoint_url": endpoint}), cache_dir=cache)
+    saved = index_mod.REMOTE_TABLE_THREADS
+    index_mod.REMOTE_TABLE_THREADS = threads
+    try:
+        t0 = time.perf_counter()
+        store.index_as_of("c1")
+        return time.perf_counter() - t0
+    finally:
+        index_mod.REMOTE_TABLE_THREADS = saved
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--packs", default="1000,4000")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     server = MotoServer()
+    proxy = FaultProxy(server.port)
+    proxy.set_faults(1.0, ("delay",), delay_s=args.latency_ms / 1000)
     rows = []
     try:
         with tempfile.TemporaryDirectory() as d:
@@ -123,10 +148,16 @@ def main(argv=None) -> int:
                        "listing_s": statistics.median(times[False]),
                        "record_requests": requests[True], "listing_requests": requests[False]}
                 row["ratio"] = row["record_s"] / row["listing_s"]
+                row["fresh_serial_s"] = _fresh_index(proxy.endpoint, server, url, tmp, 1)
+                row["fresh_parallel_s"] = _fresh_index(proxy.endpoint, server, url, tmp,
+                                                       index_mod.REMOTE_TABLE_THREADS)
                 rows.append(row)
                 print(f"{num_packs:>6} packs: record {row['record_s']:.3f} s {requests[True]}, listing "
-                      f"{row['listing_s']:.3f} s {requests[False]} -> {row['ratio']:.2f}x", flush=True)
+                      f"{row['listing_s']:.3f} s {requests[False]} -> {row['ratio']:.2f}x; empty cache: "
+                      f"{row['fresh_serial_s']:.2f} s one table at a time, {row['fresh_parallel_s']:.2f} s "
+                      f"{index_mod.REMOTE_TABLE_THREADS} at once ({args.latency_ms:g} ms a request)", flush=True)
     finally:
+        proxy.stop()
         server.stop()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

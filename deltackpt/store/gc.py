@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import LocalFiles, spool_for
+from .backend import LocalFiles, local_root, spool_for
 from .config import chain_limit
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
@@ -76,6 +76,7 @@ from .pack import (
     read_pack_table,
 )
 from .progress import Progress, phase
+from .threads import REMOTE_TABLE_THREADS, ordered_map
 
 DEFAULT_GRACE_S = 3600.0
 # Small packs (one per rank and save, say) are merged into packs of the target size once they hold this
@@ -340,14 +341,19 @@ def _list_manifests(store) -> dict[str, tuple[int, float]]:
 
 
 def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[str, PackTable]:
+    def read(name: str) -> PackTable | None:
+        try:
+            return read_pack_table(store.backend, name, listed[name].size_bytes)
+        except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
+            return None
+
     tables = {}
+    threads = 1 if local_root(store.backend) is not None else REMOTE_TABLE_THREADS
     with phase(progress, "gc plan", len(listed), "pack") as bar:
-        for name, info in listed.items():
+        for name, table in zip(listed, ordered_map(read, listed, threads)):
             bar.advance(1)
-            try:
-                tables[name] = read_pack_table(store.backend, name, info.size_bytes)
-            except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
-                continue
+            if table is not None:
+                tables[name] = table
     return tables
 
 

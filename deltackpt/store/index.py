@@ -42,6 +42,7 @@ from .lmdbenv import LmdbCache, close_env, guarded, opened_here
 from .pack import PackEntry, PackTable, list_packs, pack_key, pack_stamps, read_pack_entries, read_pack_table, \
     walk_entries
 from .progress import Progress, phase
+from .threads import REMOTE_TABLE_THREADS, ordered_map
 from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, cache_blocks, decode_record,
                       encode_record, is_delta_codec, locate_in, locate_walk, malformed, records_in, records_of)
 
@@ -595,9 +596,10 @@ class ChunkIndex(LmdbCache):
         per batch of entries (a commit per pack made a refresh of many small packs slow)."""
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
         if_present = local_root(self.backend) is not None
+        threads = 1 if if_present else REMOTE_TABLE_THREADS  # object storage: requests wait on the network
         entries, sizes = [], {}
-        for name, size in packs:
-            found = self._read_entries(name, size)
+        tables = ordered_map(lambda pack: self._read_entries(*pack), packs, threads)
+        for (name, size), found in zip(packs, tables):
             if found is not None:  # a pack gone since it was listed (or recorded) is not known: never "gone"
                 entries += found
                 sizes[name] = size

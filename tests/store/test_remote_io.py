@@ -13,9 +13,11 @@ import pytest
 from deltackpt.errors import CorruptChunkError
 from deltackpt.store import MemoryBackend, Store
 from deltackpt.store import reader as reader_mod
+from deltackpt.store import index as index_mod
+from deltackpt.store.gc import plan_gc
 from deltackpt.store.packsink import UPLOADS_IN_FLIGHT
 
-from store_helpers import flip_bit
+from store_helpers import assert_items_equal, flip_bit
 
 CHUNK = 64 * 1024
 
@@ -219,3 +221,80 @@ def test_s3_store_loads_with_coalesced_ranged_gets(s3_server, s3_url, tmp_path, 
     for k, v in items.items():
         assert np.array_equal(got[k], v)
     assert Counting.gets <= 8  # 32 chunks of 64 KiB, 16 to a pack: a GET or two per item
+
+
+# -- pack tables ----------------------------------------------------------------------------------------------
+class SlowTableBackend(MemoryBackend):
+    """A MemoryBackend whose ranged reads of packs take ``read_s``, counting how many run at once."""
+
+    def __init__(self, read_s: float = 0.0) -> None:
+        super().__init__()
+        self.read_s = read_s
+        self.active = 0
+        self.max_active = 0
+        self._lock = threading.Lock()
+
+    def get_range(self, key, offset, length):
+        if not key.startswith("packs/"):
+            return super().get_range(key, offset, length)
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            time.sleep(self.read_s)
+            return super().get_range(key, offset, length)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
+def test_a_new_cache_reads_the_pack_tables_of_object_storage_several_at_once(tmp_path, rng):
+    """A host with an empty cache (a spare that took over a dead node's work) reads every pack's table: a
+    request each, which waits on the network, so several are in flight; the index is the same as one read
+    at a time builds, and gc's plan reads them the same way."""
+    backend = SlowTableBackend()
+    store = _store(tmp_path, backend)
+    items = _items(rng, n_items=8)
+    store.save("a", items)
+    assert len(list(backend.list("packs/"))) >= 10
+    backend.read_s = 0.01
+    fresh = Store.open(backend, cache_dir=tmp_path / "fresh")
+    assert fresh.index.num_chunks() == store.index.num_chunks()
+    assert backend.max_active > 1
+    assert_items_equal(items, fresh.load("a"))
+    one_at_a_time = Store.open(backend, cache_dir=tmp_path / "serial")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(index_mod, "REMOTE_TABLE_THREADS", 1)
+        backend.max_active = 0
+        one_at_a_time.index.num_chunks()
+        assert backend.max_active == 1
+    located = [fresh.index.lookup(cid) for cid in _ids(store)]
+    assert located == [one_at_a_time.index.lookup(cid) for cid in _ids(store)]
+    backend.max_active = 0
+    assert plan_gc(fresh, grace_s=0).delete_packs == {}
+    assert backend.max_active > 1
+
+
+def _ids(store) -> list[bytes]:
+    return sorted({ref.id for it in store.read_manifest("a").items for ref in it.chunks})
+
+
+def test_ordered_map_keeps_the_order_bounds_what_waits_and_raises_in_place():
+    from deltackpt.store.threads import ordered_map
+
+    started = []
+
+    def slow_square(x):
+        started.append(x)
+        time.sleep(0.002 * (x % 3))
+        if x == 40:
+            raise ValueError(x)
+        return x * x
+
+    got = []
+    with pytest.raises(ValueError, match="40"):
+        for i, y in enumerate(ordered_map(slow_square, range(100), 4)):
+            assert len(started) <= i + 1 + 2 * 4  # never more than 2 x threads ahead of the consumer
+            got.append(y)
+    assert got == [x * x for x in range(40)]
+    assert list(ordered_map(slow_square, range(5), 1)) == [0, 1, 4, 9, 16]

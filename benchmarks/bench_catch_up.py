@@ -3,10 +3,10 @@ through the commit's record (one GET) vs a listing of every pack (a LIST request
 
 On a job of many hosts, every host but the coordinator's missed the last commit at every save. For stores
 of ``--packs`` packs (each save of a long many-rank run adds one per rank): a store is built locally and
-uploaded, a cache on "host A" indexes it (commit c0), a second host commits c1 (one changed chunk), and
-copies of host A's cache catch up to c1 both ways, interleaved, ``--repeats`` times. Both ways read the same
-new pack tables; what differs is the record's GET against the listing. Reported: median seconds and
-requests (LIST pages, GETs) per catch-up, and their ratio. Then a host with an empty cache (a spare that took
+uploaded, a cache on "host A" indexes it (commit c0), a second host commits c1 (64 new packs, as a save
+of 64 ranks adds), and copies of host A's cache catch up to c1 both ways, interleaved, ``--repeats`` times:
+through the record (which holds the new packs' tables) or through a listing and a read of each new pack's
+table. Reported: median seconds and requests (LIST pages, GETs) per catch-up, and their ratio. Then a host with an empty cache (a spare that took
 over a dead node's work) builds its index from every pack's table, reading them one at a time and
 ``REMOTE_TABLE_THREADS`` at once (one run each), through a proxy that delays every request by
 ``--latency-ms`` (object storage's per-request latency; the moto server on this machine has next to none, and
@@ -42,6 +42,7 @@ from deltackpt.store import index as index_mod  # noqa: E402
 from deltackpt.store.fsspec_backend import FsspecBackend  # noqa: E402
 
 CHUNK = 4096
+NEW_PACKS = 64  # packs commit c1 adds, as a save of 64 ranks does
 
 
 class CountingBackend(FsspecBackend):
@@ -81,7 +82,10 @@ def _build(server: MotoServer, num_packs: int, tmp: Path) -> tuple[str, Path]:
     other = tmp / f"other-{num_packs}"
     shutil.copytree(cache, other)
     changed = data.copy()
-    changed[:16] ^= 0xFF
+    fresh = np.random.default_rng(num_packs + 1).integers(0, 256, NEW_PACKS * CHUNK, dtype=np.uint8)
+    for i in range(NEW_PACKS):  # a save of many ranks: a new pack per rank (here: a new keyframe chunk each)
+        at = (i * num_packs // NEW_PACKS) * CHUNK
+        changed[at:at + CHUNK] = fresh[i * CHUNK:(i + 1) * CHUNK]
     Store.open(FsspecBackend(url, server.storage_options), cache_dir=other).save("c1", {"x": changed})
     return url, cache
 

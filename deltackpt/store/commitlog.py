@@ -10,12 +10,17 @@ last commit at every save. So :meth:`Store.commit` writes, after its manifest, a
     b"DCCR", version byte 1, msgpack(CommitRecord), xxh3-64 of what precedes (LE u64)
 
 ``CommitRecord``: ``store_id``, ``name``, ``created_ns`` (the manifest's), ``packs`` (name -> size: the packs
-this commit indexed) and ``after`` / ``after_ns``: the commit the committing cache had indexed last, before
-this one (its name and ``created_ns``). A cache that last saw commit ``L`` (created at ``t``) and is asked for
-``H`` reads ``H``'s record, then its ``after``'s, ... until a record names ``L`` created at ``t`` as its
-``after``, and indexes those records' packs: a request per missed commit, plus the pack tables it needs in
-any case. Each step checks that the record it reads is of the commit the step before named (same
-``created_ns``), so a name forgotten and saved again, or overwritten, never ends a walk early.
+this commit indexed), ``tables`` (name -> the pack's table rows, as the pack stores them; left out when they
+would pass ``MAX_TABLE_BYTES`` together) and ``after`` / ``after_ns``: the commit the committing cache had
+indexed last, before this one (its name and ``created_ns``).
+
+A cache that last saw commit ``L`` (created at ``t``) and is asked for ``H`` reads ``H``'s record, then its
+``after``'s, ... until a record names ``L`` created at ``t`` as its ``after``, and indexes those records'
+packs with the entries their tables give: a request per missed commit, where a listing and a table read per
+new pack cost packs / 1,000 + new packs requests (a save of many ranks adds a pack per rank). A table that
+does not parse (or was left out) is read from its pack. Each step checks that the record it reads is of the
+commit the step before named (same ``created_ns``), so a name forgotten and saved again, or overwritten,
+never ends a walk early.
 
 The records are hints, never the truth; nothing else reads them, and no reader needs them (so no feature
 gates them; older releases ignore the ``commits/`` prefix). Whenever the walk cannot vouch for every commit
@@ -37,15 +42,16 @@ from typing import Annotated, NamedTuple
 import msgspec
 import xxhash
 
-from ..errors import DeltackptError
+from ..errors import DeltackptError, ManifestFormatError
 from .manifest import validate_name
-from .pack import is_pack_name
+from .pack import ROW_SIZE, PackEntry, entries_from_rows, is_pack_name, table_rows
 
 MAGIC = b"DCCR"
 VERSION = 1
 PREFIX = "commits/"
 MAX_RECORD_BYTES = 64 << 20
 MAX_WALK = 64  # records read to catch up; a cache further behind lists the packs
+MAX_TABLE_BYTES = 16 << 20  # a commit's pack tables in its record, at most (262,144 entries)
 _DIGEST = struct.Struct("<Q")
 log = logging.getLogger("deltackpt.store")
 
@@ -55,6 +61,7 @@ class CommitRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     created_ns: Annotated[int, msgspec.Meta(ge=0)]
     packs: dict[str, Annotated[int, msgspec.Meta(ge=0)]]
+    tables: dict[str, bytes] = {}
     after: str | None = None
     after_ns: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
@@ -93,7 +100,8 @@ def decode_commit_record(data: bytes, name: str, store_id: str) -> CommitRecord 
         record = _DECODER.decode(body)
     except msgspec.DecodeError:  # ValidationError included
         return None
-    if record.store_id != store_id or record.name != name or not all(map(is_pack_name, record.packs)):
+    if (record.store_id != store_id or record.name != name or not all(map(is_pack_name, record.packs))
+            or not record.tables.keys() <= record.packs.keys()):
         return None
     if record.after is not None:
         try:
@@ -117,19 +125,44 @@ def read_commit_record(backend, name: str, store_id: str) -> CommitRecord | None
     return decode_commit_record(data, name, store_id)
 
 
-def packs_since(backend, store_id: str, head: CommitRecord, seen: Commit) -> dict[str, int] | None:
-    """The packs the commits after ``seen`` up to the one of record ``head`` added (name -> size), newest
-    commit's first, from their records; None when the records cannot vouch for every such commit (see the
-    module docstring)."""
+def new_record(store_id: str, name: str, created_ns: int, packs: dict[str, int], entries: list[PackEntry],
+               after: Commit | None) -> CommitRecord:
+    """The record of a commit that indexed ``packs``, whose entries are ``entries`` (every entry of each pack,
+    as the commit indexed them; their tables go in when they fit ``MAX_TABLE_BYTES``)."""
+    by_pack: dict[str, list[PackEntry]] = {p: [] for p in packs}
+    for e in entries:
+        if e.pack in by_pack:
+            by_pack[e.pack].append(e)
+    tables = {}
+    if sum(map(len, by_pack.values())) * ROW_SIZE <= MAX_TABLE_BYTES:
+        tables = {p: table_rows(es) for p, es in by_pack.items() if es}
+    return CommitRecord(store_id=store_id, name=name, created_ns=created_ns, packs=dict(packs), tables=tables,
+                        after=after and after.name, after_ns=after and after.created_ns)
+
+
+def record_entries(record: CommitRecord) -> dict[str, list[PackEntry]]:
+    """The entries of the packs whose tables ``record`` holds, each table checked as a pack's own is (one
+    that fails is left out: its pack is read instead)."""
+    out = {}
+    for pack, rows in record.tables.items():
+        try:
+            out[pack] = entries_from_rows(rows, record.packs[pack], pack)
+        except ManifestFormatError:
+            continue
+    return out
+
+
+def records_since(backend, store_id: str, head: CommitRecord, seen: Commit) -> list[CommitRecord] | None:
+    """The records of the commits after ``seen`` up to the one of record ``head``, newest first; None when
+    the records cannot vouch for every such commit (see the module docstring)."""
     if seen.created_ns is None:
         return None
-    packs: dict[str, int] = {}
+    records = []
     record, visited = head, {head.name}
     for _ in range(MAX_WALK):
-        for pack, size in record.packs.items():
-            packs.setdefault(pack, size)
+        records.append(record)
         if record.after == seen.name:
-            return packs if record.after_ns == seen.created_ns else None
+            return records if record.after_ns == seen.created_ns else None
         if record.after is None or record.after_ns is None or record.after in visited:
             return None
         visited.add(record.after)

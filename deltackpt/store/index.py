@@ -377,13 +377,14 @@ class ChunkIndex(LmdbCache):
         self.put_summaries({}, meta=self.commit_meta(commit))
 
     @guarded()
-    def add_packs(self, packs: dict[str, int]) -> int:
+    def add_packs(self, packs: dict[str, int], entries: dict[str, list[PackEntry]] | None = None) -> int:
         """Index those of ``packs`` (name -> size, in the order a chunk's location is taken: first found) this
-        cache has not; a pack gone is skipped, as a listing would not show it. Returns how many were new."""
+        cache has not, with their ``entries`` where given (else from their tables); a pack gone is skipped, as
+        a listing would not show it. Returns how many were new."""
         _, known, _ = self._dbs()
         with self.env.begin(db=known) as txn:
             new = [(p, size) for p, size in packs.items() if txn.get(bytes.fromhex(p)) is None]
-        self._index_packs(new)
+        self._index_packs(new, given=entries or {})
         return len(new)
 
     def sync(self) -> None:
@@ -591,14 +592,17 @@ class ChunkIndex(LmdbCache):
                 txn.delete(p, db=verified)
         return changed
 
-    def _index_packs(self, packs: list[tuple[str, int]], bar=None) -> None:
+    def _index_packs(self, packs: list[tuple[str, int]], bar=None, given: dict | None = None) -> None:
         """Index ``packs`` ((name, size), in order: a chunk keeps the first location found), one transaction
-        per batch of entries (a commit per pack made a refresh of many small packs slow)."""
+        per batch of entries (a commit per pack made a refresh of many small packs slow); the entries of a
+        pack in ``given`` are not read from its table."""
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
         if_present = local_root(self.backend) is not None
         threads = 1 if if_present else REMOTE_TABLE_THREADS  # object storage: requests wait on the network
         entries, sizes = [], {}
-        tables = ordered_map(lambda pack: self._read_entries(*pack), packs, threads)
+        given = given or {}
+        tables = ordered_map(lambda pack: given[pack[0]] if pack[0] in given else self._read_entries(*pack), packs,
+                             threads)
         for (name, size), found in zip(packs, tables):
             if found is not None:  # a pack gone since it was listed (or recorded) is not known: never "gone"
                 entries += found

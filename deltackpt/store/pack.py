@@ -372,6 +372,24 @@ def _rows_ok(rows: np.ndarray, table_offset: int) -> bool:
     return bool((np.isin(codec, DELTA_CODECS) == has_base).all())
 
 
+def table_rows(entries: list[PackEntry]) -> bytes:
+    """The table of the pack that holds exactly ``entries`` (in any order), as its rows are stored."""
+    rows = sorted(entries, key=lambda e: e.offset)
+    return b"".join(_ROW.pack(e.chunk_id, e.base_id or NO_BASE, e.offset, e.stored_len, e.raw_len, e.codec,
+                              e.elem_size, e.age) for e in rows)
+
+
+def entries_from_rows(rows: bytes, pack_size: int, name: str) -> list[PackEntry]:
+    """The entries of pack ``name`` (``pack_size`` bytes) from table rows held elsewhere (a commit record),
+    checked as :func:`parse_table` checks the pack's own: ManifestFormatError if they could not be its."""
+    num, rest = divmod(len(rows), ROW_SIZE)
+    table_offset = pack_size - len(rows) - FOOTER_SIZE
+    if rest or table_offset < len(PACK_MAGIC):
+        raise ManifestFormatError(f"pack {name}: table rows do not fit a pack of {pack_size} bytes")
+    tail = _FOOTER.pack(table_offset, num, xxhash.xxh3_64_intdigest(rows), PACK_VERSION, 0, FOOTER_MAGIC)
+    return parse_table(rows, tail, name)
+
+
 TAIL_GUESS_BYTES = 64 * 1024  # one ranged read fetches the footer and a table of up to ~1,000 entries
 
 

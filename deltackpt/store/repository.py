@@ -36,8 +36,8 @@ from .cachedir import default_cache_dir, user_cache_dirs
 from .commit import build_manifest, check_chunks, index_new_packs
 from .location import open_backend
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config, writer_features
-from .commitlog import (Commit, CommitRecord, commit_record_key, encode_commit_record, packs_since,
-                        read_commit_record)
+from .commitlog import (Commit, commit_record_key, encode_commit_record, new_record, read_commit_record,
+                        record_entries, records_since)
 from .index import ChunkIndex
 from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
                        manifest_key, refs_from_body, validate_name)
@@ -236,13 +236,18 @@ class Store:
         seen = index.last_commit()
         # Read before any listing: the packs of the commit it names were published before it.
         record = read_commit_record(self.backend, head, self.config.store_id)
-        packs = None
+        records = None
         if record is not None and seen is not None:
-            packs = packs_since(self.backend, self.config.store_id, record, seen)
-        if packs is None:
+            records = records_since(self.backend, self.config.store_id, record, seen)
+        if records is None:
             index.refresh()
         else:
-            index.add_packs(packs)
+            packs, known = {}, {}
+            for r in records:  # newest first: a chunk keeps the first location found, as in a rebuild
+                for pack, size in r.packs.items():
+                    packs.setdefault(pack, size)
+                known.update(record_entries(r))
+            index.add_packs(packs, known)
         index.set_last_commit(Commit(head, record.created_ns if record is not None else None))
 
     def refresh_index(self, listed: dict[str, tuple[int, float]] | None = None, *,
@@ -458,7 +463,7 @@ class Store:
             except FileExistsError:
                 raise CheckpointExistsError(name) from None
         crash_point("commit:after-manifest")
-        self._record_commit(manifest, packs)
+        self._record_commit(manifest, packs, entries)
         obj = self._manifest_object(name)
         mtime_s = obj.mtime_s if obj else 0.0
         if holding is not None and obj is not None:
@@ -468,15 +473,14 @@ class Store:
                                  meta=ChunkIndex.commit_meta(Commit(name, manifest.created_ns)))
         return manifest
 
-    def _record_commit(self, manifest: Manifest, packs: Mapping[str, int]) -> None:
+    def _record_commit(self, manifest: Manifest, packs: Mapping[str, int], entries: list[PackEntry]) -> None:
         """Write the commit's record (:mod:`.commitlog`), naming the commit this cache indexed before it. A hint:
         a record that cannot be written is logged, not raised (the checkpoint is committed), and costs a
         listing of the packs to a cache that catches up through it."""
         after = self._cache_index().last_commit()
         if after is not None and after.name == manifest.name:
             after = None  # an overwrite: the commit before it is not known here
-        record = CommitRecord(store_id=self.config.store_id, name=manifest.name, created_ns=manifest.created_ns,
-                              packs=dict(packs), after=after and after.name, after_ns=after and after.created_ns)
+        record = new_record(self.config.store_id, manifest.name, manifest.created_ns, dict(packs), entries, after)
         try:
             self.backend.put_transient(commit_record_key(manifest.name), encode_commit_record(record))
         except Exception as exc:  # noqa: BLE001 - the commit stands; only the next catch-up lists the packs

@@ -227,9 +227,10 @@ def test_a_rank_on_another_host_catches_up_from_the_commit_record(tmp_path, look
     assert other.reads["list:packs"] == 1
     for name, fraction in (("s2", 0.05), ("s3", 0.0)):
         state = perturb(state, fraction) if fraction else state
-        reads = other.reads["commits"]
+        reads, pack_reads = other.reads["commits"], other.reads["packs"]
         simulate_save(stores, name, state)
         assert other.reads["list:packs"] == 1 and other.reads["commits"] == reads + 1
+    assert other.reads["packs"] == pack_reads  # nothing changed in s3: the new packs' tables were in the record
     assert stores[0].read_manifest("s3").stats.new_chunks == 0
 
 

@@ -279,3 +279,63 @@ def test_a_read_that_misses_while_another_refresh_lists_still_finds_the_chunk(tw
     early.join(10)
     reader.join(30)
     assert_items_equal({"y": y}, got)
+
+
+class _TableReads(MemoryBackend):
+    """A MemoryBackend that counts the ranged reads of packs (a pack table read is one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pack_reads = 0
+
+    def get_range(self, key, offset, length):
+        self.pack_reads += key.startswith("packs/")
+        return super().get_range(key, offset, length)
+
+
+def _chunk_ids(store) -> list[bytes]:
+    return sorted({ref.id for c in store.checkpoint_names() for it in store.read_manifest(c).items
+                   for ref in it.chunks})
+
+
+def _spoil_tables(backend, name, how):
+    record = read_commit_record(backend, name, Store.open(backend).config.store_id)
+    assert record.tables and record.tables.keys() == record.packs.keys()
+    if how == "garbage":
+        tables = {p: bytes(len(rows)) for p, rows in record.tables.items()}  # all-zero rows: no codec 0 id
+    elif how == "truncated":
+        tables = {p: rows[:-1] for p, rows in record.tables.items()}
+    else:
+        tables = {}  # left out, as when they pass MAX_TABLE_BYTES
+    backend.put(commit_record_key(name), encode_commit_record(msgspec.structs.replace(record, tables=tables)))
+
+
+@pytest.mark.parametrize("spoil", [None, "garbage", "truncated", "left-out"])
+def test_the_tables_in_the_records_spare_a_read_per_new_pack(tmp_path, rng, spoil):
+    """A cache catching up through the records takes the new packs' entries from them (a save of many ranks
+    adds a pack per rank: a request each); a table that does not parse, or was left out, is read from its
+    pack, and either way the cache locates every chunk as one built from the packs does."""
+    a = Store.init(_TableReads(), cache_dir=tmp_path / "cache-a", **SMALL)
+    b = Store.open(a.backend, cache_dir=tmp_path / "cache-b")
+    xs = _arrays(rng, 3)
+    a.save("s0", {"x0": xs[0]})
+    b.save("s1", {"x0": xs[0], "x1": xs[1]})
+    b.save("s2", {"x1": xs[1], "x2": xs[2]})
+    if spoil:
+        _spoil_tables(a.backend, "s1", spoil)
+    new_packs = len(read_commit_record(a.backend, "s1", a.config.store_id).packs) + \
+        len(read_commit_record(a.backend, "s2", a.config.store_id).packs)
+    a.backend.pack_reads = 0
+    a.index_as_of("s2")
+    spoiled = len(read_commit_record(a.backend, "s1", a.config.store_id).packs) if spoil else 0
+    assert new_packs > 2 and a.backend.pack_reads == spoiled
+    fresh = Store.open(a.backend, cache_dir=tmp_path / "fresh")
+    assert [a.index.lookup(c) for c in _chunk_ids(a)] == [fresh.index.lookup(c) for c in _chunk_ids(a)]
+
+
+def test_a_commit_too_large_for_its_tables_records_only_its_packs(two_hosts, rng, monkeypatch):
+    a, b = two_hosts
+    monkeypatch.setattr(commitlog, "MAX_TABLE_BYTES", 1024)
+    a.save("s0", {"x": _arrays(rng, 1)[0]})
+    record = read_commit_record(a.backend, "s0", a.config.store_id)
+    assert record.packs and record.tables == {}

@@ -731,7 +731,7 @@ def test_codec_forged_content_size_is_a_value_error(size):
 # -- commit records ----------------------------------------------------------------------------------------------
 
 _RECORD = commitlog.CommitRecord(store_id="s" * 32, name="step-10", created_ns=123, packs={"ab" * 16: 4096},
-                               after="step-9", after_ns=100)
+                                 tables={"ab" * 16: bytes(range(64))}, after="step-9", after_ns=100)
 VALID_RECORD = commitlog.encode_commit_record(_RECORD)
 _RECORD_HEAD = len(commitlog.MAGIC) + 1
 
@@ -767,3 +767,5 @@ def test_commit_record_mutated_body_resealed(ops):
     if record is not None:
         assert record.store_id == "s" * 32 and record.created_ns >= 0
         assert all(len(p) == 32 for p in record.packs) and all(size >= 0 for size in record.packs.values())
+        assert record.tables.keys() <= record.packs.keys()
+        commitlog.record_entries(record)  # a table that is not a pack's is left out, never raised

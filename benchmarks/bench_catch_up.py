@@ -7,8 +7,9 @@ uploaded, a cache on "host A" indexes it (commit c0), a second host commits c1 (
 of 64 ranks adds), and copies of host A's cache catch up to c1 both ways, interleaved, ``--repeats`` times:
 through the record (which holds the new packs' tables) or through a listing and a read of each new pack's
 table. Reported: median seconds and requests (LIST pages, GETs) per catch-up, and their ratio. Then a host with an empty cache (a spare that took
-over a dead node's work) builds its index from every pack's table, reading them one at a time and
-``REMOTE_TABLE_THREADS`` at once (one run each), through a proxy that delays every request by
+over a dead node's work) builds its index from every pack's table, reading them one at a time,
+``REMOTE_TABLE_THREADS`` at once, and from the commit log's copies (one run each), through a proxy that delays
+every request by
 ``--latency-ms`` (object storage's per-request latency; the moto server on this machine has next to none, and
 its CPU is the bound).
 
@@ -110,19 +111,21 @@ def _catch_up(server: MotoServer, url: str, cache: Path, tmp: Path, through_reco
     return elapsed, dict(backend.requests)
 
 
-def _fresh_index(endpoint: str, server: MotoServer, url: str, tmp: Path, threads: int) -> float:
-    """Seconds for a host with an empty cache to index every pack, reading ``threads`` tables at once."""
+def _fresh_index(endpoint: str, server: MotoServer, url: str, tmp: Path, threads: int, log: bool) -> float:
+    """Seconds for a host with an empty cache to index every pack, reading ``threads`` tables at once, and
+    with ``log`` the tables the commit log holds first."""
     cache = tmp / "fresh"
     shutil.rmtree(cache, ignore_errors=True)
     store = Store.open(FsspecBackend(url, {**server.storage_options, "endpoint_url": endpoint}), cache_dir=cache)
-    saved = index_mod.REMOTE_TABLE_THREADS
+    saved = index_mod.REMOTE_TABLE_THREADS, index_mod.LOGGED_TABLES_ABOVE
     index_mod.REMOTE_TABLE_THREADS = threads
+    index_mod.LOGGED_TABLES_ABOVE = saved[1] if log else 1 << 62
     try:
         t0 = time.perf_counter()
         store.index_as_of("c1")
         return time.perf_counter() - t0
     finally:
-        index_mod.REMOTE_TABLE_THREADS = saved
+        index_mod.REMOTE_TABLE_THREADS, index_mod.LOGGED_TABLES_ABOVE = saved
 
 
 def main(argv=None) -> int:
@@ -152,14 +155,16 @@ def main(argv=None) -> int:
                        "listing_s": statistics.median(times[False]),
                        "record_requests": requests[True], "listing_requests": requests[False]}
                 row["ratio"] = row["record_s"] / row["listing_s"]
-                row["fresh_serial_s"] = _fresh_index(proxy.endpoint, server, url, tmp, 1)
-                row["fresh_parallel_s"] = _fresh_index(proxy.endpoint, server, url, tmp,
-                                                       index_mod.REMOTE_TABLE_THREADS)
+                threads = index_mod.REMOTE_TABLE_THREADS
+                row["fresh_serial_s"] = _fresh_index(proxy.endpoint, server, url, tmp, 1, log=False)
+                row["fresh_parallel_s"] = _fresh_index(proxy.endpoint, server, url, tmp, threads, log=False)
+                row["fresh_log_s"] = _fresh_index(proxy.endpoint, server, url, tmp, threads, log=True)
                 rows.append(row)
                 print(f"{num_packs:>6} packs: record {row['record_s']:.3f} s {requests[True]}, listing "
                       f"{row['listing_s']:.3f} s {requests[False]} -> {row['ratio']:.2f}x; empty cache: "
                       f"{row['fresh_serial_s']:.2f} s one table at a time, {row['fresh_parallel_s']:.2f} s "
-                      f"{index_mod.REMOTE_TABLE_THREADS} at once ({args.latency_ms:g} ms a request)", flush=True)
+                      f"{threads} at once, {row['fresh_log_s']:.2f} s from the commit log ({args.latency_ms:g} ms a request)",
+                      flush=True)
     finally:
         proxy.stop()
         server.stop()

@@ -22,15 +22,20 @@ does not parse (or was left out) is read from its pack. Each step checks that th
 commit the step before named (same ``created_ns``), so a name forgotten and saved again, or overwritten,
 never ends a walk early.
 
-The records are hints, never the truth; nothing else reads them, and no reader needs them (so no feature
+The records are hints, never the truth: no reader needs them, and a record that is wrong costs time (so no feature
 gates them; older releases ignore the ``commits/`` prefix). Whenever the walk cannot vouch for every commit
-since ``L`` (a record missing: a commit by an older release, a forgotten checkpoint, a put that failed;
+since ``L`` (a record missing: a commit by an older release, a record gc removed, a put that failed;
 damaged; of another store or of a later commit of that name; unreadable; a cycle; more than ``MAX_WALK``
 steps; ``L`` or its time unknown) the cache lists the packs as before. What a walk can miss is a commit made
 concurrently with another (both name the same ``after``): that costs only dedup (the next save re-stores
 what the cache lacked), and a read that misses a chunk refreshes from a listing. A gc is not a commit: it
 changes the gc epoch, which sends a cache to a listing before it is trusted (:meth:`ChunkIndex.sync`).
-``forget`` deletes a checkpoint's record after its manifest, and gc deletes records whose manifest is gone.
+
+An empty cache (a spare host that took over a dead node's work) must index every pack; on object storage,
+where that is a request per pack, it reads the commit log first and takes the tables it holds
+(:func:`logged_entries`), reading only the other packs' (gc's repacks, packs of commits whose records are
+gone or left their tables out). So ``forget`` leaves a checkpoint's record: gc deletes it once none of its
+packs is left.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import xxhash
 from ..errors import DeltackptError, ManifestFormatError
 from .manifest import validate_name
 from .pack import ROW_SIZE, PackEntry, entries_from_rows, is_pack_name, table_rows
+from .threads import ordered_map
 
 MAGIC = b"DCCR"
 VERSION = 1
@@ -149,6 +155,21 @@ def record_entries(record: CommitRecord) -> dict[str, list[PackEntry]]:
             out[pack] = entries_from_rows(rows, record.packs[pack], pack)
         except ManifestFormatError:
             continue
+    return out
+
+
+def logged_entries(backend, store_id: str, packs: dict[str, int], threads: int) -> dict[str, list[PackEntry]]:
+    """The entries of those of ``packs`` (name -> size) whose tables the commit log holds: a listing of
+    ``commits/`` and a read of each record (``threads`` at once), instead of a read per pack. For a cache
+    that must index many packs (an empty one: a spare host that took over)."""
+    names = [info.key[len(PREFIX):] for info in backend.list(PREFIX)]
+    names = [n for n in names if "/" not in n]
+    out: dict[str, list[PackEntry]] = {}
+    for record in ordered_map(lambda n: read_commit_record(backend, n, store_id), names, threads):
+        if record is None:
+            continue
+        wanted = {p: rows for p, rows in record.tables.items() if packs.get(p) == record.packs[p] and p not in out}
+        out.update(record_entries(msgspec.structs.replace(record, tables=wanted)))
     return out
 
 

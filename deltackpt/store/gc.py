@@ -313,14 +313,19 @@ def _mark(store, live: np.ndarray, pins: np.ndarray, ids: np.ndarray, bases: np.
 
 
 def _drop_orphan_records(store) -> None:
-    """Delete the commit records (:mod:`.commitlog`) of checkpoints whose manifest is gone (a forget that
-    stopped between the two deletes). Under the exclusive lock: no commit is between its manifest and its
-    record."""
+    """Delete the commit records (:mod:`.commitlog`) of forgotten checkpoints once none of their packs is
+    left: until then they hold those packs' tables for an empty cache. Under the exclusive lock: no commit is
+    between its manifest and its record."""
     names = set(store.checkpoint_names())
-    for info in store.backend.list(commitlog.PREFIX):
-        name = info.key[len(commitlog.PREFIX):]
-        if "/" not in name and name not in names:
-            store.backend.delete(info.key)
+    orphans = [info.key[len(commitlog.PREFIX):] for info in store.backend.list(commitlog.PREFIX)]
+    orphans = [n for n in orphans if "/" not in n and n not in names]
+    if not orphans:
+        return
+    present = set(list_packs(store.backend))
+    for name in orphans:
+        record = commitlog.read_commit_record(store.backend, name, store.config.store_id)
+        if record is None or not present.intersection(record.packs):
+            store.backend.delete(commitlog.PREFIX + name)
 
 
 def _read_epoch(store) -> bytes:

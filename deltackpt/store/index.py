@@ -35,7 +35,7 @@ import numpy as np
 
 from . import lmdbenv
 from .backend import local_root
-from .commitlog import Commit
+from .commitlog import Commit, logged_entries
 from ..errors import ManifestFormatError
 from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded, opened_here
@@ -423,10 +423,10 @@ class ChunkIndex(LmdbCache):
             present = self._listed()
             gone = known - present.keys()
         if gone or self._is_foreign():
-            out = self._rebuild(present)
+            out = self._rebuild(present, from_log=True)
         else:
             new = [n for n in present if n not in known]
-            self._index_packs([(n, present[n][0]) for n in new])
+            self._index_packs([(n, present[n][0]) for n in new], every=not known)
             out = len(new), 0
         if number is not None:
             self._refreshed_upto = max(self._refreshed_upto, number)
@@ -450,7 +450,9 @@ class ChunkIndex(LmdbCache):
         return self._rebuild(present, progress)
 
     def _rebuild(self, present: dict[str, tuple[int, float]] | None = None,
-                 progress: Progress | None = None) -> tuple[int, int]:
+                 progress: Progress | None = None, from_log: bool = False) -> tuple[int, int]:
+        """:meth:`rebuild`'s work; ``from_log``: the tables the commit log holds may stand in for the packs'
+        (never when the cache was found wrong: a record that lied would be believed again)."""
         # Under the repair lock, then a new generation: a thread that missed a record meanwhile looks again.
         with self._repair_lock:
             if present is None:
@@ -467,7 +469,7 @@ class ChunkIndex(LmdbCache):
                 txn.drop(self._db[b"ckpts"], delete=False)
             with phase(progress, "index rebuild", len(present), "pack") as bar:
                 self._index_packs([(n, present[n][0]) for n in sorted(present, key=lambda n: (-present[n][1], n))],
-                                  bar)
+                                  bar, every=from_log)
             # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
             self._add([], {})
             if last_commit is not None:  # only once every pack is indexed: an interrupted rebuild claims nothing
@@ -592,15 +594,21 @@ class ChunkIndex(LmdbCache):
                 txn.delete(p, db=verified)
         return changed
 
-    def _index_packs(self, packs: list[tuple[str, int]], bar=None, given: dict | None = None) -> None:
+    def _index_packs(self, packs: list[tuple[str, int]], bar=None, given: dict | None = None,
+                     every: bool = False) -> None:
         """Index ``packs`` ((name, size), in order: a chunk keeps the first location found), one transaction
         per batch of entries (a commit per pack made a refresh of many small packs slow); the entries of a
-        pack in ``given`` are not read from its table."""
+        pack in ``given`` are not read from its table. ``every``: these are all the store's packs (an empty
+        cache, a rebuild), so on object storage the commit log's tables are read first."""
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
         if_present = local_root(self.backend) is not None
         threads = 1 if if_present else REMOTE_TABLE_THREADS  # object storage: requests wait on the network
         entries, sizes = [], {}
         given = given or {}
+        if every and not if_present and len(packs) - len(given) >= LOGGED_TABLES_ABOVE:
+            # Every table to read: those the commit log holds cost a request per commit, not per pack.
+            todo = {name: size for name, size in packs if name not in given}
+            given = {**logged_entries(self.backend, self.store_id.decode(), todo, LOG_READ_THREADS), **given}
         tables = ordered_map(lambda pack: given[pack[0]] if pack[0] in given else self._read_entries(*pack), packs,
                              threads)
         for (name, size), found in zip(packs, tables):
@@ -639,6 +647,8 @@ class ChunkIndex(LmdbCache):
                 return None
 
 
+LOGGED_TABLES_ABOVE = 64  # pack tables to read past which the commit log's copies are read first (remote)
+LOG_READ_THREADS = 4  # commit records read at once (a record holds up to 16 MiB of tables)
 _WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
 _MATCH_BLOCK = 1 << 16  # records compared per pass, and keys and values read from the cache per block
 

@@ -553,8 +553,7 @@ class Store:
         for name in names:
             if self.exists(name):
                 crash_point("forget:before-delete")
-                self.backend.delete(manifest_key(name))
-                self.backend.delete(commit_record_key(name))  # after it: a crash between leaves a record gc removes
+                self.backend.delete(manifest_key(name))  # its commit record stays while its packs do (gc)
                 removed.append(name)
         self.index.put_summaries({}, drop=removed)
         return removed

@@ -14,6 +14,7 @@ import pytest
 from deltackpt.store import MemoryBackend, Store, commitlog
 from deltackpt.store.commitlog import (CommitRecord, commit_record_key, decode_commit_record,
                                       encode_commit_record, read_commit_record)
+from deltackpt.store import index as index_mod
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.copy import copy_checkpoints
 from deltackpt.store.gc import plan_gc
@@ -134,18 +135,26 @@ def test_a_commit_the_walk_misses_costs_only_dedup_and_is_still_read(tmp_path, r
     assert_items_equal({"x": x, "y": y}, dst.load("s2"))
 
 
-def test_forget_and_gc_remove_the_records_of_checkpoints_that_are_gone(two_hosts, rng):
+def test_a_forgotten_checkpoints_record_stays_until_gc_removed_its_last_pack(two_hosts, rng):
+    """A forgotten checkpoint's record holds the tables of its packs that later checkpoints still use (an
+    empty cache reads them there); gc deletes it once none of its packs is left."""
     a, _ = two_hosts
-    xs = _arrays(rng, 3)
-    for i, x in enumerate(xs):
-        a.save(f"s{i}", {"x": x})
-    assert sorted(i.key for i in a.backend.list(commitlog.PREFIX)) == [commit_record_key(f"s{i}") for i in range(3)]
-    a.forget("s0")
+    x, y, z = _arrays(rng, 3)
+    a.save("s0", {"x": x, "y": y})
+    a.save("s1", {"x": x, "z": z})  # x stays in s0's packs
+    a.save("s2", {"z": z})
+    a.forget(["s0"])
+    assert a.backend.exists(commit_record_key("s0"))
+    plan_gc(a, grace_s=0, max_unused=1.0).execute()  # y's packs go, x's stay
+    assert a.backend.exists(commit_record_key("s0"))
+    a.forget(["s1"])
+    plan_gc(a, grace_s=0, max_unused=1.0).execute()  # nothing uses x now: s0's packs are gone
     assert not a.backend.exists(commit_record_key("s0"))
-    a.backend.delete("manifests/s1")  # a forget that stopped between its two deletes
-    assert a.backend.exists(commit_record_key("s1"))
+    assert a.backend.exists(commit_record_key("s1"))  # forgotten too, but z, which s2 uses, is in its packs
+    a.backend.put(commitlog.PREFIX + "junk", b"not a record")  # unreadable, no manifest: removed
     plan_gc(a, grace_s=0).execute()
-    assert [i.key for i in a.backend.list(commitlog.PREFIX)] == [commit_record_key("s2")]
+    assert not a.backend.exists(commitlog.PREFIX + "junk")
+    assert a.backend.exists(commit_record_key("s2"))
 
 
 def test_a_commit_whose_record_cannot_be_written_still_commits(two_hosts, rng, monkeypatch, caplog):
@@ -339,3 +348,58 @@ def test_a_commit_too_large_for_its_tables_records_only_its_packs(two_hosts, rng
     a.save("s0", {"x": _arrays(rng, 1)[0]})
     record = read_commit_record(a.backend, "s0", a.config.store_id)
     assert record.packs and record.tables == {}
+
+
+def test_an_empty_cache_on_object_storage_takes_the_tables_the_commit_log_holds(tmp_path, rng, monkeypatch):
+    """A spare host (an empty cache) indexes every pack: it reads the commit records, a request per commit,
+    and the tables of only the packs no record holds (gc's repacks); the cache locates every chunk as one
+    built from the packs' own tables does, also for a forgotten checkpoint's packs that are still used."""
+    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 8)
+    store = Store.init(_TableReads(), cache_dir=tmp_path / "cache", **{**SMALL, "pack_target_bytes": 16384})
+    xs = _arrays(rng, 4)
+    store.save("s0", {"x0": xs[0], "x1": xs[1]})
+    store.save("s1", {"x0": xs[0], "x2": xs[2]})
+    store.save("s2", {"x0": xs[0], "x2": xs[2], "x3": xs[3]})
+    store.forget(["s0"])  # x0 stays, in s0's packs
+    num_packs = len(list(store.backend.list("packs/")))
+    assert num_packs > 8
+    store.backend.pack_reads = 0
+    spare = Store.open(store.backend, cache_dir=tmp_path / "spare")
+    assert spare.index.num_chunks() == store.index.num_chunks()
+    assert store.backend.pack_reads == 0
+    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 1 << 30)
+    from_tables = Store.open(store.backend, cache_dir=tmp_path / "from-tables")
+    ids = _chunk_ids(store)
+    assert [spare.index.lookup(c) for c in ids] == [from_tables.index.lookup(c) for c in ids]
+    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 8)
+
+    swept = plan_gc(store, grace_s=0, max_unused=0.01).execute()  # x1 dead: its packs deleted or repacked
+    assert swept.deleted_packs + swept.repacked_packs > 0
+    logged = set().union(*(read_commit_record(store.backend, n, store.config.store_id).packs
+                          for n in ("s0", "s1", "s2")))
+    unlogged = {p for p in (i.key.rsplit("/", 1)[1] for i in store.backend.list("packs/")) if p not in logged}
+    assert unlogged  # the packs gc wrote
+    store.backend.pack_reads = 0
+    after_gc = Store.open(store.backend, cache_dir=tmp_path / "after-gc")
+    assert after_gc.index.num_chunks() == store.index.num_chunks()
+    assert store.backend.pack_reads == len(unlogged)
+    assert_items_equal({"x0": xs[0], "x2": xs[2], "x3": xs[3]}, after_gc.load("s2"))
+
+
+def test_a_record_whose_tables_lie_costs_a_rebuild_from_the_packs_never_a_wrong_read(tmp_path, rng, monkeypatch):
+    """Tables that parse but are not the pack's (two rows' chunk ids swapped) seed an empty cache with wrong
+    locations; the first read that finds an entry header disagreeing rebuilds the cache from the packs' own
+    tables, not from the record again, and the load is bit-exact."""
+    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 1)
+    store = Store.init(_TableReads(), cache_dir=tmp_path / "cache", **SMALL)
+    x = _arrays(rng, 1)[0]
+    store.save("s0", {"x": x})
+    record = read_commit_record(store.backend, "s0", store.config.store_id)
+    pack = max(record.tables, key=lambda p: len(record.tables[p]))
+    rows = bytearray(record.tables[pack])
+    assert len(rows) >= 2 * 64
+    rows[0:16], rows[64:80] = rows[64:80], rows[0:16]  # the first two entries' ids swapped
+    lie = msgspec.structs.replace(record, tables={**record.tables, pack: bytes(rows)})
+    store.backend.put(commit_record_key("s0"), encode_commit_record(lie))
+    spare = Store.open(store.backend, cache_dir=tmp_path / "spare")
+    assert_items_equal({"x": x}, spare.load("s0"))

@@ -11,14 +11,19 @@ last commit at every save. So :meth:`Store.commit` writes, after its manifest, a
 
 ``CommitRecord``: ``store_id``, ``name``, ``created_ns`` (the manifest's), ``packs`` (name -> size: the packs
 this commit indexed), ``tables`` (name -> the pack's table rows, as the pack stores them; left out when they
-would pass ``MAX_TABLE_BYTES`` together) and ``after`` / ``after_ns``: the commit the committing cache had
-indexed last, before this one (its name and ``created_ns``).
+would pass ``MAX_TABLE_BYTES`` together), ``epoch`` (the gc epoch the commit was made in) and ``after`` /
+``after_ns``: the commit the committing cache had indexed last, before this one (its name and
+``created_ns``).
 
 A cache that last saw commit ``L`` (created at ``t``) and is asked for ``H`` reads ``H``'s record, then its
 ``after``'s, ... until a record names ``L`` created at ``t`` as its ``after``, and indexes those records'
 packs with the entries their tables give: a request per missed commit, where a listing and a table read per
-new pack cost packs / 1,000 + new packs requests (a save of many ranks adds a pack per rank). A table that
-does not parse (or was left out) is read from its pack. Each step checks that the record it reads is of the
+new pack cost packs / 1,000 + new packs requests (a save of many ranks adds a pack per rank). A record of an
+older gc epoch than the store's gives pack names only (a gc since may have deleted some: their own tables,
+read, tell which are left). A table that does not check out as its pack's (:func:`~.pack.entries_from_rows`:
+its rows must fill the pack back to back), or was left out, is read from its pack; a cache holding tables
+from the log is not trusted as one built from the packs is, so a read that finds a wrong location rebuilds it
+from the packs. Each step checks that the record it reads is of the
 commit the step before named (same ``created_ns``), so a name forgotten and saved again, or overwritten,
 never ends a walk early.
 
@@ -33,7 +38,7 @@ changes the gc epoch, which sends a cache to a listing before it is trusted (:me
 
 An empty cache (a spare host that took over a dead node's work) must index every pack; on object storage,
 where that is a request per pack, it reads the commit log first and takes the tables it holds
-(:func:`logged_entries`), reading only the other packs' (gc's repacks, packs of commits whose records are
+(:func:`logged_tables`), reading only the other packs' (gc's repacks, packs of commits whose records are
 gone or left their tables out). So ``forget`` leaves a checkpoint's record: gc deletes it once none of its
 packs is left.
 """
@@ -55,9 +60,10 @@ from .threads import ordered_map
 MAGIC = b"DCCR"
 VERSION = 1
 PREFIX = "commits/"
-MAX_RECORD_BYTES = 64 << 20
+MAX_RECORD_BYTES = 256 << 20
 MAX_WALK = 64  # records read to catch up; a cache further behind lists the packs
-MAX_TABLE_BYTES = 16 << 20  # a commit's pack tables in its record, at most (262,144 entries)
+# A commit's pack tables in its record, at most: 3.1M entries (a save of 1.2 TB in 1 MiB chunks holds 1.14M).
+MAX_TABLE_BYTES = 192 << 20
 _DIGEST = struct.Struct("<Q")
 log = logging.getLogger("deltackpt.store")
 
@@ -68,6 +74,7 @@ class CommitRecord(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     created_ns: Annotated[int, msgspec.Meta(ge=0)]
     packs: dict[str, Annotated[int, msgspec.Meta(ge=0)]]
     tables: dict[str, bytes] = {}
+    epoch: bytes = b""  # the gc epoch the commit was made in: a later gc may have deleted its packs
     after: str | None = None
     after_ns: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
@@ -132,7 +139,7 @@ def read_commit_record(backend, name: str, store_id: str) -> CommitRecord | None
 
 
 def new_record(store_id: str, name: str, created_ns: int, packs: dict[str, int], entries: list[PackEntry],
-               after: Commit | None) -> CommitRecord:
+               after: Commit | None, epoch: bytes) -> CommitRecord:
     """The record of a commit that indexed ``packs``, whose entries are ``entries`` (every entry of each pack,
     as the commit indexed them; their tables go in when they fit ``MAX_TABLE_BYTES``)."""
     by_pack: dict[str, list[PackEntry]] = {p: [] for p in packs}
@@ -143,33 +150,27 @@ def new_record(store_id: str, name: str, created_ns: int, packs: dict[str, int],
     if sum(map(len, by_pack.values())) * ROW_SIZE <= MAX_TABLE_BYTES:
         tables = {p: table_rows(es) for p, es in by_pack.items() if es}
     return CommitRecord(store_id=store_id, name=name, created_ns=created_ns, packs=dict(packs), tables=tables,
-                        after=after and after.name, after_ns=after and after.created_ns)
+                        epoch=epoch, after=after and after.name, after_ns=after and after.created_ns)
 
 
-def record_entries(record: CommitRecord) -> dict[str, list[PackEntry]]:
-    """The entries of the packs whose tables ``record`` holds, each table checked as a pack's own is (one
-    that fails is left out: its pack is read instead)."""
-    out = {}
-    for pack, rows in record.tables.items():
-        try:
-            out[pack] = entries_from_rows(rows, record.packs[pack], pack)
-        except ManifestFormatError:
-            continue
-    return out
-
-
-def logged_entries(backend, store_id: str, packs: dict[str, int], threads: int) -> dict[str, list[PackEntry]]:
-    """The entries of those of ``packs`` (name -> size) whose tables the commit log holds: a listing of
-    ``commits/`` and a read of each record (``threads`` at once), instead of a read per pack. For a cache
-    that must index many packs (an empty one: a spare host that took over)."""
+def logged_tables(backend, store_id: str, packs: dict[str, int], threads: int) -> dict[str, bytes]:
+    """The table rows the commit log holds of those of ``packs`` (name -> size): a listing of ``commits/``
+    and a read of each record (``threads`` at once), instead of a read per pack; nothing when there are as
+    many records as packs. For a cache that must index every pack (an empty one: a spare host that took
+    over). A pack is immutable (named by its hash), so a record of any age tells its table; the rows are
+    checked when they are used (:func:`~.pack.entries_from_rows`)."""
     names = [info.key[len(PREFIX):] for info in backend.list(PREFIX)]
     names = [n for n in names if "/" not in n]
-    out: dict[str, list[PackEntry]] = {}
+    out: dict[str, bytes] = {}
+    if len(names) >= len(packs):
+        return out
     for record in ordered_map(lambda n: read_commit_record(backend, n, store_id), names, threads):
-        if record is None:
-            continue
-        wanted = {p: rows for p, rows in record.tables.items() if packs.get(p) == record.packs[p] and p not in out}
-        out.update(record_entries(msgspec.structs.replace(record, tables=wanted)))
+        if record is not None:
+            for pack, rows in record.tables.items():
+                if packs.get(pack) == record.packs[pack]:
+                    out.setdefault(pack, rows)
+        if len(out) == len(packs):
+            break
     return out
 
 

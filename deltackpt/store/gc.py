@@ -58,9 +58,9 @@ from .backend import LocalFiles, local_root, spool_for
 from .config import chain_limit
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
-from ..errors import CheckpointNotFoundError, DiskFullError, ManifestFormatError
+from ..errors import CheckpointNotFoundError, DeltackptError, DiskFullError, ManifestFormatError
 from . import commitlog, idset
-from .index import GC_EPOCH_KEY
+from .index import GC_EPOCH_KEY, read_gc_epoch
 from .pack import (
     FOOTER_SIZE,
     HEADER_SIZE,
@@ -323,16 +323,18 @@ def _drop_orphan_records(store) -> None:
         return
     present = set(list_packs(store.backend))
     for name in orphans:
-        record = commitlog.read_commit_record(store.backend, name, store.config.store_id)
-        if record is None or not present.intersection(record.packs):
-            store.backend.delete(commitlog.PREFIX + name)
+        key = commitlog.PREFIX + name
+        try:
+            data = bytes(store.backend.get(key))
+        except (OSError, DeltackptError):  # gone meanwhile, or not read this time: the next gc looks again
+            continue
+        record = commitlog.decode_commit_record(data, name, store.config.store_id)
+        if record is None or not present.intersection(record.packs):  # not a record, or no pack of it left
+            store.backend.delete(key)
 
 
 def _read_epoch(store) -> bytes:
-    try:
-        return bytes(store.backend.get(GC_EPOCH_KEY))
-    except FileNotFoundError:
-        return b""
+    return read_gc_epoch(store.backend)
 
 
 def _list_manifests(store) -> dict[str, tuple[int, float]]:

@@ -35,12 +35,12 @@ import numpy as np
 
 from . import lmdbenv
 from .backend import local_root
-from .commitlog import Commit, logged_entries
+from .commitlog import Commit, logged_tables
 from ..errors import ManifestFormatError
 from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded, opened_here
-from .pack import PackEntry, PackTable, list_packs, pack_key, pack_stamps, read_pack_entries, read_pack_table, \
-    walk_entries
+from .pack import PackEntry, PackTable, entries_from_rows, list_packs, pack_key, pack_stamps, read_pack_entries, \
+    read_pack_table, walk_entries
 from .progress import Progress, phase
 from .threads import REMOTE_TABLE_THREADS, ordered_map
 from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, cache_blocks, decode_record,
@@ -58,6 +58,14 @@ GC_EPOCH_KEY = "gc-epoch"
 LAST_COMMIT_KEY = b"last_commit"  # meta: the checkpoint whose commit this cache indexed last (Store.index_as_of)
 LAST_COMMIT_NS_KEY = b"last_commit_ns"  # meta: that commit's created_ns (decimal), empty when not known
 _envs, _close_env = lmdbenv._envs, close_env  # the registry, under the names the tests close it by
+
+
+def read_gc_epoch(backend) -> bytes:
+    """The store's gc epoch (empty when no gc has deleted a pack)."""
+    try:
+        return bytes(backend.get(GC_EPOCH_KEY))
+    except FileNotFoundError:
+        return b""
 
 
 class ChunkIndex(LmdbCache):
@@ -377,23 +385,21 @@ class ChunkIndex(LmdbCache):
         self.put_summaries({}, meta=self.commit_meta(commit))
 
     @guarded()
-    def add_packs(self, packs: dict[str, int], entries: dict[str, list[PackEntry]] | None = None) -> int:
+    def add_packs(self, packs: dict[str, int], tables: dict[str, bytes] | None = None) -> int:
         """Index those of ``packs`` (name -> size, in the order a chunk's location is taken: first found) this
-        cache has not, with their ``entries`` where given (else from their tables); a pack gone is skipped, as
-        a listing would not show it. Returns how many were new."""
+        cache has not, from the table rows in ``tables`` where given and they check out (else from the packs'
+        tables); a pack gone is skipped, as a listing would not show it. Returns how many were new."""
         _, known, _ = self._dbs()
         with self.env.begin(db=known) as txn:
             new = [(p, size) for p, size in packs.items() if txn.get(bytes.fromhex(p)) is None]
-        self._index_packs(new, given=entries or {})
+        if self._index_packs(new, given=tables or {}):
+            self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
         return len(new)
 
     def sync(self) -> None:
         """Refresh this cache if a gc deleted packs since it last looked (call holding a shared store lock,
         so no gc deletes while the caller relies on it). One small read when nothing changed."""
-        try:
-            epoch = bytes(self.backend.get(GC_EPOCH_KEY))
-        except FileNotFoundError:
-            epoch = b""
+        epoch = read_gc_epoch(self.backend)
         if epoch != (self.get_meta(b"gc_epoch") or b""):
             self.refresh()
             self.set_meta(b"gc_epoch", epoch)
@@ -426,7 +432,8 @@ class ChunkIndex(LmdbCache):
             out = self._rebuild(present, from_log=True)
         else:
             new = [n for n in present if n not in known]
-            self._index_packs([(n, present[n][0]) for n in new], every=not known)
+            if self._index_packs([(n, present[n][0]) for n in new], every=not known):
+                self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
             out = len(new), 0
         if number is not None:
             self._refreshed_upto = max(self._refreshed_upto, number)
@@ -468,15 +475,15 @@ class ChunkIndex(LmdbCache):
                 txn.drop(meta, delete=False)
                 txn.drop(self._db[b"ckpts"], delete=False)
             with phase(progress, "index rebuild", len(present), "pack") as bar:
-                self._index_packs([(n, present[n][0]) for n in sorted(present, key=lambda n: (-present[n][1], n))],
-                                  bar, every=from_log)
+                newest_first = sorted(present, key=lambda n: (-present[n][1], n))
+                logged = self._index_packs([(n, present[n][0]) for n in newest_first], bar, every=from_log)
             # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
             self._add([], {})
             if last_commit is not None:  # only once every pack is indexed: an interrupted rebuild claims nothing
                 with self.env.begin(write=True, db=meta) as txn:
                     for key, value in self.commit_meta(last_commit).items():
                         txn.put(key, value)
-            self._trusted = True
+            self._trusted = not logged  # tables the commit log gave are not the packs' word: a wrong read rebuilds
             self._gen += 1
             return len(present), max(0, before - len(present))
 
@@ -594,12 +601,13 @@ class ChunkIndex(LmdbCache):
                 txn.delete(p, db=verified)
         return changed
 
-    def _index_packs(self, packs: list[tuple[str, int]], bar=None, given: dict | None = None,
-                     every: bool = False) -> None:
+    def _index_packs(self, packs: list[tuple[str, int]], bar=None, given: dict[str, bytes] | None = None,
+                     every: bool = False) -> int:
         """Index ``packs`` ((name, size), in order: a chunk keeps the first location found), one transaction
-        per batch of entries (a commit per pack made a refresh of many small packs slow); the entries of a
-        pack in ``given`` are not read from its table. ``every``: these are all the store's packs (an empty
-        cache, a rebuild), so on object storage the commit log's tables are read first."""
+        per batch of entries (a commit per pack made a refresh of many small packs slow); a pack whose table
+        rows ``given`` holds (from the commit log) is not read, when they check out. ``every``: these are all
+        the store's packs (an empty cache, a rebuild), so on object storage the commit log's tables are read
+        first. Returns how many packs were indexed from ``given``."""
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
         if_present = local_root(self.backend) is not None
         threads = 1 if if_present else REMOTE_TABLE_THREADS  # object storage: requests wait on the network
@@ -608,10 +616,21 @@ class ChunkIndex(LmdbCache):
         if every and not if_present and len(packs) - len(given) >= LOGGED_TABLES_ABOVE:
             # Every table to read: those the commit log holds cost a request per commit, not per pack.
             todo = {name: size for name, size in packs if name not in given}
-            given = {**logged_entries(self.backend, self.store_id.decode(), todo, LOG_READ_THREADS), **given}
-        tables = ordered_map(lambda pack: given[pack[0]] if pack[0] in given else self._read_entries(*pack), packs,
-                             threads)
-        for (name, size), found in zip(packs, tables):
+            given = {**logged_tables(self.backend, self.store_id.decode(), todo, LOG_READ_THREADS), **given}
+        logged = 0
+
+        def entries_of(pack: tuple[str, int]) -> tuple[list[PackEntry] | None, bool]:
+            name, size = pack
+            if name in given:
+                try:
+                    return entries_from_rows(given[name], size, name), True
+                except ManifestFormatError:
+                    pass  # not this pack's table: its own is read
+            return self._read_entries(name, size), False
+
+        tables = ordered_map(entries_of, packs, threads)
+        for (name, size), (found, from_log) in zip(packs, tables):
+            logged += from_log
             if found is not None:  # a pack gone since it was listed (or recorded) is not known: never "gone"
                 entries += found
                 sizes[name] = size
@@ -622,6 +641,7 @@ class ChunkIndex(LmdbCache):
                 entries, sizes = [], {}
         if sizes:
             self._add(entries, sizes, if_present=if_present)
+        return logged
 
     def _read_table(self, name: str, size: int) -> PackTable | None:
         """:meth:`_read_entries` as arrays."""
@@ -648,7 +668,7 @@ class ChunkIndex(LmdbCache):
 
 
 LOGGED_TABLES_ABOVE = 64  # pack tables to read past which the commit log's copies are read first (remote)
-LOG_READ_THREADS = 4  # commit records read at once (a record holds up to 16 MiB of tables)
+LOG_READ_THREADS = 4  # commit records read at once (a record holds up to 192 MiB of tables)
 _WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
 _MATCH_BLOCK = 1 << 16  # records compared per pass, and keys and values read from the cache per block
 

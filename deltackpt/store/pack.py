@@ -381,13 +381,23 @@ def table_rows(entries: list[PackEntry]) -> bytes:
 
 def entries_from_rows(rows: bytes, pack_size: int, name: str) -> list[PackEntry]:
     """The entries of pack ``name`` (``pack_size`` bytes) from table rows held elsewhere (a commit record),
-    checked as :func:`parse_table` checks the pack's own: ManifestFormatError if they could not be its."""
+    checked as :func:`parse_table` checks the pack's own, and, since a pack holds its entries back to back
+    (PackBuilder), to fill it exactly: a row left out cannot pass. ManifestFormatError if they could not be
+    its table."""
     num, rest = divmod(len(rows), ROW_SIZE)
     table_offset = pack_size - len(rows) - FOOTER_SIZE
     if rest or table_offset < len(PACK_MAGIC):
         raise ManifestFormatError(f"pack {name}: table rows do not fit a pack of {pack_size} bytes")
     tail = _FOOTER.pack(table_offset, num, xxhash.xxh3_64_intdigest(rows), PACK_VERSION, 0, FOOTER_MAGIC)
-    return parse_table(rows, tail, name)
+    entries = parse_table(rows, tail, name)
+    end = len(PACK_MAGIC)
+    for e in entries:
+        if e.offset != end:
+            break
+        end = e.offset + e.span
+    if end != table_offset:
+        raise ManifestFormatError(f"pack {name}: table rows do not cover the pack's entries back to back")
+    return entries
 
 
 TAIL_GUESS_BYTES = 64 * 1024  # one ranged read fetches the footer and a table of up to ~1,000 entries

@@ -27,6 +27,7 @@ from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
 from .config import (CONFIG_KEY, NEW_STORE_MAX_CHAIN, SUPPORTED_FEATURES, StoreConfig, decode_config,
                      encode_config)
 from .gc import _repack
+from .index import GC_EPOCH_KEY
 from .lock import EXCLUSIVE, StoreLock
 from .manifest import Manifest, decode_manifest
 from .pack import MAX_CHUNK_BYTES, pack_name_from_key, read_pack_entries, walk_entries
@@ -178,6 +179,8 @@ def _rebuild_damaged_packs(store: Store, report: RepairReport, progress: Progres
             backend.put(info.key + DAMAGED_SUFFIX, data)
             _moved, names = _repack(store, {name: good})
             if name not in names:  # (every entry intact: the rebuilt pack is the original, under its own name)
+                # A new gc epoch first, as gc's: caches elsewhere (and commit records' tables) locate in it.
+                backend.put(GC_EPOCH_KEY, uuid.uuid4().hex.encode())
                 backend.delete(info.key)
             report.rebuilt_packs[name] = sorted(names)
             report.recovered_chunks += len(good)

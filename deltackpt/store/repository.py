@@ -37,8 +37,8 @@ from .commit import build_manifest, check_chunks, index_new_packs
 from .location import open_backend
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config, writer_features
 from .commitlog import (Commit, commit_record_key, encode_commit_record, new_record, read_commit_record,
-                        record_entries, records_since)
-from .index import ChunkIndex
+                        records_since)
+from .index import ChunkIndex, read_gc_epoch
 from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
                        manifest_key, refs_from_body, validate_name)
 from . import idset
@@ -242,12 +242,15 @@ class Store:
         if records is None:
             index.refresh()
         else:
-            packs, known = {}, {}
+            packs, tables = {}, {}
+            epoch = read_gc_epoch(self.backend)
             for r in records:  # newest first: a chunk keeps the first location found, as in a rebuild
                 for pack, size in r.packs.items():
                     packs.setdefault(pack, size)
-                known.update(record_entries(r))
-            index.add_packs(packs, known)
+                if r.epoch == epoch:  # else a gc since may have deleted some: their own tables tell
+                    for pack, rows in r.tables.items():
+                        tables.setdefault(pack, rows)
+            index.add_packs(packs, tables)
         index.set_last_commit(Commit(head, record.created_ns if record is not None else None))
 
     def refresh_index(self, listed: dict[str, tuple[int, float]] | None = None, *,
@@ -480,7 +483,10 @@ class Store:
         after = self._cache_index().last_commit()
         if after is not None and after.name == manifest.name:
             after = None  # an overwrite: the commit before it is not known here
-        record = new_record(self.config.store_id, manifest.name, manifest.created_ns, dict(packs), entries, after)
+        index = self._cache_index()
+        epoch = index.get_meta(b"gc_epoch") or b""  # synced under this save's lock: no gc since
+        record = new_record(self.config.store_id, manifest.name, manifest.created_ns, dict(packs), entries, after,
+                            epoch)
         try:
             self.backend.put_transient(commit_record_key(manifest.name), encode_commit_record(record))
         except Exception as exc:  # noqa: BLE001 - the commit stands; only the next catch-up lists the packs

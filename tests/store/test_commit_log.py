@@ -314,12 +314,14 @@ def _spoil_tables(backend, name, how):
         tables = {p: bytes(len(rows)) for p, rows in record.tables.items()}  # all-zero rows: no codec 0 id
     elif how == "truncated":
         tables = {p: rows[:-1] for p, rows in record.tables.items()}
+    elif how == "row-left-out":
+        tables = {p: rows[64:] for p, rows in record.tables.items()}  # the first entry's row
     else:
         tables = {}  # left out, as when they pass MAX_TABLE_BYTES
     backend.put(commit_record_key(name), encode_commit_record(msgspec.structs.replace(record, tables=tables)))
 
 
-@pytest.mark.parametrize("spoil", [None, "garbage", "truncated", "left-out"])
+@pytest.mark.parametrize("spoil", [None, "garbage", "truncated", "row-left-out", "left-out"])
 def test_the_tables_in_the_records_spare_a_read_per_new_pack(tmp_path, rng, spoil):
     """A cache catching up through the records takes the new packs' entries from them (a save of many ranks
     adds a pack per rank: a request each); a table that does not parse, or was left out, is read from its
@@ -403,3 +405,64 @@ def test_a_record_whose_tables_lie_costs_a_rebuild_from_the_packs_never_a_wrong_
     store.backend.put(commit_record_key("s0"), encode_commit_record(lie))
     spare = Store.open(store.backend, cache_dir=tmp_path / "spare")
     assert_items_equal({"x": x}, spare.load("s0"))
+
+
+def test_a_record_made_before_a_gc_gives_no_tables_for_packs_it_deleted(two_hosts, rng):
+    """A walk can pass a forgotten checkpoint's record (kept while some of its packs live) that names packs a
+    gc deleted since; their tables in it must not be indexed (a save deduplicated against a deleted chunk
+    and failed at commit). The record's gc epoch tells: a record of an older epoch gives pack names only."""
+    g, a = two_hosts
+    w, y, z = _arrays(rng, 3)
+    g.save("s0", {"w": w})
+    a.save("s1", {"y": y, "z": z})
+    a.save("s1b", {"z": z, "w": w})  # the walk from s1b passes s1 to reach s0
+    a.forget(["s1"])
+    plan_gc(g, grace_s=0).execute()  # y's packs go; g's own cache knows the new epoch
+    assert g.backend.exists(commit_record_key("s1"))  # z's packs still hold what s1b uses
+    m = g.save("s3", {"y": y})
+    assert m.stats.new_chunks > 0  # y stored again, not deduplicated against a deleted pack
+    assert_items_equal({"y": y}, g.load("s3"))
+
+
+@pytest.mark.parametrize("lie", ["swapped-ids", "row-left-out"])
+def test_a_rebuild_that_took_tables_from_the_log_still_rebuilds_from_the_packs_after_a_wrong_read(
+        tmp_path, rng, monkeypatch, lie):
+    """A refresh that finds a pack gone rebuilds the cache, from the commit log's tables where it has them;
+    such a cache is not trusted like one rebuilt from the packs: a read that finds a wrong location rebuilds
+    from the packs' own tables instead of reporting damage."""
+    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 1)
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", **SMALL)
+    x, y = _arrays(rng, 2)
+    store.save("s0", {"y": y})
+    store.save("s1", {"x": x})
+    record = read_commit_record(store.backend, "s1", store.config.store_id)
+    pack = max(record.tables, key=lambda p: len(record.tables[p]))
+    rows = bytearray(record.tables[pack])
+    if lie == "swapped-ids":
+        rows[0:16], rows[64:80] = rows[64:80], rows[0:16]
+    else:
+        rows = rows[:-64]  # the last entry's row left out: rows that do not fill the pack are refused
+    store.backend.put(commit_record_key("s1"), encode_commit_record(
+        msgspec.structs.replace(record, tables={**record.tables, pack: bytes(rows)})))
+    spare = Store.open(store.backend, cache_dir=tmp_path / "spare")
+    spare.index.num_chunks()  # an empty cache, filled from the log
+    store.forget(["s0"])
+    plan_gc(store, grace_s=0).execute()  # s0's packs go
+    spare.index.refresh()  # a pack it knew is gone: a rebuild, from the log again
+    assert_items_equal({"x": x}, spare.load("s1"))
+
+
+def test_a_cache_that_caught_up_through_a_lying_record_rebuilds_from_the_packs_on_a_wrong_read(two_hosts, rng):
+    a, b = two_hosts
+    x, y = _arrays(rng, 2)
+    a.save("s0", {"x": x})
+    a.rebuild_index()  # trusted: a wrong location would be reported as damage, were it not for the log's tables
+    b.save("s1", {"y": y})
+    record = read_commit_record(a.backend, "s1", a.config.store_id)
+    pack = max(record.tables, key=lambda p: len(record.tables[p]))
+    rows = bytearray(record.tables[pack])
+    rows[0:16], rows[64:80] = rows[64:80], rows[0:16]
+    a.backend.put(commit_record_key("s1"), encode_commit_record(
+        msgspec.structs.replace(record, tables={**record.tables, pack: bytes(rows)})))
+    a.index_as_of("s1")  # through the record's (lying) table
+    assert_items_equal({"y": y}, a.load("s1"))

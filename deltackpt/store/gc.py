@@ -159,7 +159,7 @@ class GcPlan:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:
                 store.backend.delete_temp(path)
-            _drop_orphan_records(store)
+            _drop_orphan_records(store, (set(plan.packs) - gone) | published)
         return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack) - len(plan.merge),
                         merged_packs=len(plan.merge), new_packs=len(published), moved_chunks=moved,
                         reclaimed_bytes=plan.reclaim_bytes,
@@ -312,16 +312,13 @@ def _mark(store, live: np.ndarray, pins: np.ndarray, ids: np.ndarray, bases: np.
     return live, pos
 
 
-def _drop_orphan_records(store) -> None:
+def _drop_orphan_records(store, present: set[str]) -> None:
     """Delete the commit records (:mod:`.commitlog`) of forgotten checkpoints once none of their packs is
-    left: until then they hold those packs' tables for an empty cache. Under the exclusive lock: no commit is
-    between its manifest and its record."""
+    left (``present``: the packs there are now): until then they hold those packs' tables for an empty cache.
+    Under the exclusive lock: no commit is between its manifest and its record."""
     names = set(store.checkpoint_names())
     orphans = [info.key[len(commitlog.PREFIX):] for info in store.backend.list(commitlog.PREFIX)]
     orphans = [n for n in orphans if "/" not in n and n not in names]
-    if not orphans:
-        return
-    present = set(list_packs(store.backend))
     for name in orphans:
         key = commitlog.PREFIX + name
         try:

@@ -40,6 +40,7 @@ from bench_s3 import MotoServer  # noqa: E402
 from s3_faults import FaultProxy  # noqa: E402
 from deltackpt.store import Store, commitlog  # noqa: E402
 from deltackpt.store import index as index_mod  # noqa: E402
+from deltackpt.store import threads as threads_mod  # noqa: E402
 from deltackpt.store.fsspec_backend import FsspecBackend  # noqa: E402
 
 CHUNK = 4096
@@ -117,15 +118,15 @@ def _fresh_index(endpoint: str, server: MotoServer, url: str, tmp: Path, threads
     cache = tmp / "fresh"
     shutil.rmtree(cache, ignore_errors=True)
     store = Store.open(FsspecBackend(url, {**server.storage_options, "endpoint_url": endpoint}), cache_dir=cache)
-    saved = index_mod.REMOTE_TABLE_THREADS, index_mod.LOGGED_TABLES_ABOVE
-    index_mod.REMOTE_TABLE_THREADS = threads
+    saved = threads_mod.REMOTE_TABLE_THREADS, index_mod.LOGGED_TABLES_ABOVE
+    threads_mod.REMOTE_TABLE_THREADS = threads
     index_mod.LOGGED_TABLES_ABOVE = saved[1] if log else 1 << 62
     try:
         t0 = time.perf_counter()
         store.index_as_of("c1")
         return time.perf_counter() - t0
     finally:
-        index_mod.REMOTE_TABLE_THREADS, index_mod.LOGGED_TABLES_ABOVE = saved
+        threads_mod.REMOTE_TABLE_THREADS, index_mod.LOGGED_TABLES_ABOVE = saved
 
 
 def main(argv=None) -> int:
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
                        "listing_s": statistics.median(times[False]),
                        "record_requests": requests[True], "listing_requests": requests[False]}
                 row["ratio"] = row["record_s"] / row["listing_s"]
-                threads = index_mod.REMOTE_TABLE_THREADS
+                threads = threads_mod.REMOTE_TABLE_THREADS
                 row["fresh_serial_s"] = _fresh_index(proxy.endpoint, server, url, tmp, 1, log=False)
                 row["fresh_parallel_s"] = _fresh_index(proxy.endpoint, server, url, tmp, threads, log=False)
                 row["fresh_log_s"] = _fresh_index(proxy.endpoint, server, url, tmp, threads, log=True)

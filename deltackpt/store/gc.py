@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import LocalFiles, local_root, spool_for
+from .backend import LocalFiles, spool_for
 from .config import chain_limit
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
@@ -76,7 +76,7 @@ from .pack import (
     read_pack_table,
 )
 from .progress import Progress, phase
-from .threads import REMOTE_TABLE_THREADS, ordered_map
+from .threads import ordered_map, table_read_threads
 
 DEFAULT_GRACE_S = 3600.0
 # Small packs (one per rank and save, say) are merged into packs of the target size once they hold this
@@ -352,7 +352,7 @@ def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[
             return None
 
     tables = {}
-    threads = 1 if local_root(store.backend) is not None else REMOTE_TABLE_THREADS
+    threads = table_read_threads(store.backend)
     with phase(progress, "gc plan", len(listed), "pack") as bar:
         for name, table in zip(listed, ordered_map(read, listed, threads)):
             bar.advance(1)

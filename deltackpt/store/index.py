@@ -42,7 +42,7 @@ from .lmdbenv import LmdbCache, close_env, guarded, opened_here
 from .pack import PackEntry, PackTable, entries_from_rows, list_packs, pack_key, pack_stamps, read_pack_entries, \
     read_pack_table, walk_entries
 from .progress import Progress, phase
-from .threads import REMOTE_TABLE_THREADS, ordered_map
+from .threads import ordered_map, table_read_threads
 from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, cache_blocks, decode_record,
                       encode_record, is_delta_codec, locate_in, locate_walk, malformed, records_in, records_of)
 
@@ -610,7 +610,7 @@ class ChunkIndex(LmdbCache):
         first. Returns how many packs were indexed from ``given``."""
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
         if_present = local_root(self.backend) is not None
-        threads = 1 if if_present else REMOTE_TABLE_THREADS  # object storage: requests wait on the network
+        threads = table_read_threads(self.backend)
         entries, sizes = [], {}
         given = given or {}
         if every and not if_present and len(packs) - len(given) >= LOGGED_TABLES_ABOVE:

@@ -20,6 +20,17 @@ REMOTE_READ_THREADS = 8
 REMOTE_TABLE_THREADS = 16
 
 
+def table_read_threads(backend) -> int:
+    """Pack tables to read at once from ``backend``: REMOTE_TABLE_THREADS where each read waits on the network
+    (object storage, a file system several hosts mount: NFS, Lustre, ...), else one (a local disk's page
+    cache answers at memory speed and a pool only adds contention)."""
+    from .backend import local_root
+    from .cachedir import on_shared_filesystem
+
+    root = local_root(backend)
+    return REMOTE_TABLE_THREADS if root is None or on_shared_filesystem(root) else 1
+
+
 def default_read_threads(cold: bool = False, remote: bool = False) -> int:
     """Threads for reading chunks: one per core when the data is in the page cache (more only contend for
     the GIL), twice that when reads wait on the device (at most 8), REMOTE_READ_THREADS from object storage

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from deltackpt.errors import CorruptChunkError
-from deltackpt.store import MemoryBackend, Store
+from deltackpt.store import LocalBackend, MemoryBackend, Store
 from deltackpt.store import reader as reader_mod
-from deltackpt.store import index as index_mod
+from deltackpt.store import cachedir as cachedir_mod
+from deltackpt.store import threads as threads_mod
 from deltackpt.store.gc import plan_gc
 from deltackpt.store.packsink import UPLOADS_IN_FLIGHT
 
@@ -264,7 +265,7 @@ def test_a_new_cache_reads_the_pack_tables_of_object_storage_several_at_once(tmp
     assert_items_equal(items, fresh.load("a"))
     one_at_a_time = Store.open(backend, cache_dir=tmp_path / "serial")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(index_mod, "REMOTE_TABLE_THREADS", 1)
+        mp.setattr(threads_mod, "REMOTE_TABLE_THREADS", 1)
         backend.max_active = 0
         one_at_a_time.index.num_chunks()
         assert backend.max_active == 1
@@ -298,3 +299,40 @@ def test_ordered_map_keeps_the_order_bounds_what_waits_and_raises_in_place():
             got.append(y)
     assert got == [x * x for x in range(40)]
     assert list(ordered_map(slow_square, range(5), 1)) == [0, 1, 4, 9, 16]
+
+
+class SlowLocalTables(LocalBackend):
+    """A local backend whose ranged reads of packs take ``read_s`` (a file system mounted over the network),
+    counting how many run at once."""
+
+    def __init__(self, root, read_s: float) -> None:
+        super().__init__(root)
+        self.read_s, self.active, self.max_active = read_s, 0, 0
+        self._lock = threading.Lock()
+
+    def get_range(self, key, offset, length):
+        if not key.startswith("packs/"):
+            return super().get_range(key, offset, length)
+        with self._lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+        try:
+            time.sleep(self.read_s)
+            return super().get_range(key, offset, length)
+        finally:
+            with self._lock:
+                self.active -= 1
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_store_on_a_shared_file_system_reads_its_pack_tables_several_at_once(tmp_path, rng, monkeypatch, shared):
+    """A directory several hosts mount (NFS, Lustre, ...) waits on the network for each read, as object
+    storage does; a local disk's does not, and reads them one at a time."""
+    root = tmp_path / "store"
+    store = Store.init(root, chunk_size_bytes=CHUNK, pack_target_bytes=4 * CHUNK)
+    store.save("a", _items(rng, n_items=8))
+    monkeypatch.setattr(cachedir_mod, "on_shared_filesystem", lambda path: shared)
+    backend = SlowLocalTables(root, read_s=0.005)
+    fresh = Store.open(backend, cache_dir=tmp_path / "fresh")
+    assert fresh.index.num_chunks() == store.index.num_chunks()
+    assert (backend.max_active > 1) == shared

@@ -225,28 +225,36 @@ def test_s3_store_loads_with_coalesced_ranged_gets(s3_server, s3_url, tmp_path, 
 
 
 # -- pack tables ----------------------------------------------------------------------------------------------
-class SlowTableBackend(MemoryBackend):
-    """A MemoryBackend whose ranged reads of packs take ``read_s``, counting how many run at once."""
+class SlowPackReads:
+    """A backend mix-in whose ranged reads of packs take ``read_s``, counting how many run at once."""
 
-    def __init__(self, read_s: float = 0.0) -> None:
-        super().__init__()
+    def __init__(self, *args, read_s: float = 0.0) -> None:
+        super().__init__(*args)
         self.read_s = read_s
         self.active = 0
         self.max_active = 0
-        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
 
     def get_range(self, key, offset, length):
         if not key.startswith("packs/"):
             return super().get_range(key, offset, length)
-        with self._lock:
+        with self._count_lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
         try:
             time.sleep(self.read_s)
             return super().get_range(key, offset, length)
         finally:
-            with self._lock:
+            with self._count_lock:
                 self.active -= 1
+
+
+class SlowTableBackend(SlowPackReads, MemoryBackend):
+    """Object storage whose pack reads wait (a MemoryBackend is not a local directory)."""
+
+
+class SlowLocalTables(SlowPackReads, LocalBackend):
+    """A directory whose pack reads wait, as on a file system mounted over the network."""
 
 
 def test_a_new_cache_reads_the_pack_tables_of_object_storage_several_at_once(tmp_path, rng):
@@ -299,29 +307,6 @@ def test_ordered_map_keeps_the_order_bounds_what_waits_and_raises_in_place():
             got.append(y)
     assert got == [x * x for x in range(40)]
     assert list(ordered_map(slow_square, range(5), 1)) == [0, 1, 4, 9, 16]
-
-
-class SlowLocalTables(LocalBackend):
-    """A local backend whose ranged reads of packs take ``read_s`` (a file system mounted over the network),
-    counting how many run at once."""
-
-    def __init__(self, root, read_s: float) -> None:
-        super().__init__(root)
-        self.read_s, self.active, self.max_active = read_s, 0, 0
-        self._lock = threading.Lock()
-
-    def get_range(self, key, offset, length):
-        if not key.startswith("packs/"):
-            return super().get_range(key, offset, length)
-        with self._lock:
-            self.active += 1
-            self.max_active = max(self.max_active, self.active)
-        try:
-            time.sleep(self.read_s)
-            return super().get_range(key, offset, length)
-        finally:
-            with self._lock:
-                self.active -= 1
 
 
 @pytest.mark.parametrize("shared", [True, False])

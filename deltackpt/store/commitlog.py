@@ -38,15 +38,16 @@ changes the gc epoch, which sends a cache to a listing before it is trusted (:me
 
 An empty cache (a spare host that took over a dead node's work) must index every pack; on object storage,
 where that is a request per pack, it reads the commit log first and takes the tables it holds
-(:func:`logged_tables`), reading only the other packs' (gc's repacks, packs of commits whose records are
-gone or left their tables out). So ``forget`` leaves a checkpoint's record: gc deletes it once none of its
-packs is left.
+(:func:`logged_tables`), reading only the other packs' (of commits whose records are gone or left their
+tables out). So ``forget`` leaves a checkpoint's record: gc deletes it once none of its packs is left. gc logs
+the packs its repacks write the same way (:func:`gc_record`): after a gc most packs may be its merges.
 """
 
 from __future__ import annotations
 
 import logging
 import struct
+import time
 from typing import Annotated, NamedTuple
 
 import msgspec
@@ -62,6 +63,7 @@ VERSION = 1
 PREFIX = "commits/"
 MAX_RECORD_BYTES = 256 << 20
 MAX_WALK = 64  # records read to catch up; a cache further behind lists the packs
+GC_RECORD_PREFIX = ".gc-"  # names of gc's records: no checkpoint's name starts with "."
 # A commit's pack tables in its record, at most: 3.1M entries (a save of 1.2 TB in 1 MiB chunks holds 1.14M).
 MAX_TABLE_BYTES = 192 << 20
 _DIGEST = struct.Struct("<Q")
@@ -128,14 +130,33 @@ def read_commit_record(backend, name: str, store_id: str) -> CommitRecord | None
     """:func:`decode_commit_record` of the stored record; None when there is none or it cannot be read (a hint:
     a request that failed costs a listing, never the save)."""
     try:
-        data = bytes(backend.get(commit_record_key(name)))
+        key = commit_record_key(name)
+    except ValueError:  # a name no checkpoint can have
+        return None
+    return _read_record(backend, key, name, store_id)
+
+
+def _read_record(backend, key: str, name: str, store_id: str) -> CommitRecord | None:
+    try:
+        data = bytes(backend.get(key))
     except FileNotFoundError:
         return None
-    except (OSError, DeltackptError, ValueError) as exc:  # ValueError: a name no record can have
+    except (OSError, DeltackptError, ValueError) as exc:
         log.warning("commit record of %s not read (%s: %s); listing the packs instead", name,
                     type(exc).__name__, exc)
         return None
     return decode_commit_record(data, name, store_id)
+
+
+def gc_record(store_id: str, epoch: bytes, packs: dict[str, tuple[int, list[PackEntry]]]) -> tuple[str, bytes]:
+    """(key, bytes) of the record of a gc's repacks: the packs it wrote (name -> (size, entries)) with their
+    tables, under a name no checkpoint can have (``.gc-<epoch>``), so an empty cache finds their tables in the
+    log too (gc merges the small packs a save of many ranks writes, so after a gc most packs may be its)."""
+    name = GC_RECORD_PREFIX + epoch.decode("ascii", "replace")
+    entries = [e for _size, es in packs.values() for e in es]
+    record = new_record(store_id, name, time.time_ns(), {p: size for p, (size, _) in packs.items()}, entries,
+                        None, epoch)
+    return PREFIX + name, encode_commit_record(record)
 
 
 def new_record(store_id: str, name: str, created_ns: int, packs: dict[str, int], entries: list[PackEntry],
@@ -164,7 +185,7 @@ def logged_tables(backend, store_id: str, packs: dict[str, int], threads: int) -
     out: dict[str, bytes] = {}
     if len(names) >= len(packs):
         return out
-    for record in ordered_map(lambda n: read_commit_record(backend, n, store_id), names, threads):
+    for record in ordered_map(lambda n: _read_record(backend, PREFIX + n, n, store_id), names, threads):
         if record is not None:
             for pack, rows in record.tables.items():
                 if packs.get(pack) == record.packs[pack]:

@@ -47,6 +47,7 @@ duplicate chunks or unindexed packs, which the index refresh and the next gc cle
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -77,6 +78,8 @@ from .pack import (
 )
 from .progress import Progress, phase
 from .threads import ordered_map, table_read_threads
+
+log = logging.getLogger("deltackpt.store")
 
 DEFAULT_GRACE_S = 3600.0
 # Small packs (one per rank and save, say) are merged into packs of the target size once they hold this
@@ -148,7 +151,8 @@ class GcPlan:
                     bar.advance(1)
                 if not epoch_written:
                     _put_epoch(store, epoch, may_fail=False)
-                moved, published = _repack(store, plan.repack, bar)
+                written: dict[str, tuple[int, list[PackEntry]]] = {}
+                moved, published = _repack(store, plan.repack, bar, written)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
@@ -159,6 +163,8 @@ class GcPlan:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:
                 store.backend.delete_temp(path)
+            if written:
+                _log_repacks(store, epoch, written)
             _drop_orphan_records(store, (set(plan.packs) - gone) | published)
         return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack) - len(plan.merge),
                         merged_packs=len(plan.merge), new_packs=len(published), moved_chunks=moved,
@@ -310,6 +316,15 @@ def _mark(store, live: np.ndarray, pins: np.ndarray, ids: np.ndarray, bases: np.
         fpos = idset.find(frontier, ids)
         pos[fpos >= 0] = at[fpos[fpos >= 0]]
     return live, pos
+
+
+def _log_repacks(store, epoch: bytes, written: dict[str, tuple[int, list[PackEntry]]]) -> None:
+    """Write the commit log's record of the packs the repacks wrote (a hint: a failure is logged)."""
+    key, data = commitlog.gc_record(store.config.store_id, epoch, written)
+    try:
+        store.backend.put_transient(key, data)
+    except (OSError, DeltackptError) as exc:
+        log.warning("gc: record of the repacked packs not written (%s: %s)", type(exc).__name__, exc)
 
 
 def _drop_orphan_records(store, present: set[str]) -> None:
@@ -512,9 +527,11 @@ def _put_epoch(store, epoch: bytes, *, may_fail: bool) -> bool:
         return False
 
 
-def _repack(store, repack: dict[str, list[PackEntry]], bar=None) -> tuple[int, set[str]]:
+def _repack(store, repack: dict[str, list[PackEntry]], bar=None,
+            written: dict[str, tuple[int, list[PackEntry]]] | None = None) -> tuple[int, set[str]]:
     """Copy the live entries of the packs ``repack`` (name -> entries) into new packs of the target size,
-    shared by all of them (small packs merge), and point the index at them.
+    shared by all of them (small packs merge), and point the index at them; ``written`` gets each new pack's
+    size and entries.
 
     Returns (entries moved, names of the packs published)."""
     target = store.config.pack_target_bytes
@@ -524,6 +541,8 @@ def _repack(store, repack: dict[str, list[PackEntry]], bar=None) -> tuple[int, s
         nonlocal moved
         name, size, new_entries = b.publish(store.backend)
         store.index.relocate(new_entries, {name: size})
+        if written is not None:
+            written[name] = (size, new_entries)
         moved += len(new_entries)
         names.add(name)
         crash_point("gc:after-repack")

@@ -174,14 +174,18 @@ def new_record(store_id: str, name: str, created_ns: int, packs: dict[str, int],
                         epoch=epoch, after=after and after.name, after_ns=after and after.created_ns)
 
 
+def record_names(backend) -> list[str]:
+    """The names of the records in the commit log (checkpoints', and gc's ``.gc-<epoch>``)."""
+    return [n for n in (info.key[len(PREFIX):] for info in backend.list(PREFIX)) if "/" not in n]
+
+
 def logged_tables(backend, store_id: str, packs: dict[str, int], threads: int) -> dict[str, bytes]:
     """The table rows the commit log holds of those of ``packs`` (name -> size): a listing of ``commits/``
     and a read of each record (``threads`` at once), instead of a read per pack; nothing when there are as
     many records as packs. For a cache that must index every pack (an empty one: a spare host that took
     over). A pack is immutable (named by its hash), so a record of any age tells its table; the rows are
     checked when they are used (:func:`~.pack.entries_from_rows`)."""
-    names = [info.key[len(PREFIX):] for info in backend.list(PREFIX)]
-    names = [n for n in names if "/" not in n]
+    names = record_names(backend)
     out: dict[str, bytes] = {}
     if len(names) >= len(packs):
         return out

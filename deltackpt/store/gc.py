@@ -184,7 +184,7 @@ class GcPlan:
         store.refresh_index(pack_stamps(listed))
         present = set(listed)
         planned = set(self.temp_files)
-        if manifests == self.manifests and present == self.packs and _read_epoch(store) == self.epoch:
+        if manifests == self.manifests and present == self.packs and read_gc_epoch(store.backend) == self.epoch:
             # Nothing committed, published or collected since the mark: the plan holds as it is.
             self.temp_files = [p for p in _removable_temp_files(store, self.grace_s) if p in planned]
             return self
@@ -224,7 +224,7 @@ class GcPlan:
             live = with_chain_bases(store, live, pins)
         plan = GcPlan(store=store, live_chunks=int(live.size), max_unused=self.max_unused, grace_s=self.grace_s,
                       merge_small=self.merge_small, kept_young=self.kept_young, live=live, manifests=manifests,
-                      packs=present, epoch=_read_epoch(store))
+                      packs=present, epoch=read_gc_epoch(store.backend))
         for name in delete:
             plan.delete_packs[name] = self.delete_packs[name]
             plan.pack_entries[name] = self.pack_entries[name]
@@ -332,9 +332,7 @@ def _drop_orphan_records(store, present: set[str]) -> None:
     left (``present``: the packs there are now): until then they hold those packs' tables for an empty cache.
     Under the exclusive lock: no commit is between its manifest and its record."""
     names = set(store.checkpoint_names())
-    orphans = [info.key[len(commitlog.PREFIX):] for info in store.backend.list(commitlog.PREFIX)]
-    orphans = [n for n in orphans if "/" not in n and n not in names]
-    for name in orphans:
+    for name in (n for n in commitlog.record_names(store.backend) if n not in names):
         key = commitlog.PREFIX + name
         try:
             data = bytes(store.backend.get(key))
@@ -343,10 +341,6 @@ def _drop_orphan_records(store, present: set[str]) -> None:
         record = commitlog.decode_commit_record(data, name, store.config.store_id)
         if record is None or not present.intersection(record.packs):  # not a record, or no pack of it left
             store.backend.delete(key)
-
-
-def _read_epoch(store) -> bytes:
-    return read_gc_epoch(store.backend)
 
 
 def _list_manifests(store) -> dict[str, tuple[int, float]]:
@@ -423,7 +417,7 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S,
 
 def _plan(store, *, max_unused: float, grace_s: float, merge_small: bool, progress: Progress | None = None) -> GcPlan:
     now = time.time()
-    epoch = _read_epoch(store)  # before the listings: a gc that runs meanwhile changes it
+    epoch = read_gc_epoch(store.backend)  # before the listings: a gc that runs meanwhile changes it
     manifests = _list_manifests(store)  # before the manifests are read: one written after counts as new
     # One listing of the packs, after the manifests' (a checkpoint's packs are published before its manifest,
     # so the tables read, or the index refreshed from the listing, hold every chunk a listed manifest

@@ -480,10 +480,10 @@ class Store:
         """Write the commit's record (:mod:`.commitlog`), naming the commit this cache indexed before it. A hint:
         a record that cannot be written is logged, not raised (the checkpoint is committed), and costs a
         listing of the packs to a cache that catches up through it."""
-        after = self._cache_index().last_commit()
+        index = self._cache_index()
+        after = index.last_commit()
         if after is not None and after.name == manifest.name:
             after = None  # an overwrite: the commit before it is not known here
-        index = self._cache_index()
         epoch = index.get_meta(b"gc_epoch") or b""  # synced under this save's lock: no gc since
         record = new_record(self.config.store_id, manifest.name, manifest.created_ns, dict(packs), entries, after,
                             epoch)

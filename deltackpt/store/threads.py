@@ -10,6 +10,9 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
+from . import cachedir
+from .backend import local_root
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -24,11 +27,8 @@ def table_read_threads(backend) -> int:
     """Pack tables to read at once from ``backend``: REMOTE_TABLE_THREADS where each read waits on the network
     (object storage, a file system several hosts mount: NFS, Lustre, ...), else one (a local disk's page
     cache answers at memory speed and a pool only adds contention)."""
-    from .backend import local_root
-    from .cachedir import on_shared_filesystem
-
     root = local_root(backend)
-    return REMOTE_TABLE_THREADS if root is None or on_shared_filesystem(root) else 1
+    return REMOTE_TABLE_THREADS if root is None or cachedir.on_shared_filesystem(root) else 1
 
 
 def default_read_threads(cold: bool = False, remote: bool = False) -> int:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the fault proxy of the object-
 from bench_s3 import MotoServer  # noqa: E402
 from s3_faults import FaultProxy  # noqa: E402
 from deltackpt.store import Store, commitlog  # noqa: E402
-from deltackpt.store import index as index_mod  # noqa: E402
+from deltackpt.store import reindex as reindex_mod  # noqa: E402
 from deltackpt.store import threads as threads_mod  # noqa: E402
 from deltackpt.store.fsspec_backend import FsspecBackend  # noqa: E402
 
@@ -118,15 +118,15 @@ def _fresh_index(endpoint: str, server: MotoServer, url: str, tmp: Path, threads
     cache = tmp / "fresh"
     shutil.rmtree(cache, ignore_errors=True)
     store = Store.open(FsspecBackend(url, {**server.storage_options, "endpoint_url": endpoint}), cache_dir=cache)
-    saved = threads_mod.REMOTE_TABLE_THREADS, index_mod.LOGGED_TABLES_ABOVE
+    saved = threads_mod.REMOTE_TABLE_THREADS, reindex_mod.LOGGED_TABLES_ABOVE
     threads_mod.REMOTE_TABLE_THREADS = threads
-    index_mod.LOGGED_TABLES_ABOVE = saved[1] if log else 1 << 62
+    reindex_mod.LOGGED_TABLES_ABOVE = saved[1] if log else 1 << 62
     try:
         t0 = time.perf_counter()
         store.index_as_of("c1")
         return time.perf_counter() - t0
     finally:
-        threads_mod.REMOTE_TABLE_THREADS, index_mod.LOGGED_TABLES_ABOVE = saved
+        threads_mod.REMOTE_TABLE_THREADS, reindex_mod.LOGGED_TABLES_ABOVE = saved
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,8 @@ A cache remembers the last commit it indexed (``LAST_COMMIT_KEY``, and when know
 ``created_ns``). Before a save it must also hold the packs of every commit since, up to the store's newest
 (:meth:`Store.index_as_of`). Listing every pack costs a request per 1,000 packs on object storage, and a long
 run on many ranks holds 10^5 packs: on a job of many hosts, every host but the committing one missed the
-last commit at every save. So :meth:`Store.commit` writes, after its manifest, a record ``commits/<name>``::
+last commit at every save. So :meth:`Store.commit` writes, after its manifest, a record ``commits/<name>``
+(:func:`record_commit`)::
 
     b"DCCR", version byte 1, msgpack(CommitRecord), xxh3-64 of what precedes (LE u64)
 
@@ -54,6 +55,7 @@ import msgspec
 import xxhash
 
 from ..errors import DeltackptError, ManifestFormatError
+from .location import describe
 from .manifest import validate_name
 from .pack import ROW_SIZE, PackEntry, entries_from_rows, is_pack_name, table_rows
 from .threads import ordered_map
@@ -172,6 +174,23 @@ def new_record(store_id: str, name: str, created_ns: int, packs: dict[str, int],
         tables = {p: table_rows(es) for p, es in by_pack.items() if es}
     return CommitRecord(store_id=store_id, name=name, created_ns=created_ns, packs=dict(packs), tables=tables,
                         epoch=epoch, after=after and after.name, after_ns=after and after.created_ns)
+
+
+def record_commit(backend, index, store_id: str, manifest, packs: dict[str, int], entries: list[PackEntry]) -> None:
+    """Write the record of the commit of ``manifest`` (which indexed ``packs``, whose entries are ``entries``),
+    naming the commit ``index`` (its ChunkIndex) indexed before it. A hint: a record that cannot be written is
+    logged, not raised (the checkpoint is committed), and costs a listing of the packs to a cache that catches
+    up through it."""
+    after = index.last_commit()
+    if after is not None and after.name == manifest.name:
+        after = None  # an overwrite: the commit before it is not known here
+    epoch = index.get_meta(b"gc_epoch") or b""  # synced under this save's lock: no gc since
+    record = new_record(store_id, manifest.name, manifest.created_ns, dict(packs), entries, after, epoch)
+    try:
+        backend.put_transient(commit_record_key(manifest.name), encode_commit_record(record))
+    except Exception as exc:  # noqa: BLE001 - the commit stands; only the next catch-up lists the packs
+        log.warning("%s: commit record of %s not written (%s: %s)", describe(backend), manifest.name,
+                    type(exc).__name__, exc)
 
 
 def record_names(backend) -> list[str]:

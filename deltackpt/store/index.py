@@ -4,7 +4,8 @@ Packs are the truth. The index maps chunk id -> (pack, offset, lengths, codec, e
 dedup and reads need no pack scan, and records which packs it has seen. It is a cache: ``refresh`` indexes
 packs it has not seen (a crash between pack upload and index update leaves such packs) and rebuilds from
 scratch when a pack it knows has disappeared, when the cache is unreadable, or when it belongs to another
-store. ``deltackpt index rebuild`` forces a rebuild.
+store. ``deltackpt index rebuild`` forces a rebuild. Refresh and rebuild live in :mod:`.reindex`, verify's
+reconcile in :mod:`.reconcile` (mix-ins of :class:`ChunkIndex`); look-ups, writes and meta live here.
 
 A fault of the cache never makes the store unusable (each kind is logged once, as a warning):
 
@@ -23,34 +24,28 @@ How the LMDB environment is opened, shared in the process, and repaired lives in
 from __future__ import annotations
 
 import logging
-import shutil
 import struct
 import time
 from functools import partial
 from itertools import compress, islice
 from pathlib import Path
 
-import lmdb
 import numpy as np
 
 from . import lmdbenv
-from .backend import local_root
-from .commitlog import Commit, logged_tables
-from ..errors import ManifestFormatError
+from .commitlog import Commit
 from . import idset
-from .lmdbenv import LmdbCache, close_env, guarded, opened_here
-from .pack import PackEntry, PackTable, entries_from_rows, list_packs, pack_key, pack_stamps, read_pack_entries, \
-    read_pack_table, walk_entries
-from .progress import Progress, phase
-from .threads import ordered_map, table_read_threads
-from .records import (RECORD_DTYPE, RECORD_SIZE, Located, RecordSnapshot, cache_blocks, decode_record,
-                      encode_record, is_delta_codec, locate_in, locate_walk, malformed, records_in, records_of)
+from .lmdbenv import LmdbCache, close_env, guarded
+from .pack import PackEntry, pack_key
+from .reconcile import Reconciling
+from .records import (RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, locate_walk,
+                      malformed, records_in)
+from .reindex import Reindexing
 
 log = logging.getLogger("deltackpt.store")
 
 _MAP_SIZE = 1 << 36  # virtual; the file grows as needed
 INDEX_VERSION = b"2"
-_BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, bounded memory
 _CHECK_RECORDS = 256  # records checked at once by check_records (~50 KiB of objects)
 
 # Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
@@ -68,7 +63,7 @@ def read_gc_epoch(backend) -> bytes:
         return b""
 
 
-class ChunkIndex(LmdbCache):
+class ChunkIndex(Reindexing, Reconciling, LmdbCache):
     """Chunk id -> PackEntry, cached in LMDB under the first of ``cache_dir``, ``*fallback_dirs`` that this
     process can write, else in memory."""
 
@@ -384,18 +379,6 @@ class ChunkIndex(LmdbCache):
     def set_last_commit(self, commit: Commit) -> None:
         self.put_summaries({}, meta=self.commit_meta(commit))
 
-    @guarded()
-    def add_packs(self, packs: dict[str, int], tables: dict[str, bytes] | None = None) -> int:
-        """Index those of ``packs`` (name -> size, in the order a chunk's location is taken: first found) this
-        cache has not, from the table rows in ``tables`` where given and they check out (else from the packs'
-        tables); a pack gone is skipped, as a listing would not show it. Returns how many were new."""
-        _, known, _ = self._dbs()
-        with self.env.begin(db=known) as txn:
-            new = [(p, size) for p, size in packs.items() if txn.get(bytes.fromhex(p)) is None]
-        if self._index_packs(new, given=tables or {}):
-            self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
-        return len(new)
-
     def sync(self) -> None:
         """Refresh this cache if a gc deleted packs since it last looked (call holding a shared store lock,
         so no gc deletes while the caller relies on it). One small read when nothing changed."""
@@ -411,288 +394,5 @@ class ChunkIndex(LmdbCache):
             ver = txn.get(b"version")
         return (sid is not None and sid != self.store_id) or (ver is not None and ver != INDEX_VERSION)
 
-    def _listed(self) -> dict[str, tuple[int, float]]:
-        return pack_stamps(list_packs(self.backend))
 
-    @guarded()
-    def refresh(self, listed: dict[str, tuple[int, float]] | None = None) -> tuple[int, int]:
-        """Bring the cache in line with the packs in the backend (``listed``: a listing the caller just made,
-        name -> (size, mtime), instead of a new one). Returns (packs added, packs removed)."""
-        # Known before listed: a pack a concurrent commit indexes in between must not look gone (a rebuild).
-        number = None
-        if listed is None:  # a listing of our own, from now: it covers every pack published before this
-            number = self._refreshes_begun = self._refreshes_begun + 1
-        known = self._known_packs()
-        present = self._listed() if listed is None else listed
-        gone = known - present.keys()
-        if gone and listed is not None:  # listed before known: a pack indexed since looks gone; list again
-            present = self._listed()
-            gone = known - present.keys()
-        if gone or self._is_foreign():
-            out = self._rebuild(present, from_log=True)
-        else:
-            new = [n for n in present if n not in known]
-            if self._index_packs([(n, present[n][0]) for n in new], every=not known):
-                self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
-            out = len(new), 0
-        if number is not None:
-            self._refreshed_upto = max(self._refreshed_upto, number)
-        return out
-
-    @guarded()
-    def rebuild(self, present: dict[str, tuple[int, float]] | None = None,
-                progress: Progress | None = None) -> tuple[int, int]:
-        """Drop the cache and index every pack again. Returns (packs indexed, packs dropped).
-
-        Packs are indexed newest first and a chunk keeps the first location found, so where a chunk has
-        several copies (an interrupted repack) the newest is used and older packs become gc's orphans.
-        ``progress`` hears of each pack table read.
-        """
-        if self._env is None:
-            # Never opened here: delete the files unread (LMDB has no page checksums, and a damaged page
-            # pointer can crash the process before any error is raised).
-            for path in self._candidates:
-                if opened_here(path) is None:  # one this process has open is readable
-                    shutil.rmtree(path, ignore_errors=True)
-        return self._rebuild(present, progress)
-
-    def _rebuild(self, present: dict[str, tuple[int, float]] | None = None,
-                 progress: Progress | None = None, from_log: bool = False) -> tuple[int, int]:
-        """:meth:`rebuild`'s work; ``from_log``: the tables the commit log holds may stand in for the packs'
-        (never when the cache was found wrong: a record that lied would be believed again)."""
-        # Under the repair lock, then a new generation: a thread that missed a record meanwhile looks again.
-        with self._repair_lock:
-            if present is None:
-                present = self._listed()
-            before = len(self._known_packs())
-            chunks, packs_db, meta = self._dbs()
-            # A cache refilled from every pack still holds what the commit it recorded indexed (not so another
-            # store's): a failed commit's refresh must not make the next save list every pack again.
-            last_commit = self._last_commit()
-            with self.env.begin(write=True) as txn:
-                txn.drop(chunks, delete=False)
-                txn.drop(packs_db, delete=False)
-                txn.drop(meta, delete=False)
-                txn.drop(self._db[b"ckpts"], delete=False)
-            with phase(progress, "index rebuild", len(present), "pack") as bar:
-                newest_first = sorted(present, key=lambda n: (-present[n][1], n))
-                logged = self._index_packs([(n, present[n][0]) for n in newest_first], bar, every=from_log)
-            # Record the owner even for an empty store, so a foreign cache is never mistaken for ours.
-            self._add([], {})
-            if last_commit is not None:  # only once every pack is indexed: an interrupted rebuild claims nothing
-                with self.env.begin(write=True, db=meta) as txn:
-                    for key, value in self.commit_meta(last_commit).items():
-                        txn.put(key, value)
-            self._trusted = not logged  # tables the commit log gave are not the packs' word: a wrong read rebuilds
-            self._gen += 1
-            return len(present), max(0, before - len(present))
-
-    @guarded()
-    def reconcile(self, progress: Progress | None = None, moved: dict[bytes, str] | None = None,
-                  snapshot: list | None = None) -> int:
-        """Make the cache say what the pack tables say, in one transaction that writes only what differs.
-
-        verify's check of the cache: unlike :meth:`rebuild` it keeps the checkpoint summaries, and a cache
-        that was right is not written at all (a rebuild rewrites every record, and LMDB cannot reuse the
-        pages it frees at once, so the file grows). A record that matches a copy in some table stays; a
-        chunk none of whose copies matches gets the newest copy. Returns the records written or deleted;
-        ``moved`` gets the pack each of those chunks was indexed in before (chunk id -> pack name);
-        ``snapshot`` a :class:`~.records.RecordSnapshot` of the records of every chunk the tables hold, as
-        written (none when the cache was rebuilt instead)."""
-        if moved is not None:
-            moved.clear()  # filled again from the start when a fault of the cache is repaired and this retried
-        if snapshot is not None:
-            snapshot.clear()
-        if self._is_foreign():
-            return self._rebuild(progress=progress)[0]
-        with self._repair_lock:
-            present = self._listed()
-            tables, sizes = [], {}
-            with phase(progress, "index check", len(present), "pack") as bar:
-                for name in sorted(present, key=lambda n: (-present[n][1], n)):  # newest first
-                    table = self._read_table(name, present[name][0])
-                    bar.advance(1)
-                    if table is not None:
-                        sizes[bytes.fromhex(name)] = struct.pack("<Q", present[name][0])
-                        tables.append(table)
-            ids = np.concatenate([t.chunk_ids for t in tables] + [idset.from_ids(b"")])
-            recs = np.concatenate([records_of(t) for t in tables] + [np.empty(0, dtype=RECORD_DTYPE)])
-            names = [t.name for t in tables]
-            owner = np.repeat(np.arange(len(tables), dtype=np.int32), [len(t) for t in tables])
-            del tables
-            changed = self._reconcile(ids, recs, sizes, {} if moved is None else moved,
-                                      None if snapshot is None else (snapshot, names, owner))
-            self._trusted = True
-            self._gen += 1 if changed else 0
-            return changed
-
-    def _reconcile(self, ids: np.ndarray, recs: np.ndarray, sizes: dict[bytes, bytes], moved: dict,
-                   snapshot: tuple | None = None) -> int:
-        """reconcile's work on the tables' entries (``ids``, ``recs``: newest pack first); ``snapshot``: (a list
-        to append the RecordSnapshot to, the tables' pack names, the number of each entry's pack). The cache
-        is read whole, in key order (a cursor's walk: 1.2M records in ~0.4 s, where a look-up of each table
-        entry, sorted first, took 0.9 s), and compared with the entries as arrays."""
-        chunks, packs_db, _ = self._dbs()
-        with self.env.begin(write=True, db=chunks) as txn:
-            keys, have, doomed = _cache_arrays(txn)  # 16-byte keys in order, their records
-            pos = idset.find(keys, ids)
-            inside = pos >= 0
-            match = np.zeros(ids.size, dtype=bool)
-            rec_bytes, have_bytes = _as_bytes(recs), _as_bytes(have)
-            for start in range(0, ids.size, _MATCH_BLOCK):  # a block at a time: no gather of every record
-                at = start + np.flatnonzero(inside[start:start + _MATCH_BLOCK])
-                match[at] = (have_bytes[pos[at]] == rec_bytes[at]).all(axis=1)
-            settled = np.zeros(keys.size, dtype=bool)
-            settled[pos[match]] = True
-            # The entries to write: of each chunk no copy of which the cache holds, the newest (the first).
-            stale = np.flatnonzero(inside & ~settled[np.maximum(pos, 0)])
-            stale = stale[np.unique(pos[stale], return_index=True)[1]]
-            absent = np.flatnonzero(~inside)
-            absent = absent[np.unique(ids[absent], return_index=True)[1]] if absent.size else absent
-            changed = 0
-            for k in np.concatenate([stale, absent]).tolist():
-                key, rec = ids[k].tobytes(), recs[k].tobytes()
-                old = txn.get(key)
-                if old is not None:
-                    moved[key] = bytes(old[:16]).hex()
-                txn.put(key, rec)
-                changed += 1
-            held = np.zeros(keys.size, dtype=bool)  # the keys some table entry holds
-            held[pos[inside]] = True
-            if snapshot is not None:  # the fields verify locates by, of each record as it now is
-                out, names, owner = snapshot
-                pack_of = np.full(keys.size, -1, dtype=np.int32)
-                pack_of[pos[match]] = owner[match]  # a matching copy's pack is the one its record names
-                base, delta = have["base"].copy(), is_delta_codec(have["codec"])
-                at = pos[stale]
-                base[at], delta[at] = recs["base"][stale], is_delta_codec(recs["codec"][stale])
-                pack_of[at] = owner[stale]
-                snap_ids = keys
-                if not held.all():
-                    snap_ids, base, delta, pack_of = keys[held], base[held], delta[held], pack_of[held]
-                if absent.size:  # chunks the cache lacked, now written: merged in, in order
-                    snap_ids = np.concatenate([snap_ids, ids[absent]])
-                    order = idset.argsort(snap_ids)
-                    snap_ids = snap_ids[order]
-                    base = np.concatenate([base, recs["base"][absent]])[order]
-                    delta = np.concatenate([delta, is_delta_codec(recs["codec"][absent])])[order]
-                    pack_of = np.concatenate([pack_of, owner[absent]])[order]
-                out.append(RecordSnapshot(snap_ids, base, delta, names, pack_of, self.locate))
-            del pos, inside, match, settled
-            # A record of a chunk in no table read is wrong, unless its pack was published since the listing.
-            known = {bytes(k): bytes(v) for k, v in txn.cursor(db=packs_db)}
-            alive = set(sizes) | {p for p in known if p not in sizes and self.backend.exists(pack_key(p.hex()))}
-            for k in np.flatnonzero(~held).tolist():
-                key = keys[k].tobytes()
-                pack = bytes(txn.get(key)[:16])
-                if pack in sizes or pack not in alive:
-                    doomed.append(key)
-                    moved[key] = pack.hex()
-            for key in doomed:
-                txn.delete(key)
-            changed += len(doomed)
-            for p, value in sizes.items():
-                if known.get(p) != value:
-                    txn.put(p, value, db=packs_db)
-            for p in known.keys() - alive:
-                txn.delete(p, db=packs_db)
-            verified = self._db[b"verified"]  # verification times of packs gone (a cache that only grew)
-            for p in [bytes(p) for p, _ in txn.cursor(db=verified) if bytes(p) not in alive]:
-                txn.delete(p, db=verified)
-        return changed
-
-    def _index_packs(self, packs: list[tuple[str, int]], bar=None, given: dict[str, bytes] | None = None,
-                     every: bool = False) -> int:
-        """Index ``packs`` ((name, size), in order: a chunk keeps the first location found), one transaction
-        per batch of entries (a commit per pack made a refresh of many small packs slow); a pack whose table
-        rows ``given`` holds (from the commit log) is not read, when they check out. ``every``: these are all
-        the store's packs (an empty cache, a rebuild), so on object storage the commit log's tables are read
-        first. Returns how many packs were indexed from ``given``."""
-        # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
-        if_present = local_root(self.backend) is not None
-        threads = table_read_threads(self.backend)
-        entries, sizes = [], {}
-        given = given or {}
-        if every and not if_present and len(packs) - len(given) >= LOGGED_TABLES_ABOVE:
-            # Every table to read: those the commit log holds cost a request per commit, not per pack.
-            todo = {name: size for name, size in packs if name not in given}
-            given = {**logged_tables(self.backend, self.store_id.decode(), todo, LOG_READ_THREADS), **given}
-        logged = 0
-
-        def entries_of(pack: tuple[str, int]) -> tuple[list[PackEntry] | None, bool]:
-            name, size = pack
-            if name in given:
-                try:
-                    return entries_from_rows(given[name], size, name), True
-                except ManifestFormatError:
-                    pass  # not this pack's table: its own is read
-            return self._read_entries(name, size), False
-
-        tables = ordered_map(entries_of, packs, threads)
-        for (name, size), (found, from_log) in zip(packs, tables):
-            logged += from_log
-            if found is not None:  # a pack gone since it was listed (or recorded) is not known: never "gone"
-                entries += found
-                sizes[name] = size
-            if bar is not None:
-                bar.advance(1)
-            if len(entries) >= _BATCH_ENTRIES:
-                self._add(entries, sizes, if_present=if_present)
-                entries, sizes = [], {}
-        if sizes:
-            self._add(entries, sizes, if_present=if_present)
-        return logged
-
-    def _read_table(self, name: str, size: int) -> PackTable | None:
-        """:meth:`_read_entries` as arrays."""
-        try:
-            return read_pack_table(self.backend, name, size)
-        except FileNotFoundError:
-            return None
-        except ManifestFormatError:
-            entries = self._read_entries(name, size)
-            return None if entries is None else PackTable.from_entries(name, entries)
-
-    def _read_entries(self, name: str, size: int) -> list[PackEntry] | None:
-        """The entries of pack ``name``: its table, or when that is damaged (e.g. a truncated pack) the intact
-        entries found from their headers (verify still reports the pack); None when the pack is gone."""
-        try:
-            return read_pack_entries(self.backend, name, size)
-        except FileNotFoundError:
-            return None
-        except ManifestFormatError:
-            try:
-                return walk_entries(self.backend.get(pack_key(name)), name)
-            except FileNotFoundError:
-                return None
-
-
-LOGGED_TABLES_ABOVE = 64  # pack tables to read past which the commit log's copies are read first (remote)
-LOG_READ_THREADS = 4  # commit records read at once (a record holds up to 192 MiB of tables)
 _WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
-_MATCH_BLOCK = 1 << 16  # records compared per pass, and keys and values read from the cache per block
-
-
-def _as_bytes(recs: np.ndarray) -> np.ndarray:
-    """RECORD_DTYPE records as rows of bytes (a view)."""
-    return np.ascontiguousarray(recs).view(np.uint8).reshape(-1, RECORD_SIZE)
-
-
-def _cache_arrays(txn) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
-    """The chunk records of the cache, walked in key order: (the 16-byte keys, sorted V16; the record of each;
-    the other keys, none of which is a chunk's). A record of the wrong size raises lmdb.CorruptedError.
-    Read a block at a time (:func:`~.records.cache_blocks`)."""
-    parts, other = [], []
-    for ks, vs, odd in cache_blocks(txn, _MATCH_BLOCK):
-        other += odd
-        if set(map(len, vs)) - {RECORD_SIZE}:
-            # Never written so: the file is damaged, and LMDB has no checksums to say where else (a put next
-            # to such a record spoiled its neighbours). The cache is rebuilt (see lmdbenv.guarded).
-            bad = next(k for k, v in zip(ks, vs) if len(v) != RECORD_SIZE)
-            raise lmdb.CorruptedError(f"index record of chunk {bytes(bad).hex()} has the wrong size")
-        parts.append((idset.from_ids(b"".join(ks)), np.frombuffer(b"".join(vs), dtype=RECORD_DTYPE)))
-    keys = np.concatenate([k for k, _ in parts] + [idset.from_ids(b"")])
-    if not idset.is_sorted_unique(keys):  # a B-tree's walk is in key order, unless a page is damaged
-        raise lmdb.CorruptedError("index cache keys out of order")
-    recs = np.concatenate([r for _, r in parts] + [np.empty(0, dtype=RECORD_DTYPE)])
-    return keys, recs, other

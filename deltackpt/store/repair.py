@@ -28,12 +28,13 @@ from .config import (CONFIG_KEY, NEW_STORE_MAX_CHAIN, SUPPORTED_FEATURES, StoreC
                      encode_config)
 from .gc import _repack
 from .index import GC_EPOCH_KEY
+from .location import holds_store_data, not_a_store_error, open_backend
 from .lock import EXCLUSIVE, StoreLock
 from .manifest import Manifest, decode_manifest
 from .pack import MAX_CHUNK_BYTES, pack_name_from_key, read_pack_entries, walk_entries
 from .progress import Progress, phase
 from .source import ChunkSource
-from .repository import Store, _as_backend, holds_store_data, not_a_store_error
+from .repository import Store
 
 DAMAGED_SUFFIX = ".damaged"
 
@@ -64,7 +65,7 @@ class RepairReport:
 def repair_store(location, progress: Progress | None = None) -> RepairReport:
     """Repair the store at ``location`` (a path or a Backend); see the module docstring. ``progress`` hears
     of each pack table checked, then of the index rebuild."""
-    backend = _as_backend(location)
+    backend = open_backend(location)
     if _read_config(backend) is None and not holds_store_data(backend):
         raise not_a_store_error(backend)  # nothing says this is a store: write nothing here, not even a lock
     with StoreLock(backend, EXCLUSIVE):

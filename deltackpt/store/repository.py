@@ -1,4 +1,7 @@
-"""The Store: opening a store, committing checkpoints, finding and reading them.
+"""The Store: opening a store, keeping its index current, committing, saving, forgetting and loading checkpoints.
+
+Its parts elsewhere: the config at a location (:mod:`.location`), listing, resolving and reading checkpoints
+(:mod:`.catalog`), catching the index up to a commit (:mod:`.catchup`), the commit's record (:mod:`.commitlog`).
 
 Commit protocol (why it is crash-safe): a save first writes packs, each an immutable object published by an
 atomic put; then the committing process records the new chunks in the index cache; then it checks that
@@ -11,8 +14,6 @@ it is missing or stale, so a crash between pack upload and index update loses no
 
 from __future__ import annotations
 
-import difflib
-import logging
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -21,49 +22,32 @@ import msgspec
 import numpy as np
 
 from .. import settings
-from ..errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptManifestError,
-    InvalidNameError,
-    ManifestFormatError,
-    StoreExistsError,
-    StoreNotFoundError,
-)
-from .backend import Backend, local_root
+from ..errors import CheckpointExistsError, ManifestFormatError, StoreNotFoundError
+from .backend import Backend
 from .basecache import BaseCache
 from .cachedir import default_cache_dir, user_cache_dirs
+from .catalog import Catalog
+from .catchup import catch_up
 from .commit import build_manifest, check_chunks, index_new_packs
-from .location import open_backend
-from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config, writer_features
-from .commitlog import (Commit, commit_record_key, encode_commit_record, new_record, read_commit_record,
-                        records_since)
-from .index import ChunkIndex, read_gc_epoch
-from .manifest import (LATEST, Item, Manifest, ManifestRefs, encode_manifest, manifest_body, manifest_from_body,
-                       manifest_key, refs_from_body, validate_name)
-from . import idset
+from .location import create_store_config, describe, open_backend, read_store_config
+from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, writer_features
+from .commitlog import Commit, record_commit
+from .index import ChunkIndex
+from .manifest import LATEST, Item, Manifest, encode_manifest, manifest_key, validate_name
 from .crashpoints import crash_point
-from .refstream import stream_manifest_ids
 from .lock import DEFAULT_WAIT_S, SHARED, StoreLock
 from .pack import PackEntry
 from .pausegc import paused_gc
 from .progress import Progress
 from .reader import CheckpointReader
-from .summary import CheckpointInfo, StoreUsage, damaged_info, summarize_manifest
+from .summary import CheckpointInfo, StoreUsage, summarize_manifest
 from .writer import ChunkWriter, WriteSummary
-
-log = logging.getLogger("deltackpt.store")
-
-
-def _as_backend(location, storage_options: dict | None = None) -> Backend:
-    return open_backend(location, storage_options)
-
 
 _RECEIVED_CACHES: dict[str, BaseCache] = {}  # store id -> the cache of Stores unpickled in this process
 _RECEIVED_LOCK = threading.Lock()
 
 
-class Store:
+class Store(Catalog):
     """A deltackpt store. Create with :meth:`init`, open with :meth:`open`."""
 
     def __init__(self, backend: Backend, config: StoreConfig, cache_dir: Path | None = None) -> None:
@@ -114,52 +98,24 @@ class Store:
         A directory may hold other files: the store only uses its own ``config``, ``packs/``, ``manifests/``,
         ``locks/``, ``tags/``, ``commits/`` and ``cache/``. Packs or manifests without a config (a damaged store) are refused.
         """
-        backend = _as_backend(location, storage_options)
-        if backend.exists(CONFIG_KEY):
-            if exist_ok:
-                return cls.open(backend, cache_dir=cache_dir)
-            raise StoreExistsError(f"{_describe(backend)} already holds a deltackpt store")
-        # A store's config is written before any pack or manifest: objects with still no config after they
-        # were listed belong to a damaged store, not to an init racing with us (that one wins put_new below).
-        if holds_store_data(backend) and not backend.exists(CONFIG_KEY):
-            raise StoreExistsError(f"{_describe(backend)} holds a deltackpt store's packs or manifests but no config "
-                                   f"(a damaged store); {_repair_hint(backend)}")
-        cfg = new_config(**config)
-        try:
-            backend.put_new(CONFIG_KEY, encode_config(cfg))  # two racing inits: exactly one wins
-        except FileExistsError:
-            if exist_ok:
-                return cls.open(backend, cache_dir=cache_dir)
-            raise StoreExistsError(f"{_describe(backend)} already holds a deltackpt store") from None
-        return cls(backend, cfg, cache_dir)
+        backend = open_backend(location, storage_options)
+        cfg = create_store_config(backend, exist_ok, config)
+        return cls.open(backend, cache_dir=cache_dir) if cfg is None else cls(backend, cfg, cache_dir)
 
     @classmethod
     def open(cls, location, *, cache_dir=None, storage_options: dict | None = None) -> "Store":
         """Open an existing store (a directory, a URL or a Backend); ``StoreNotFoundError`` if there is none.
 
         A store whose config is missing or damaged is refused with a message naming ``deltackpt repair``."""
-        backend = _as_backend(location, storage_options)
-        try:
-            data = backend.get(CONFIG_KEY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            if holds_store_data(backend):
-                raise StoreNotFoundError(f"{_describe(backend)} holds deltackpt packs or manifests but no config "
-                                         f"(lost or deleted); {_repair_hint(backend)}") from None
-            raise not_a_store_error(backend) from None
-        try:
-            config = decode_config(data)
-        except ManifestFormatError as e:
-            if holds_store_data(backend):
-                raise ManifestFormatError(f"{e}; {_repair_hint(backend)}") from None
-            raise
-        return cls(backend, config, cache_dir)
+        backend = open_backend(location, storage_options)
+        return cls(backend, read_store_config(backend), cache_dir)
 
     @classmethod
     def open_or_init(cls, location, *, cache_dir=None, storage_options: dict | None = None, **config) -> "Store":
         """Open the store at ``location``, creating it if there is none (safe when many ranks race: the config
         is published create-if-absent, so exactly one init wins and the others open its store). A store whose
         config was lost is refused (naming ``deltackpt repair``), never replaced by a new one."""
-        backend = _as_backend(location, storage_options)
+        backend = open_backend(location, storage_options)
         try:  # the common case (a store that exists) in one read
             return cls.open(backend, cache_dir=cache_dir)
         except StoreNotFoundError:
@@ -179,7 +135,7 @@ class Store:
             return
         current = decode_config(self.backend.get(CONFIG_KEY))
         if current.store_id != self.config.store_id:
-            raise ManifestFormatError(f"{_describe(self.backend)}: store config changed its store_id while open")
+            raise ManifestFormatError(f"{describe(self.backend)}: store config changed its store_id while open")
         updated = current.with_features(names)
         if updated is not current:
             self.backend.put(CONFIG_KEY, encode_config(updated))
@@ -223,35 +179,9 @@ class Store:
             # listed every pack and read every new pack's table, all at once, when it missed a commit.
             with index.one_at_a_time():
                 if not index.has_seen(head):
-                    self._catch_up(index, head)
+                    catch_up(index, self.backend, self.config.store_id, head)
         self._index_current = True
         return index
-
-    def _catch_up(self, index: ChunkIndex, head: str | None) -> None:
-        """Index the packs committed since the cache's last commit up to ``head``: from the commit records
-        when they vouch for every commit in between (a request each), else from a listing of every pack."""
-        if head is None:
-            index.refresh()
-            return
-        seen = index.last_commit()
-        # Read before any listing: the packs of the commit it names were published before it.
-        record = read_commit_record(self.backend, head, self.config.store_id)
-        records = None
-        if record is not None and seen is not None:
-            records = records_since(self.backend, self.config.store_id, record, seen)
-        if records is None:
-            index.refresh()
-        else:
-            packs, tables = {}, {}
-            epoch = read_gc_epoch(self.backend)
-            for r in records:  # newest first: a chunk keeps the first location found, as in a rebuild
-                for pack, size in r.packs.items():
-                    packs.setdefault(pack, size)
-                if r.epoch == epoch:  # else a gc since may have deleted some: their own tables tell
-                    for pack, rows in r.tables.items():
-                        tables.setdefault(pack, rows)
-            index.add_packs(packs, tables)
-        index.set_last_commit(Commit(head, record.created_ns if record is not None else None))
 
     def refresh_index(self, listed: dict[str, tuple[int, float]] | None = None, *,
                       since: int | None = None) -> tuple[int, int]:
@@ -276,143 +206,6 @@ class Store:
 
     def _new_index(self) -> ChunkIndex:
         return ChunkIndex(self.backend, self.cache_dir, self.config.store_id, self._fallback_cache_dirs)
-
-    # -- checkpoints -----------------------------------------------------------------------------------------
-    def checkpoint_names(self) -> list[str]:
-        names = []
-        for info in self.backend.list("manifests/"):
-            name = info.key[len("manifests/"):]
-            if "/" not in name:
-                names.append(name)
-        return names
-
-    def list_checkpoints(self, *, include_damaged: bool = False) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest first.
-
-        A checkpoint whose manifest cannot be read is left out, or with ``include_damaged`` listed with
-        ``damage`` set, placed by its manifest's modification time.
-        """
-        listed = {info.key[len("manifests/"):]: info for info in self.backend.list("manifests/")}
-        cached = self._cache_index().get_summaries()
-        out, fresh = [], {}
-        for name, obj in listed.items():
-            info = None
-            stamp = (obj.size_bytes, obj.mtime_s)  # rewriting a manifest changes its mtime, maybe its size
-            raw = cached.get(name)
-            if raw is not None:
-                try:
-                    info = msgspec.msgpack.decode(raw, type=CheckpointInfo)
-                except (msgspec.ValidationError, msgspec.DecodeError):
-                    info = None
-                if info is not None and (info.manifest_bytes, info.manifest_mtime_s) != stamp:
-                    info = None
-            if info is None:
-                try:
-                    m = self.read_manifest(name)
-                except CorruptManifestError as e:
-                    if include_damaged:
-                        out.append(damaged_info(name, obj, str(e)))
-                    continue
-                except (CheckpointNotFoundError, InvalidNameError):
-                    continue  # stray files and manifests forgotten meanwhile are not checkpoints
-                info = summarize_manifest(m, obj.size_bytes, obj.mtime_s)
-                fresh[name] = msgspec.msgpack.encode(info)
-            out.append(info)
-        stale = [n for n in cached if n not in listed]
-        if fresh or stale:
-            self._cache_index().put_summaries(fresh, drop=stale)
-        out.sort(key=lambda i: (i.created_ns, i.name))
-        return out
-
-    def summarize(self, manifest: Manifest) -> CheckpointInfo:
-        """The ``list_checkpoints`` entry of a manifest already read."""
-        obj = self._manifest_object(manifest.name)
-        return summarize_manifest(manifest, obj.size_bytes if obj else 0, obj.mtime_s if obj else 0.0)
-
-    def _manifest_object(self, name: str):
-        """The ObjectInfo (size, mtime) of checkpoint ``name``'s manifest, or None."""
-        key = manifest_key(name)
-        return next((i for i in self.backend.list(key) if i.key == key), None)
-
-    def resolve(self, name: str, *, fallback: bool = False) -> str:
-        """The concrete checkpoint name for ``name`` (``latest`` = newest); CheckpointNotFoundError if none.
-
-        A newest checkpoint whose manifest is damaged raises CorruptManifestError naming it, unless
-        ``fallback``: then the newest readable checkpoint is chosen.
-        """
-        if name == LATEST:
-            m = self._newest_manifest(fallback)
-            if m is None:
-                raise CheckpointNotFoundError(LATEST)
-            return m.name
-        validate_name(name)
-        if not self.backend.exists(manifest_key(name)):
-            names = self.checkpoint_names()
-            nearby = difflib.get_close_matches(name, names, n=5, cutoff=0.5) or sorted(names)[-5:]
-            raise CheckpointNotFoundError(name, nearby)
-        return name
-
-    def _newest_manifest(self, fallback: bool) -> Manifest | None:
-        newest = self._newest(fallback)
-        return newest[1] if newest is not None else None
-
-    def _newest(self, fallback: bool) -> tuple[CheckpointInfo, Manifest] | None:
-        """The newest checkpoint's listing and manifest (see :meth:`resolve` for ``fallback``)."""
-        for info in reversed(self.list_checkpoints(include_damaged=True)):
-            damage = info.damage
-            if damage is None:
-                try:
-                    return info, self.read_manifest(info.name)  # a cached summary does not prove it still decodes
-                except CheckpointNotFoundError:
-                    continue  # forgotten meanwhile
-                except CorruptManifestError as e:
-                    damage = str(e)
-            if not fallback:
-                raise CorruptManifestError(f"the newest checkpoint is damaged: {damage}; load an older "
-                                           "checkpoint by name", checkpoint=info.name)
-        return None
-
-    def read_manifest(self, name: str) -> Manifest:
-        return self._read_manifest_as(name, manifest_from_body)
-
-    def read_manifest_refs(self, name: str) -> ManifestRefs:
-        """The chunk refs of checkpoint ``name`` in arrays (see ManifestRefs), its manifest held to every check
-        of read_manifest: for verify and gc, which need no object per item or per ref."""
-        return self._read_manifest_as(name, refs_from_body)
-
-    def add_manifest_ids(self, name: str, collector: idset.Collector) -> None:
-        """Add every chunk id checkpoint ``name`` references to ``collector`` (verify's and gc's sets), its
-        manifest held to every check of read_manifest_refs: nothing is added when one fails, and the same error
-        is raised. Read as a stream in bounded memory (see :mod:`.refstream`) where it can be."""
-        name = self.resolve(name) if name == LATEST else validate_name(name)
-        staged = stream_manifest_ids(self.backend, manifest_key(name), name, collector.fresh)
-        if isinstance(staged, tuple):
-            collector.take(*staged)
-        else:  # any doubt, or a small manifest read whole: the general reading decides
-            collector.add(self._read_manifest_as(name, refs_from_body, staged).ids)
-
-    def _read_manifest_as(self, name: str, from_body, data: bytes | None = None):
-        """``from_body`` of checkpoint ``name``'s manifest, its stored bytes ``data`` when already read."""
-        name = self.resolve(name) if name == LATEST else validate_name(name)
-        where = f"manifest {name!r}"
-        try:
-            stored = self.backend.get(manifest_key(name)) if data is None else data
-            body = manifest_body(stored, where, checkpoint=name)  # stored bytes freed
-            del stored, data
-        except FileNotFoundError:
-            self.resolve(name)  # raises CheckpointNotFoundError with nearby names
-            raise CheckpointNotFoundError(name) from None
-        m = from_body(body, where, checkpoint=name)
-        if m.name != name:
-            raise CorruptManifestError(f"manifest {name!r} says its name is {m.name!r}", checkpoint=name)
-        return m
-
-    def latest_manifest(self) -> Manifest | None:
-        """The newest readable checkpoint's manifest (damaged ones are skipped), or None in an empty store."""
-        return self._newest_manifest(fallback=True)
-
-    def exists(self, name: str) -> bool:
-        return self.backend.exists(manifest_key(name))
 
     # -- writing -------------------------------------------------------------------------------------------
     def writer(self, **kwargs) -> ChunkWriter:
@@ -466,7 +259,8 @@ class Store:
             except FileExistsError:
                 raise CheckpointExistsError(name) from None
         crash_point("commit:after-manifest")
-        self._record_commit(manifest, packs, entries)
+        # Its record in the commit log: how other caches catch up without a listing (a hint: never raises).
+        record_commit(self.backend, self._cache_index(), self.config.store_id, manifest, packs, entries)
         obj = self._manifest_object(name)
         mtime_s = obj.mtime_s if obj else 0.0
         if holding is not None and obj is not None:
@@ -475,23 +269,6 @@ class Store:
         self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s))},
                                  meta=ChunkIndex.commit_meta(Commit(name, manifest.created_ns)))
         return manifest
-
-    def _record_commit(self, manifest: Manifest, packs: Mapping[str, int], entries: list[PackEntry]) -> None:
-        """Write the commit's record (:mod:`.commitlog`), naming the commit this cache indexed before it. A hint:
-        a record that cannot be written is logged, not raised (the checkpoint is committed), and costs a
-        listing of the packs to a cache that catches up through it."""
-        index = self._cache_index()
-        after = index.last_commit()
-        if after is not None and after.name == manifest.name:
-            after = None  # an overwrite: the commit before it is not known here
-        epoch = index.get_meta(b"gc_epoch") or b""  # synced under this save's lock: no gc since
-        record = new_record(self.config.store_id, manifest.name, manifest.created_ns, dict(packs), entries, after,
-                            epoch)
-        try:
-            self.backend.put_transient(commit_record_key(manifest.name), encode_commit_record(record))
-        except Exception as exc:  # noqa: BLE001 - the commit stands; only the next catch-up lists the packs
-            log.warning("%s: commit record of %s not written (%s: %s)", _describe(self.backend), manifest.name,
-                        type(exc).__name__, exc)
 
     def save(self, name: str, items: Mapping[str, Any], *, metadata=None, overwrite: bool = False,
              lock_wait_s: float = DEFAULT_WAIT_S, **writer_kwargs) -> Manifest:
@@ -616,22 +393,3 @@ def _check_plain_dtype(key: str, dtype: np.dtype) -> None:
 def _elem_size(arr: np.ndarray) -> int:
     size = arr.dtype.itemsize
     return size if size in (1, 2, 4, 8) else 1
-
-
-def _describe(backend: Backend) -> str:
-    local = local_root(backend)
-    return str(local) if local is not None else getattr(backend, "url", None) or repr(backend)
-
-
-def _repair_hint(backend: Backend) -> str:
-    return f"run `deltackpt repair {_describe(backend)}` to recreate it from the packs and manifests"
-
-
-def holds_store_data(backend: Backend) -> bool:
-    """Whether ``backend`` holds packs or manifests: a store, even one whose config was lost."""
-    return any(next(iter(backend.list(prefix)), None) is not None for prefix in ("packs/", "manifests/"))
-
-
-def not_a_store_error(backend: Backend) -> StoreNotFoundError:
-    return StoreNotFoundError(
-        f"{_describe(backend)} is not a deltackpt store (no config); create one with `deltackpt init`")

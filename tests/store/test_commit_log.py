@@ -14,7 +14,7 @@ import pytest
 from deltackpt.store import MemoryBackend, Store, commitlog
 from deltackpt.store.commitlog import (CommitRecord, commit_record_key, decode_commit_record,
                                       encode_commit_record, read_commit_record)
-from deltackpt.store import index as index_mod
+from deltackpt.store import reindex as reindex_mod
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.copy import copy_checkpoints
 from deltackpt.store.gc import plan_gc
@@ -356,7 +356,7 @@ def test_an_empty_cache_on_object_storage_takes_the_tables_the_commit_log_holds(
     """A spare host (an empty cache) indexes every pack: it reads the commit records, a request per commit,
     and the tables of only the packs no record holds (gc's repacks); the cache locates every chunk as one
     built from the packs' own tables does, also for a forgotten checkpoint's packs that are still used."""
-    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 8)
+    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 8)
     store = Store.init(_TableReads(), cache_dir=tmp_path / "cache", **{**SMALL, "pack_target_bytes": 16384})
     xs = _arrays(rng, 4)
     store.save("s0", {"x0": xs[0], "x1": xs[1]})
@@ -369,11 +369,11 @@ def test_an_empty_cache_on_object_storage_takes_the_tables_the_commit_log_holds(
     spare = Store.open(store.backend, cache_dir=tmp_path / "spare")
     assert spare.index.num_chunks() == store.index.num_chunks()
     assert store.backend.pack_reads == 0
-    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 1 << 30)
+    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 1 << 30)
     from_tables = Store.open(store.backend, cache_dir=tmp_path / "from-tables")
     ids = _chunk_ids(store)
     assert [spare.index.lookup(c) for c in ids] == [from_tables.index.lookup(c) for c in ids]
-    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 8)
+    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 8)
 
     swept = plan_gc(store, grace_s=0, max_unused=0.01).execute()  # x1 dead: its packs deleted or repacked
     assert swept.deleted_packs + swept.repacked_packs > 0
@@ -398,7 +398,7 @@ def test_a_record_whose_tables_lie_costs_a_rebuild_from_the_packs_never_a_wrong_
     """Tables that parse but are not the pack's (two rows' chunk ids swapped) seed an empty cache with wrong
     locations; the first read that finds an entry header disagreeing rebuilds the cache from the packs' own
     tables, not from the record again, and the load is bit-exact."""
-    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 1)
+    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 1)
     store = Store.init(_TableReads(), cache_dir=tmp_path / "cache", **SMALL)
     x = _arrays(rng, 1)[0]
     store.save("s0", {"x": x})
@@ -436,7 +436,7 @@ def test_a_rebuild_that_took_tables_from_the_log_still_rebuilds_from_the_packs_a
     """A refresh that finds a pack gone rebuilds the cache, from the commit log's tables where it has them;
     such a cache is not trusted like one rebuilt from the packs: a read that finds a wrong location rebuilds
     from the packs' own tables instead of reporting damage."""
-    monkeypatch.setattr(index_mod, "LOGGED_TABLES_ABOVE", 1)
+    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 1)
     store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", **SMALL)
     x, y = _arrays(rng, 2)
     store.save("s0", {"y": y})

@@ -9,7 +9,8 @@ import os
 import re
 
 from ..errors import BackendError
-from .backend import Backend, LocalBackend
+from .backend import Backend
+from .localbackend import LocalBackend
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Packages that implement well-known schemes (fsspec's own table says the same for more of them).

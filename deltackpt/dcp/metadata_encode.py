@@ -10,15 +10,8 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
 
 from .metadata_records import (
     NAME_BY_DTYPE,

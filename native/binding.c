@@ -1,7 +1,7 @@
 /*
  * CPython binding for the deltackpt native kernels (module deltackpt._native).
  *
- * Low-level entry points; deltackpt/kernels.py is the public API and does
+ * Low-level entry points; deltackpt/kernels/ is the public API and does
  * the argument normalisation (dtype views, output allocation, aliasing).
  * Every function takes buffer-protocol objects; outputs are caller-provided
  * writable C-contiguous buffers. The GIL is released for inputs >= 64 KiB.

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deltackpt import kernels
+from deltackpt.kernels import twins
 from deltackpt.errors import NativeKernelUnavailable
 
 REQUIRE_NATIVE = os.environ.get("DELTACKPT_REQUIRE_NATIVE", "").strip() == "1"
@@ -792,7 +793,7 @@ def test_unshuffle_into_matches_unshuffle(k, n):
 
 # -- unshuffle_check / xxh3_64_rows: the read path's batch of chunks checked in one call -----------------------
 
-_CHECKERS = [kernels._python_unshuffle_check] + (
+_CHECKERS = [twins.unshuffle_check] + (
     [kernels._native.unshuffle_check] if kernels._native is not None and hasattr(kernels._native, "unshuffle_check")
     else [])
 
@@ -850,15 +851,15 @@ def test_xxh3_64_rows_native_and_twin_agree_with_xxhash():
     for nbytes in (0, 1, 17, 56, 64):
         got = [np.empty(9, np.uint64) for _ in range(2)]
         kernels._native.xxh3_64_rows(rows, 64, nbytes, got[0])
-        kernels._python_xxh3_64_rows(rows, 64, nbytes, got[1])
+        twins.xxh3_64_rows(rows, 64, nbytes, got[1])
         want = [xxhash.xxh3_64_intdigest(rows[i * 64:i * 64 + nbytes].tobytes()) for i in range(9)]
         assert got[0].tolist() == got[1].tolist() == want
-    for fn in (kernels._native.xxh3_64_rows, kernels._python_xxh3_64_rows):  # rows past the end, however far
+    for fn in (kernels._native.xxh3_64_rows, twins.xxh3_64_rows):  # rows past the end, however far
         with pytest.raises(ValueError):
             fn(rows, 2**62, 8, np.empty(9, np.uint64))
 
 
-_FINDERS = [kernels._python_find_sorted] + (
+_FINDERS = [twins.find_sorted] + (
     [kernels._native.find_sorted] if kernels._native is not None and hasattr(kernels._native, "find_sorted") else [])
 
 
@@ -881,7 +882,7 @@ def test_find_sorted_finds_every_key_in_any_order(find, n):
         assert out.tolist() == [want.get(k.tobytes(), -1) for k in q]
 
 
-_BUCKETED = [kernels._python_find_bucketed] + (
+_BUCKETED = [twins.find_bucketed] + (
     [kernels._native.find_bucketed] if kernels._native is not None and hasattr(kernels._native, "find_bucketed")
     else [])
 
@@ -950,7 +951,7 @@ def test_idset_union_find_and_order_agree_with_numpy(n, m):
     assert idset.find(base, query).tolist() == [want.get(k.tobytes(), -1) for k in query]
 
 
-_SORTERS = [kernels._python_sort_ids] + (
+_SORTERS = [twins.sort_ids] + (
     [kernels._native.sort_ids] if kernels._native is not None and hasattr(kernels._native, "sort_ids") else [])
 
 

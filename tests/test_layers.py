@@ -107,6 +107,8 @@ def test_no_private_names_across_packages():
                 continue
             owner = target if name else target.rsplit(".", 1)[0]  # the module the private name belongs to
             owner_package = owner if _is_package(owner) else owner.rsplit(".", 1)[0]
+            if target == "deltackpt._native" and package == "deltackpt.kernels":
+                continue  # the C extension is the kernels package's own half (the build fixes its import name)
             if owner_package != package:
                 bad.append(f"{path.relative_to(ROOT)}:{line} imports {private} from {owner}")
     assert not bad, "\n".join(bad)

@@ -42,9 +42,10 @@ This package never imports torch; the DCP layer (``deltackpt.dcp``) sits on top 
 names in ``__all__`` below (the other submodules are the engine's own parts).
 """
 
-from .backend import Backend, LocalBackend, LocalFiles, MemoryBackend, ObjectInfo
+from .backend import Backend, LocalFiles, MemoryBackend, ObjectInfo
 from .basecache import AUTO_CAP_BYTES, BaseCache
 from .config import FORMAT_VERSION, StoreConfig
+from .localbackend import LocalBackend
 from .lock import SHARED, StoreLock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
 from .progress import NULL_PROGRESS, Progress, phase

@@ -1,12 +1,7 @@
 """gc: reclaim the space of chunks no checkpoint needs, as a plan first, then its execution.
 
-Mark: the live chunks are those the manifests reference plus the delta bases of those chunks (down each
-chain: a base is live while any live delta needs it). The set is a sorted numpy array of 16-byte ids
-(:mod:`.idset`: 16 bytes a chunk, not a Python object each), so stores with millions of chunks stay within
-tens of MB. The chains are followed in the pack tables, which the sweep reads anyway (:func:`_mark`: one
-vectorised pass over every entry per level); only a chunk no table holds is looked up in the index (and when
-a table could not be read, every live chunk is, as :func:`with_chain_bases` does). A plan costs O(live
-chunks + pack entries), and reads no index record per chunk.
+Mark (:mod:`.mark`): the live chunks are those the manifests reference plus the delta bases of those
+chunks, down each chain, followed in the pack tables the sweep reads anyway.
 
 Sweep, per pack (read from its table, the truth): an entry is live if its chunk is live and it is the only
 copy gc found; of a chunk stored in several packs (an interrupted repack leaves a second copy) the copy the
@@ -47,7 +42,6 @@ duplicate chunks or unindexed packs, which the index refresh and the next gc cle
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import uuid
@@ -55,31 +49,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import LocalFiles, spool_for
-from .config import chain_limit
-from .crashpoints import crash_point
+from .backend import LocalFiles
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
-from ..errors import CheckpointNotFoundError, DeltackptError, DiskFullError, ManifestFormatError
+from ..errors import DeltackptError, DiskFullError, ManifestFormatError
 from . import commitlog, idset
+from .crashpoints import crash_point
 from .index import GC_EPOCH_KEY, read_gc_epoch
+from .mark import concat, delta_bases, live_chunk_ids, manifest_ids, mark_live, read_tables, with_chain_bases
 from .pack import (
     FOOTER_SIZE,
     HEADER_SIZE,
     PACK_MAGIC,
     ROW_SIZE,
-    PackBuilder,
     PackEntry,
     PackTable,
     decode_header,
     list_packs,
     pack_key,
     pack_stamps,
-    read_pack_table,
 )
 from .progress import Progress, phase
-from .threads import ordered_map, table_read_threads
-
-log = logging.getLogger("deltackpt.store")
+from .repack import log_repacks, repack_packs
 
 DEFAULT_GRACE_S = 3600.0
 # Small packs (one per rank and save, say) are merged into packs of the target size once they hold this
@@ -152,19 +142,19 @@ class GcPlan:
                 if not epoch_written:
                     _put_epoch(store, epoch, may_fail=False)
                 written: dict[str, tuple[int, list[PackEntry]]] = {}
-                moved, published = _repack(store, plan.repack, bar, written)
+                moved, published = repack_packs(store, plan.repack, bar, written)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
                 store.backend.delete(pack_key(name))
             gone = set(plan.delete_packs) | old_repacked
-            store.index.remove_packs(gone, _concat([plan.pack_entries[n].chunk_ids for n in gone]))
+            store.index.remove_packs(gone, concat([plan.pack_entries[n].chunk_ids for n in gone]))
             if epoch is not None:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:
                 store.backend.delete_temp(path)
             if written:
-                _log_repacks(store, epoch, written)
+                log_repacks(store, epoch, written)
             _drop_orphan_records(store, (set(plan.packs) - gone) | published)
         return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack) - len(plan.merge),
                         merged_packs=len(plan.merge), new_packs=len(published), moved_chunks=moved,
@@ -191,7 +181,7 @@ class GcPlan:
         changed = [n for n, seen in manifests.items() if self.manifests.get(n) != seen]
         live = idset.union(self.live, live_chunk_ids(store, changed)) if changed else self.live
         # Packs published since the mark keep their deltas' bases (an aborted save's deltas stay restorable).
-        live = with_chain_bases(store, live, _delta_bases(store, {n: listed[n] for n in present - self.packs}))
+        live = with_chain_bases(store, live, delta_bases(store, {n: listed[n] for n in present - self.packs}))
         kept = {name: idset.unique(idset.from_ids([e.chunk_id for e in keep]))
                 for name, keep in self.repack.items()}
         index = store.index
@@ -217,7 +207,7 @@ class GcPlan:
             repack = [n for n in self.repack if still_dead(n, dropped_by_repack(n))]
             # A pack dropped from the plan keeps its dead deltas as they are: their bases must stay too.
             dropped = (set(self.delete_packs) - set(delete)) | (set(self.repack) - set(repack))
-            bases = _concat([self.pack_entries[n].base_ids[self.pack_entries[n].has_base] for n in dropped])
+            bases = concat([self.pack_entries[n].base_ids[self.pack_entries[n].has_base] for n in dropped])
             pins = bases[~idset.isin(live, bases)]
             if not pins.size:
                 break
@@ -252,81 +242,6 @@ class GcResult:
         return dict(self.__dict__)
 
 
-def live_chunk_ids(store, names=None) -> np.ndarray:
-    """Sorted unique ids (dtype ``V16``, see :mod:`.idset`) of every chunk a manifest references, plus their
-    delta bases (looked up in the index); of the checkpoints ``names`` only, if given."""
-    return with_chain_bases(store, _manifest_ids(store, names))
-
-
-def _manifest_ids(store, names=None) -> np.ndarray:
-    """Sorted unique ids of every chunk the manifests (of the checkpoints ``names`` only, if given) reference."""
-    refs = idset.Collector()
-    for name in store.checkpoint_names() if names is None else names:
-        try:
-            store.add_manifest_ids(name, refs)
-        except CheckpointNotFoundError:
-            continue  # forgotten since it was listed (forget takes no lock): it makes nothing live
-    return refs.result()
-
-
-def with_chain_bases(store, live: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
-    """``live`` (sorted unique V16 ids) with ``ids`` (default: those of ``live`` itself) and the delta bases
-    they need added, down each chain (a base is live while any live delta needs it): one batched index
-    look-up per level, at most the store's chain limit (1 without the feature ``delta-chains``)."""
-    frontier = live if ids is None else idset.unique(ids)
-    live = live if ids is None else idset.union(live, frontier)
-    for _ in range(chain_limit(store.config)):
-        bases = idset.unique(store.index.locate(frontier).delta_base)
-        frontier = bases[~idset.isin(live, bases)]
-        if not frontier.size:
-            break
-        live = idset.union(live, frontier)
-    return live
-
-
-def _mark(store, live: np.ndarray, pins: np.ndarray, ids: np.ndarray, bases: np.ndarray,
-          has_base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``live`` (sorted unique V16 ids) and ``pins`` (any order) with the delta bases they need, down each
-    chain as :func:`with_chain_bases` follows them, read from the pack tables: ``ids``, ``bases`` and
-    ``has_base`` of every entry of every pack (all read); and the position of each entry's chunk in that
-    set (-1: dead). A chunk no table holds (its pack unreadable, or published after the listing) is looked
-    up in the index. Every copy of a chunk counts: where two copies were coded differently, the bases of
-    both stay. One search of the whole set (a level's new bases are searched on their own, and the
-    positions found shifted past them): no index record read per live chunk (1.2M chunks: 1.0 s of LMDB
-    look-ups saved), no second pass over the set (a cache miss an entry)."""
-    frontier = live = idset.union(live, pins)
-    pos = idset.find(live, ids)
-    fpos = pos  # each entry's position in the frontier
-    for _ in range(chain_limit(store.config)):
-        hit = fpos >= 0
-        held = np.zeros(frontier.size, dtype=bool)
-        held[fpos[hit]] = True
-        found = [bases[hit & has_base]]
-        if not held.all():
-            found.append(store.index.locate(frontier[~held]).delta_base)
-        new = idset.unique(np.concatenate(found))
-        frontier = new[~idset.isin(live, new)]
-        if not frontier.size:
-            break
-        live = idset.union(live, frontier)
-        at = idset.find(live, frontier)  # where the new ids went: each shifts the positions past it by one
-        inserted_before = at - np.arange(at.size)
-        old = pos >= 0
-        pos[old] += np.searchsorted(inserted_before, pos[old], side="right")
-        fpos = idset.find(frontier, ids)
-        pos[fpos >= 0] = at[fpos[fpos >= 0]]
-    return live, pos
-
-
-def _log_repacks(store, epoch: bytes, written: dict[str, tuple[int, list[PackEntry]]]) -> None:
-    """Write the commit log's record of the packs the repacks wrote (a hint: a failure is logged)."""
-    key, data = commitlog.gc_record(store.config.store_id, epoch, written)
-    try:
-        store.backend.put_transient(key, data)
-    except (OSError, DeltackptError) as exc:
-        log.warning("gc: record of the repacked packs not written (%s: %s)", type(exc).__name__, exc)
-
-
 def _drop_orphan_records(store, present: set[str]) -> None:
     """Delete the commit records (:mod:`.commitlog`) of forgotten checkpoints once none of their packs is
     left (``present``: the packs there are now): until then they hold those packs' tables for an empty cache.
@@ -351,33 +266,6 @@ def _list_manifests(store) -> dict[str, tuple[int, float]]:
         if "/" not in name:
             out[name] = (info.size_bytes, info.mtime_s)
     return out
-
-
-def _read_tables(store, listed: dict, progress: Progress | None = None) -> dict[str, PackTable]:
-    def read(name: str) -> PackTable | None:
-        try:
-            return read_pack_table(store.backend, name, listed[name].size_bytes)
-        except Exception:  # noqa: BLE001 - an unreadable pack is verify's business; gc leaves it alone
-            return None
-
-    tables = {}
-    threads = table_read_threads(store.backend)
-    with phase(progress, "gc plan", len(listed), "pack") as bar:
-        for name, table in zip(listed, ordered_map(read, listed, threads)):
-            bar.advance(1)
-            if table is not None:
-                tables[name] = table
-    return tables
-
-
-def _delta_bases(store, listed: dict) -> np.ndarray:
-    """The delta bases the entries of the packs ``listed`` need (V16 ids)."""
-    return _concat([t.base_ids[t.has_base] for t in _read_tables(store, listed).values()])
-
-
-def _concat(arrays: list[np.ndarray], dtype=idset.ID) -> np.ndarray:
-    """The arrays end to end (an empty one of ``dtype`` when there are none)."""
-    return np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype)
 
 
 def _removable_temp_files(store, grace_s: float) -> list[str]:
@@ -424,18 +312,18 @@ def _plan(store, *, max_unused: float, grace_s: float, merge_small: bool, progre
     # references); a pack published since is new to revalidate().
     listed = list_packs(store.backend)
     store.refresh_index(pack_stamps(listed))
-    live = _manifest_ids(store, list(manifests))
+    live = manifest_ids(store, list(manifests))
     young = {n for n, i in listed.items() if now - i.mtime_s < grace_s}
-    tables = _read_tables(store, listed, progress)
+    tables = read_tables(store, listed, progress)
     names = [n for n in tables if n not in young]  # the packs gc may act on; young ones' tables come after
     every = names + [n for n in tables if n in young]
-    ids = _concat([tables[n].chunk_ids for n in every])
-    bases = _concat([tables[n].base_ids for n in every])
-    has_base = _concat([tables[n].has_base for n in every], bool)
+    ids = concat([tables[n].chunk_ids for n in every])
+    bases = concat([tables[n].base_ids for n in every])
+    has_base = concat([tables[n].has_base for n in every], bool)
     counts = np.array([len(tables[n]) for n in names], dtype=np.int64)
     num_old = int(counts.sum())
     # A young pack may be an in-flight save's: the bases of its deltas stay, whether or not it commits.
-    live, pos = _mark(store, live, bases[num_old:][has_base[num_old:]], ids, bases, has_base)
+    live, pos = mark_live(store, live, bases[num_old:][has_base[num_old:]], ids, bases, has_base)
     if len(tables) < len(listed):  # a table not read: the index's view of each live chunk counts too
         live = with_chain_bases(store, live)
         pos = idset.find(live, ids)
@@ -448,7 +336,7 @@ def _plan(store, *, max_unused: float, grace_s: float, merge_small: bool, progre
     keep = _live_entries(store, plan, [tables[n] for n in names], owner, first, live.size, pos, num_old)
     del ids, pos
     # The pack's fixed overhead (magic, table rows, footer) belongs to its live entries too.
-    cost = _concat([tables[n].stored_lens for n in names], np.uint64).astype(np.int64) + HEADER_SIZE + ROW_SIZE
+    cost = concat([tables[n].stored_lens for n in names], np.uint64).astype(np.int64) + HEADER_SIZE + ROW_SIZE
     live_bytes = np.bincount(owner[keep], weights=cost[keep], minlength=len(names)) + len(PACK_MAGIC) + FOOTER_SIZE
     num_kept = np.bincount(owner[keep], minlength=len(names))
     # A dead delta whose base is deleted could not be restored: its pack is repacked, never kept as is.
@@ -521,39 +409,3 @@ def _put_epoch(store, epoch: bytes, *, may_fail: bool) -> bool:
         return False
 
 
-def _repack(store, repack: dict[str, list[PackEntry]], bar=None,
-            written: dict[str, tuple[int, list[PackEntry]]] | None = None) -> tuple[int, set[str]]:
-    """Copy the live entries of the packs ``repack`` (name -> entries) into new packs of the target size,
-    shared by all of them (small packs merge), and point the index at them; ``written`` gets each new pack's
-    size and entries.
-
-    Returns (entries moved, names of the packs published)."""
-    target = store.config.pack_target_bytes
-    moved, names = 0, set()
-
-    def flush(b: PackBuilder) -> None:
-        nonlocal moved
-        name, size, new_entries = b.publish(store.backend)
-        store.index.relocate(new_entries, {name: size})
-        if written is not None:
-            written[name] = (size, new_entries)
-        moved += len(new_entries)
-        names.add(name)
-        crash_point("gc:after-repack")
-
-    builder = PackBuilder(spool_for(store.backend))
-    for old, entries in sorted(repack.items()):
-        data = store.backend.get(pack_key(old))
-        for e in entries:
-            payload = memoryview(data)[e.offset + HEADER_SIZE : e.offset + HEADER_SIZE + e.stored_len]
-            builder.add(e.chunk_id, e.codec, e.elem_size, e.raw_len, payload, e.base_id, e.age)
-            if builder.size_bytes >= target:
-                flush(builder)
-                builder = PackBuilder(spool_for(store.backend))
-        if bar is not None:
-            bar.advance(1)
-    if len(builder):
-        flush(builder)
-    else:
-        builder.discard()
-    return moved, names

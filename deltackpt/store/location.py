@@ -13,8 +13,9 @@ import os
 import re
 
 from ..errors import BackendError, ManifestFormatError, StoreExistsError, StoreNotFoundError
-from .backend import Backend, LocalBackend, local_root
+from .backend import Backend, local_root
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, new_config
+from .localbackend import LocalBackend
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Packages that implement well-known schemes (fsspec's own table says the same for more of them).

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
 from .config import (CONFIG_KEY, NEW_STORE_MAX_CHAIN, SUPPORTED_FEATURES, StoreConfig, decode_config,
                      encode_config)
-from .gc import _repack
+from .repack import repack_packs
 from .index import GC_EPOCH_KEY
 from .location import holds_store_data, not_a_store_error, open_backend
 from .lock import EXCLUSIVE, StoreLock
@@ -178,7 +178,7 @@ def _rebuild_damaged_packs(store: Store, report: RepairReport, progress: Progres
                 continue
             # Set aside first, never deleted: it may hold bytes past the damage that a person can still recover.
             backend.put(info.key + DAMAGED_SUFFIX, data)
-            _moved, names = _repack(store, {name: good})
+            _moved, names = repack_packs(store, {name: good})
             if name not in names:  # (every entry intact: the rebuilt pack is the original, under its own name)
                 # A new gc epoch first, as gc's: caches elsewhere (and commit records' tables) locate in it.
                 backend.put(GC_EPOCH_KEY, uuid.uuid4().hex.encode())

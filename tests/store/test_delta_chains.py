@@ -397,7 +397,7 @@ def test_gc_marks_each_chain_from_the_pack_tables_as_the_index_does(tmp_path, ke
     """gc's marking follows a tip's chain through the pack tables, level by level, and keeps each entry's
     position in the growing live set as bases are merged in: the same set as the index's chains give, and
     the positions a fresh search of it gives."""
-    from deltackpt.store import gc as gc_mod, idset
+    from deltackpt.store import idset, mark
     from deltackpt.store.pack import read_pack_table
 
     store, _ = _chained_store(tmp_path / "s", 4, 6)
@@ -406,9 +406,9 @@ def test_gc_marks_each_chain_from_the_pack_tables_as_the_index_does(tmp_path, ke
     ids = np.concatenate([t.chunk_ids for t in tables])
     bases = np.concatenate([t.base_ids for t in tables])
     has_base = np.concatenate([t.has_base for t in tables])
-    manifest_ids = gc_mod._manifest_ids(store)
-    live, pos = gc_mod._mark(store, manifest_ids, bases[:0], ids, bases, has_base)
-    want = gc_mod.with_chain_bases(store, manifest_ids)
+    manifest_ids = mark.manifest_ids(store)
+    live, pos = mark.mark_live(store, manifest_ids, bases[:0], ids, bases, has_base)
+    want = mark.with_chain_bases(store, manifest_ids)
     assert live.size > manifest_ids.size, "the tips are coded against chunks of forgotten checkpoints"
     assert live.tobytes() == want.tobytes()
     assert pos.tolist() == idset.find(live, ids).tolist()

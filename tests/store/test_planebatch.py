@@ -7,6 +7,7 @@ import pytest
 import zstandard
 
 from deltackpt import kernels
+from deltackpt.kernels import twins
 from deltackpt.store import codec
 from deltackpt.store.chunking import chunk_id_of
 from deltackpt.store.planebatch import decode_keyframes
@@ -125,7 +126,7 @@ def test_native_batch_kernel_and_its_python_twin_agree(monkeypatch):
     ids = bytearray(_ids(raws))
     ids[16 * 2] ^= 0x80  # one wrong id: both must fail it
     results = []
-    for fn in (kernels._native.unshuffle_check, kernels._python_unshuffle_check):
+    for fn in (kernels._native.unshuffle_check, twins.unshuffle_check):
         monkeypatch.setattr(kernels, "unshuffle_check", fn)
         buf, pos, slen, rlen, es, outs = _batch(stored, [len(r) for r in raws], elem)
         done = decode_keyframes(buf, pos, slen, rlen, es, outs, bytes(ids))

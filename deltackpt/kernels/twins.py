@@ -1,0 +1,87 @@
+"""twins: the Python twins of the native batch kernels, for the numpy backend or an extension built before them.
+
+Each gives the same results and raises the same ``ValueError`` as its C counterpart (docstrings in
+native/binding.c): many chunks unshuffled and hash-checked in one call, entry-header digests, and the
+sorted-id searches and sort of :mod:`deltackpt.store.idset`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from .arguments import as_u8, check_elem_size
+from .impl import numpy_impl
+
+
+def unshuffle_check(buf, frames, elem_size: int, src, outs, ids, ok) -> int:
+    """The twin of the native ``unshuffle_check`` (its docstring in native/binding.c): the same checks, the
+    same bytes, one chunk at a time."""
+    k = check_elem_size(elem_size)
+    b, n, frames = as_u8(buf, "buf"), len(outs), () if frames is None else frames
+    src = np.asarray(src)
+    okv = np.frombuffer(ok, dtype=np.uint8) if len(memoryview(ok)) else np.zeros(0, np.uint8)
+    if okv.size != n or src.dtype != np.int64 or src.size != n * (k + 1) or len(ids) != 16 * n:
+        raise ValueError(f"ok, src and ids must hold {n}, {n * (k + 1)} int64 and {16 * n} bytes")
+    dests = [np.frombuffer(out, dtype=np.uint8) if len(memoryview(out)) else np.zeros(0, np.uint8) for out in outs]
+    planes = []
+    for j, (dest, starts) in enumerate(zip(dests, src.reshape(n, k + 1).tolist())):
+        per = dest.size // k
+        segs = []
+        for s, at in enumerate(starts):
+            want = per if s < k else dest.size - per * k
+            if 0 <= at <= b.size - want:
+                segs.append(b[at:at + want])
+            elif at < 0 and -1 - at < len(frames) and len(memoryview(frames[-1 - at])) == want:
+                segs.append(np.frombuffer(frames[-1 - at], dtype=np.uint8) if want else b[:0])
+            else:
+                raise ValueError(f"chunk {j}: segment {s} is out of bounds")
+        planes.append(np.concatenate(segs))
+    for j, (dest, joined) in enumerate(zip(dests, planes)):
+        numpy_impl.unshuffle(joined, k, out=dest)
+        okv[j] = xxhash.xxh3_128_digest(dest) == bytes(ids[16 * j:16 * j + 16])
+    return int(okv.sum())
+
+
+def xxh3_64_rows(rows, stride: int, nbytes: int, out) -> None:
+    """The twin of the native ``xxh3_64_rows``: ``out[i]`` = xxh3-64 of row i's first ``nbytes``."""
+    mv, dest = memoryview(rows).cast("B"), np.frombuffer(out, dtype=np.uint64)
+    if not 0 <= nbytes <= stride or dest.size and (dest.size - 1) * stride + nbytes > len(mv):
+        raise ValueError(f"rows has {len(mv)} bytes, {dest.size} rows of stride {stride} need more")
+    dest[:] = [xxhash.xxh3_64_intdigest(mv[i * stride:i * stride + nbytes]) for i in range(dest.size)]
+
+
+
+def find_sorted(ids, keys, out) -> None:
+    """The twin of the native ``find_sorted``: ``out[i]`` = the index of ``keys[i]`` in ``ids`` (16-byte ids,
+    sorted unique), -1 where absent."""
+    nbytes = [memoryview(x).nbytes for x in (ids, keys, out)]
+    if nbytes[0] % 16 or nbytes[1] % 16 or nbytes[2] != nbytes[1] // 2:
+        raise ValueError("ids and keys must be 16-byte ids, out an int64 per key")
+    a, k = (np.frombuffer(x, dtype="V16") if n else np.empty(0, "V16") for x, n in zip((ids, keys), nbytes))
+    dest = np.frombuffer(out, dtype=np.int64) if nbytes[2] else np.empty(0, np.int64)
+    if not a.size:
+        dest[:] = -1
+        return
+    pos = np.minimum(np.searchsorted(a, k), a.size - 1)
+    dest[:] = np.where(a[pos] == k, pos, -1)
+
+
+def find_bucketed(ids, starts, bits, keys, out) -> None:
+    """The twin of the native ``find_bucketed``: the same answers as :func:`find_sorted` for a bucket
+    table ``starts`` of ``bits`` bits as idset.bucket_starts makes it (checked for its length only)."""
+    if not 1 <= bits <= 32:
+        raise ValueError("bits must be 1-32")
+    if memoryview(starts).nbytes != ((1 << bits) + 1) * 4:
+        raise ValueError("starts must be 2**bits + 1 uint32")
+    find_sorted(ids, keys, out)
+
+
+def sort_ids(ids) -> None:
+    """The twin of the native ``sort_ids``: the 16-byte ids of the writable buffer ``ids`` sorted in place."""
+    nbytes = memoryview(ids).nbytes
+    if nbytes % 16:
+        raise ValueError("ids must be 16-byte ids")
+    if nbytes:
+        np.frombuffer(ids, dtype="V16").sort()
+

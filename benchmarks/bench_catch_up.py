@@ -13,8 +13,13 @@ every request by
 ``--latency-ms`` (object storage's per-request latency; the moto server on this machine has next to none, and
 its CPU is the bound).
 
+``--log-memory 50,200`` measures instead (in process, no server) the peak Python memory (tracemalloc) of an
+empty cache built from the commit log of that many commits of 2,000 new 4 KiB chunks each: it stays flat
+when the log is indexed record by record, and grew by the log's 64 bytes a chunk when it was read whole.
+
 Usage:
   python benchmarks/bench_catch_up.py [--packs 1000,4000] [--repeats 3] [--latency-ms 20] [--json PATH]
+  python benchmarks/bench_catch_up.py --log-memory 50,200
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -38,7 +44,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))  # the fault proxy of the object-
 
 from bench_s3 import MotoServer  # noqa: E402
 from s3_faults import FaultProxy  # noqa: E402
-from deltackpt.store import Store, commitlog  # noqa: E402
+from deltackpt.store import MemoryBackend, Store, commitlog  # noqa: E402
 from deltackpt.store import reindex as reindex_mod  # noqa: E402
 from deltackpt.store import threads as threads_mod  # noqa: E402
 from deltackpt.store.fsspec_backend import FsspecBackend  # noqa: E402
@@ -129,13 +135,40 @@ def _fresh_index(endpoint: str, server: MotoServer, url: str, tmp: Path, threads
         threads_mod.REMOTE_TABLE_THREADS, reindex_mod.LOGGED_TABLES_ABOVE = saved
 
 
+def _log_memory(commits: int, tmp: Path, per_commit: int = 2000) -> dict:
+    """Peak traced memory of an empty cache indexing a store of ``commits`` commits from the commit log."""
+    store = Store.init(MemoryBackend(), cache_dir=tmp / f"mem-{commits}", chunk_size_bytes=CHUNK,
+                       pack_target_bytes=64 * CHUNK)
+    rng = np.random.default_rng(commits)
+    for k in range(commits):
+        store.save(f"c{k}", {f"x{k}": rng.integers(0, 256, per_commit * CHUNK, dtype=np.uint8)})
+    spare = Store.open(store.backend, cache_dir=tmp / f"spare-{commits}")
+    tracemalloc.start()
+    try:
+        chunks = spare.index.num_chunks()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return {"commits": commits, "chunks": chunks, "peak_mib": peak / 2**20, "bytes_per_chunk": peak / chunks}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--packs", default="1000,4000")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--log-memory", help="commits per store, comma-separated: measure memory instead (no server)")
     args = ap.parse_args(argv)
+    if args.log_memory:
+        with tempfile.TemporaryDirectory() as d:
+            rows = [_log_memory(int(c), Path(d)) for c in args.log_memory.split(",")]
+        for r in rows:
+            print(f"{r['commits']:>5} commits, {r['chunks']} chunks: peak {r['peak_mib']:.1f} MiB "
+                  f"({r['bytes_per_chunk']:.0f} B a chunk)", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return 0
     server = MotoServer()
     proxy = FaultProxy(server.port)
     proxy.set_faults(1.0, ("delay",), delay_s=args.latency_ms / 1000)

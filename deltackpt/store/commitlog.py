@@ -49,6 +49,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
+from collections.abc import Iterator
 from typing import Annotated, NamedTuple
 
 import msgspec
@@ -198,24 +199,24 @@ def record_names(backend) -> list[str]:
     return [n for n in (info.key[len(PREFIX):] for info in backend.list(PREFIX)) if "/" not in n]
 
 
-def logged_tables(backend, store_id: str, packs: dict[str, int], threads: int) -> dict[str, bytes]:
-    """The table rows the commit log holds of those of ``packs`` (name -> size): a listing of ``commits/``
-    and a read of each record (``threads`` at once), instead of a read per pack; nothing when there are as
-    many records as packs. For a cache that must index every pack (an empty one: a spare host that took
-    over). A pack is immutable (named by its hash), so a record of any age tells its table; the rows are
-    checked when they are used (:func:`~.pack.entries_from_rows`)."""
+def logged_tables(backend, store_id: str, packs: dict[str, int], threads: int) -> Iterator[tuple[str, bytes]]:
+    """(pack, table rows) the commit log holds of those of ``packs`` (name -> size), record by record as they
+    are read (``threads`` at once): a listing of ``commits/`` and a read of each record instead of a read per
+    pack; nothing when there are as many records as packs. For a cache that must index every pack (an empty
+    one: a spare host that took over). A pack is immutable (named by its hash), so a record of any age tells
+    its table; the rows are checked when they are used (:func:`~.pack.entries_from_rows`)."""
     names = record_names(backend)
-    out: dict[str, bytes] = {}
     if len(names) >= len(packs):
-        return out
+        return
+    left = dict(packs)
     for record in ordered_map(lambda n: _read_record(backend, PREFIX + n, n, store_id), names, threads):
         if record is not None:
             for pack, rows in record.tables.items():
-                if packs.get(pack) == record.packs[pack]:
-                    out.setdefault(pack, rows)
-        if len(out) == len(packs):
-            break
-    return out
+                if pack in left and left[pack] == record.packs[pack]:
+                    del left[pack]
+                    yield pack, rows
+        if not left:
+            return
 
 
 def records_since(backend, store_id: str, head: CommitRecord, seen: Commit) -> list[CommitRecord] | None:

@@ -302,6 +302,48 @@ class _TableReads(MemoryBackend):
         return super().get_range(key, offset, length)
 
 
+class _Events(_TableReads):
+    """Logs each read of a commit record, in order with the index's adds (see the test below)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+
+    def get(self, key):
+        if key.startswith(commitlog.PREFIX):
+            self.events.append(("read", 0))
+        return super().get(key)
+
+
+def test_an_empty_cache_indexes_the_commit_log_record_by_record(tmp_path, rng, monkeypatch):
+    """The log's rows (64 bytes a chunk of the store's history) are never all held at once: a record's packs
+    are indexed before the records after it are read."""
+    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 2)
+    monkeypatch.setattr(reindex_mod, "LOG_READ_THREADS", 1)
+    monkeypatch.setattr(reindex_mod, "_BATCH_ENTRIES", 1)
+    store = Store.init(_Events(), cache_dir=tmp_path / "cache", **{**SMALL, "pack_target_bytes": 16384})
+    xs = _arrays(rng, 3)
+    for k in range(3):
+        store.save(f"s{k}", {f"x{k}": xs[k]})
+    backend = store.backend
+    real_add = ChunkIndex._add
+
+    def add(self, entries, packs, **kw):
+        if packs:
+            backend.events.append(("add", len(packs)))
+        return real_add(self, entries, packs, **kw)
+
+    monkeypatch.setattr(ChunkIndex, "_add", add)
+    spare = Store.open(backend, cache_dir=tmp_path / "spare")
+    backend.events.clear()
+    backend.pack_reads = 0
+    assert spare.index.num_chunks() == store.index.num_chunks()
+    assert backend.pack_reads == 0  # every table from the log
+    kinds = [kind for kind, _ in backend.events]
+    assert kinds.count("read") == 3
+    assert kinds.index("add") < len(kinds) - 1 - kinds[::-1].index("read")  # an add before the last read
+
+
 def _chunk_ids(store) -> list[bytes]:
     return sorted({ref.id for c in store.checkpoint_names() for it in store.read_manifest(c).items
                    for ref in it.chunks})

@@ -271,7 +271,10 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
         """
         return self._add(list(entries), packs, if_present=if_present)
 
-    def _add(self, entries, packs: dict[str, int], if_present: bool = False) -> list[PackEntry]:
+    def _add(self, entries, packs: dict[str, int], if_present: bool = False,
+             rank: dict[str, int] | None = None) -> list[PackEntry]:
+        """:meth:`add`'s work; ``rank``: the packs' order of precedence (0 first) when they are not indexed in
+        that order, so that of a chunk in several packs the copy of the first pack is located."""
         chunks, packs_db, meta = self._dbs()
         with self.env.begin(write=True) as txn:
             gone = {n for n in packs if not self.backend.exists(pack_key(n))} if if_present else ()
@@ -282,6 +285,8 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
                 txn.put(b"store_id", self.store_id, db=meta)
                 txn.put(b"version", INDEX_VERSION, db=meta)
             kept = [e for e in entries if not txn.put(e.chunk_id, encode_record(e), db=chunks, overwrite=False)]
+            if rank is not None:
+                kept = [e for e in kept if not _take_if_first(txn, chunks, e, rank)]
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
         return kept
@@ -396,3 +401,13 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
 
 
 _WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
+
+
+def _take_if_first(txn, db, entry: PackEntry, rank: dict[str, int]) -> bool:
+    """Point ``entry``'s chunk at ``entry`` when its pack comes before the indexed copy's in ``rank``
+    (a pack ``rank`` lacks comes last); whether it did."""
+    indexed = decode_record(entry.chunk_id, txn.get(entry.chunk_id, db=db))
+    if rank.get(entry.pack, len(rank)) >= rank.get(indexed.pack, len(rank)):
+        return False
+    txn.put(entry.chunk_id, encode_record(entry), db=db)
+    return True

@@ -125,18 +125,21 @@ class Reindexing:
         per batch of entries (a commit per pack made a refresh of many small packs slow); a pack whose table
         rows ``given`` holds (from the commit log) is not read, when they check out. ``every``: these are all
         the store's packs (an empty cache, a rebuild), so on object storage the commit log's tables are read
-        first, record by record as they arrive (the rows, 64 bytes a chunk, are never all held at once), so
-        there a chunk in several packs keeps the copy of the log's first record that holds one. Returns how
-        many packs were indexed from ``given`` or the log."""
+        first, record by record as they arrive (the rows, 64 bytes a chunk, are never all held at once). Returns
+        how many packs were indexed from ``given`` or the log."""
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
         if_present = local_root(self.backend) is not None
         threads = table_read_threads(self.backend)
         entries, sizes = [], {}
         given = given or {}
-        logged = 0
+        logged, rank = 0, None
         if every and not if_present and len(packs) - len(given) >= LOGGED_TABLES_ABOVE:
-            # Every table to read: those the commit log holds cost a request per commit, not per pack.
-            done = self._index_logged({name: size for name, size in packs if name not in given}, bar, if_present)
+            # Every table to read: those the commit log holds cost a request per commit, not per pack. Indexed
+            # out of order, so a chunk's copy is placed by the packs' order (the first found, as elsewhere).
+            self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
+            rank = {name: i for i, (name, _) in enumerate(packs)}
+            done = self._index_logged({name: size for name, size in packs if name not in given}, bar, if_present,
+                                      rank)
             packs = [pack for pack in packs if pack[0] not in done]
             logged = len(done)
 
@@ -158,15 +161,16 @@ class Reindexing:
             if bar is not None:
                 bar.advance(1)
             if len(entries) >= _BATCH_ENTRIES:
-                self._add(entries, sizes, if_present=if_present)
+                self._add(entries, sizes, if_present=if_present, rank=rank)
                 entries, sizes = [], {}
         if sizes:
-            self._add(entries, sizes, if_present=if_present)
+            self._add(entries, sizes, if_present=if_present, rank=rank)
         return logged
 
-    def _index_logged(self, todo: dict[str, int], bar, if_present: bool) -> set[str]:
-        """Index those of ``todo`` (name -> size) whose tables the commit log holds, as the records are read;
-        returns their names (a pack whose logged rows do not check out is left to its own table)."""
+    def _index_logged(self, todo: dict[str, int], bar, if_present: bool, rank: dict[str, int]) -> set[str]:
+        """Index those of ``todo`` (name -> size) whose tables the commit log holds, as the records are read
+        (a chunk in several packs located in the first by ``rank``); returns their names (a pack whose logged
+        rows do not check out is left to its own table)."""
         entries, sizes, done = [], {}, set()
         for name, rows in logged_tables(self.backend, self.store_id.decode(), todo, LOG_READ_THREADS):
             try:
@@ -178,10 +182,10 @@ class Reindexing:
             if bar is not None:
                 bar.advance(1)
             if len(entries) >= _BATCH_ENTRIES:
-                self._add(entries, sizes, if_present=if_present)
+                self._add(entries, sizes, if_present=if_present, rank=rank)
                 entries, sizes = [], {}
         if sizes:
-            self._add(entries, sizes, if_present=if_present)
+            self._add(entries, sizes, if_present=if_present, rank=rank)
         return done
 
 

@@ -18,6 +18,8 @@ from deltackpt.store import reindex as reindex_mod
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.copy import copy_checkpoints
 from deltackpt.store.gc import plan_gc
+from deltackpt.store.pack import list_packs, pack_stamps, read_pack_entries
+from deltackpt.store.repack import repack_packs
 
 from store_helpers import SMALL, assert_items_equal, random_array
 
@@ -342,6 +344,25 @@ def test_an_empty_cache_indexes_the_commit_log_record_by_record(tmp_path, rng, m
     kinds = [kind for kind, _ in backend.events]
     assert kinds.count("read") == 3
     assert kinds.index("add") < len(kinds) - 1 - kinds[::-1].index("read")  # an add before the last read
+
+
+def test_a_rebuild_from_the_commit_log_locates_the_newest_copy_of_a_chunk(tmp_path, rng, monkeypatch):
+    """The log's packs are indexed as their records arrive, out of the packs' order: a chunk in several packs
+    (an interrupted repack: its copies in a newer pack no record holds yet) is still located in the newest,
+    as a rebuild from the packs' own tables locates it, so the next gc keeps the repack's work."""
+    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 1)
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", **{**SMALL, "pack_target_bytes": 16384})
+    for k, x in enumerate(_arrays(rng, 3)):
+        store.save(f"s{k}", {f"x{k}": x})
+    old = sorted(list_packs(store.backend))[0]
+    moved = read_pack_entries(store.backend, old)[1:]
+    time.sleep(0.01)  # the repack's pack is the newest
+    _, new = repack_packs(store, {old: moved})
+    present = pack_stamps(list_packs(store.backend))
+    for log in (True, False):
+        index = Store.open(store.backend, cache_dir=tmp_path / f"spare-{log}")._cache_index()
+        index._rebuild(present, from_log=log)  # what a refresh does when a pack it knew is gone
+        assert all(index.lookup(e.chunk_id).pack in new for e in moved)
 
 
 def _chunk_ids(store) -> list[bytes]:

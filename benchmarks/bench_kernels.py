@@ -81,17 +81,17 @@ def bf16_finetune_states(n: int, seed: int = 0):
 
 def bench_sparse_planes(size_mib: float, repeat: int) -> list[dict]:
     """Delta coding of bf16 fine-tuning weights with zero-sparse planes on (the default) and off."""
-    from deltackpt.store import codec
+    from deltackpt.store import codec, planes
 
     chunk = 1 << 20
     old, new = bf16_finetune_states(int(size_mib * (1 << 20)) // 2)
     old_b, new_b = old.view(np.uint8), new.view(np.uint8)
     spans = [(i, min(i + chunk, new_b.size)) for i in range(0, new_b.size, chunk)]
-    default = codec.SPARSE_MAX_DENSITY
+    default = planes.SPARSE_MAX_DENSITY
     out = []
     try:
         for label, density in (("on", default), ("off", -1.0)):
-            codec.SPARSE_MAX_DENSITY = density
+            planes.SPARSE_MAX_DENSITY = density
             enc = lambda: [codec.encode_delta(new_b[s:e], old_b[s:e], 2, 1) for s, e in spans]  # noqa: E731
             blobs = [bytes(b) for b in enc()]
             dec = lambda blobs=blobs: [codec.decode(codec.DELTA, b, e - s, 2, old_b[s:e])  # noqa: E731
@@ -105,7 +105,7 @@ def bench_sparse_planes(size_mib: float, repeat: int) -> list[dict]:
                             "changed_fraction": round(float(np.mean(old != new)), 3),
                             "workload": "bf16 weights, 1 MiB chunks, zstd level 1, one thread, no hashing"})
     finally:
-        codec.SPARSE_MAX_DENSITY = default
+        planes.SPARSE_MAX_DENSITY = default
     return out
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 
 from .. import kernels
-from . import codec
+from . import codec, planes
 
 _SEG_DTYPE = np.dtype([("mode", "u1"), ("len", "<u4")])  # one entry of a container's segment table, unaligned
 _MAGIC = np.frombuffer(codec.PLANES_MAGIC, dtype=np.uint8)
@@ -67,7 +67,7 @@ def _decode_group(buf, pos, stored_len, raw_len, k: int, outs: list, ids: bytes)
     if zst.any():
         table = np.stack([src[zst], slen[zst]], axis=1).astype(np.uint64)
         try:
-            frames = codec._decompressor().multi_decompress_to_buffer(
+            frames = planes.decompressor().multi_decompress_to_buffer(
                 zstandard.BufferWithSegments(buf, table.tobytes()),
                 decompressed_sizes=want[zst].astype(np.uint64).tobytes())
         except zstandard.ZstdError:

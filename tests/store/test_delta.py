@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from deltackpt import kernels
 from deltackpt.errors import CorruptChunkError
-from deltackpt.store import MemoryBackend, Store, codec
+from deltackpt.store import MemoryBackend, Store, codec, planes
 from deltackpt.store.pack import HEADER_SIZE, pack_key
 
 DTYPES = ["float32", "float16", "int64", "uint8", "bfloat16"]
@@ -428,7 +428,7 @@ def test_mostly_zero_delta_planes_are_stored_sparse(n):
 def test_sparse_planes_beat_plain_zstd_on_a_mostly_zero_plane(monkeypatch):
     base, new = _drifted(1 << 18, 22, 0.1)
     sparse = len(codec.encode_delta(new, base, 4, 1))
-    monkeypatch.setattr(codec, "SPARSE_MAX_DENSITY", -1.0)  # never sparse
+    monkeypatch.setattr(planes, "SPARSE_MAX_DENSITY", -1.0)  # never sparse
     plain = codec.encode_delta(new, base, 4, 1)
     assert codec.SEG_SPARSE not in _modes(plain, 4)
     assert sparse < len(plain)
@@ -455,7 +455,7 @@ def test_sparse_planes_decode_through_per_thread_scratch():
     for want in (new, other, new):
         stored = codec.encode_delta(want, base, 4, 1)
         outs.append(codec.decode(codec.DELTA, stored, want.nbytes, 4, base.view(np.uint8)))
-        scratch = {k: getattr(codec._local, k).__array_interface__["data"][0]
+        scratch = {k: getattr(planes._local, k).__array_interface__["data"][0]
                    for k in ("sparse_bitmap", "sparse_values")}
         if len(outs) == 1:
             first = scratch
@@ -479,26 +479,26 @@ def test_damaged_sparse_planes_raise_value_error(damage, plane):
     stored = bytearray(bytes(codec.encode_delta(new, base, 4, 1)))
     assert stored[4 + 5 * plane] == codec.SEG_SPARSE
     off, length = _sparse_segment(bytes(stored), plane)
-    nnz, bm_mode, bm_len, vals_mode = codec._SPARSE.unpack_from(stored, off)
+    nnz, bm_mode, bm_len, vals_mode = planes._SPARSE.unpack_from(stored, off)
     assert nnz > 0 and bm_mode == codec.SEG_ZSTD and vals_mode == (codec.SEG_RAW, codec.SEG_ZSTD)[plane]
-    body = off + codec._SPARSE.size
+    body = off + planes._SPARSE.size
     if damage == "nnz_high":
-        codec._SPARSE.pack_into(stored, off, new.size + 1, bm_mode, bm_len, vals_mode)
+        planes._SPARSE.pack_into(stored, off, new.size + 1, bm_mode, bm_len, vals_mode)
     elif damage == "nnz_low":
-        codec._SPARSE.pack_into(stored, off, nnz - 1, bm_mode, bm_len, vals_mode)
+        planes._SPARSE.pack_into(stored, off, nnz - 1, bm_mode, bm_len, vals_mode)
     elif damage == "bitmap_len":
-        codec._SPARSE.pack_into(stored, off, nnz, bm_mode, length, vals_mode)
+        planes._SPARSE.pack_into(stored, off, nnz, bm_mode, length, vals_mode)
     elif damage == "bitmap_mode":
-        codec._SPARSE.pack_into(stored, off, nnz, 7, bm_len, vals_mode)
+        planes._SPARSE.pack_into(stored, off, nnz, 7, bm_len, vals_mode)
     elif damage == "values_mode":
-        codec._SPARSE.pack_into(stored, off, nnz, bm_mode, bm_len, 7)
+        planes._SPARSE.pack_into(stored, off, nnz, bm_mode, bm_len, 7)
     elif damage == "short_header":
         # the plane claims 3 bytes: its header is cut (the container's trailing bytes would be caught too)
         stored[5 + 5 * plane:9 + 5 * plane] = (3).to_bytes(4, "little")
     elif damage == "bitmap_byte":  # a bit flipped inside a raw-stored bitmap, or a zstd frame damaged
         stored[body + bm_len // 2] ^= 0x10
     else:
-        stored[body + bm_len + (length - codec._SPARSE.size - bm_len) // 2] ^= 0x01
+        stored[body + bm_len + (length - planes._SPARSE.size - bm_len) // 2] ^= 0x01
     try:
         out = codec.decode(codec.DELTA, bytes(stored), new.nbytes, 4, base.view(np.uint8))
     except ValueError:
@@ -617,8 +617,8 @@ def test_small_frames_decode_in_one_call_as_the_stream_path_does(monkeypatch, es
     del damaged["cut"][at + length - 3:at + length]  # the frame ends early, the container still adds up
     damaged["cut"][4 + 5 * layout.index((_mode, at, length)) + 1:][:4] = (length - 3).to_bytes(4, "little")
     results = []
-    for small in (codec.SMALL_FRAME_BYTES, 0):
-        monkeypatch.setattr(codec, "SMALL_FRAME_BYTES", small)
+    for small in (planes.SMALL_FRAME_BYTES, 0):
+        monkeypatch.setattr(planes, "SMALL_FRAME_BYTES", small)
         out = np.full(n, 0xEE, np.uint8)
         codec.decode(codec.ZSTD, stored, n, es, out=out, scratch=np.empty(n, np.uint8))
         outcome = [out.tobytes()]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from deltackpt.errors import CorruptChunkError, UnsupportedFormatError
-from deltackpt.store import MemoryBackend, Store, codec
+from deltackpt.store import MemoryBackend, Store, codec, planes
 from deltackpt.store import config as config_mod
 from deltackpt.store import deltapolicy
 from deltackpt.store import source as source_mod
@@ -280,9 +280,9 @@ def _change_a_stored_value(store: Store, cid: bytes) -> None:
     payload = bytes(data[start:start + entry.stored_len])
     for mode, off, _slen in codec.plane_layout(payload, entry.raw_len, entry.elem_size):
         if mode == codec.SEG_SPARSE:
-            nnz, _bm_mode, bm_len, vals_mode = codec._SPARSE.unpack_from(payload, off)
+            nnz, _bm_mode, bm_len, vals_mode = planes._SPARSE.unpack_from(payload, off)
             if nnz and vals_mode == codec.SEG_RAW:
-                at = start + off + codec._SPARSE.size + bm_len
+                at = start + off + planes._SPARSE.size + bm_len
                 data[at] = 0x55 if data[at] != 0x55 else 0x66
                 mutate_object(store.backend, key, lambda _old: data)
                 return

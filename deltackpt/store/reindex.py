@@ -130,7 +130,6 @@ class Reindexing:
         # Only a local store's writers delete their packs (ChunkWriter.abort): elsewhere no stat per pack.
         if_present = local_root(self.backend) is not None
         threads = table_read_threads(self.backend)
-        entries, sizes = [], {}
         given = given or {}
         logged, rank = 0, None
         if every and not if_present and len(packs) - len(given) >= LOGGED_TABLES_ABOVE:
@@ -152,11 +151,40 @@ class Reindexing:
                     pass  # not this pack's table: its own is read
             return read_entries(self.backend, name, size), False
 
-        tables = ordered_map(entries_of, packs, threads)
-        for (name, size), (found, from_log) in zip(packs, tables):
-            logged += from_log
-            if found is not None:  # a pack gone since it was listed (or recorded) is not known: never "gone"
-                entries += found
+        def found():
+            nonlocal logged
+            for (name, size), (entries, from_log) in zip(packs, ordered_map(entries_of, packs, threads)):
+                logged += from_log
+                yield name, size, entries
+
+        self._add_batched(found(), bar, if_present, rank)
+        return logged
+
+    def _index_logged(self, todo: dict[str, int], bar, if_present: bool, rank: dict[str, int]) -> set[str]:
+        """Index those of ``todo`` (name -> size) whose tables the commit log holds, as the records are read
+        (a chunk in several packs located in the first by ``rank``); returns their names (a pack whose logged
+        rows do not check out is left to its own table)."""
+        done = set()
+
+        def found():
+            for name, rows in logged_tables(self.backend, self.store_id.decode(), todo, LOG_READ_THREADS):
+                try:
+                    entries = entries_from_rows(rows, todo[name], name)
+                except ManifestFormatError:
+                    continue  # not this pack's table: its own is read
+                done.add(name)
+                yield name, todo[name], entries
+
+        self._add_batched(found(), bar, if_present, rank)
+        return done
+
+    def _add_batched(self, found, bar, if_present: bool, rank: dict[str, int] | None) -> None:
+        """Index ``found`` ((pack name, size, its entries or None when it is gone), in order), a transaction per
+        _BATCH_ENTRIES entries; ``bar`` advances a pack at a time."""
+        entries, sizes = [], {}
+        for name, size, pack_entries in found:
+            if pack_entries is not None:  # a pack gone since it was listed (or recorded) is not known: never "gone"
+                entries += pack_entries
                 sizes[name] = size
             if bar is not None:
                 bar.advance(1)
@@ -165,28 +193,6 @@ class Reindexing:
                 entries, sizes = [], {}
         if sizes:
             self._add(entries, sizes, if_present=if_present, rank=rank)
-        return logged
-
-    def _index_logged(self, todo: dict[str, int], bar, if_present: bool, rank: dict[str, int]) -> set[str]:
-        """Index those of ``todo`` (name -> size) whose tables the commit log holds, as the records are read
-        (a chunk in several packs located in the first by ``rank``); returns their names (a pack whose logged
-        rows do not check out is left to its own table)."""
-        entries, sizes, done = [], {}, set()
-        for name, rows in logged_tables(self.backend, self.store_id.decode(), todo, LOG_READ_THREADS):
-            try:
-                entries += entries_from_rows(rows, todo[name], name)
-            except ManifestFormatError:
-                continue  # not this pack's table: its own is read
-            sizes[name] = todo[name]
-            done.add(name)
-            if bar is not None:
-                bar.advance(1)
-            if len(entries) >= _BATCH_ENTRIES:
-                self._add(entries, sizes, if_present=if_present, rank=rank)
-                entries, sizes = [], {}
-        if sizes:
-            self._add(entries, sizes, if_present=if_present, rank=rank)
-        return done
 
 
 def read_table(backend, name: str, size: int) -> PackTable | None:

@@ -14,6 +14,14 @@ from .arguments import as_u8, check_elem_size, fastcdc_params, prep_out
 from .pure import NumpyRaw
 
 
+def _same_length(x, y, x_name: str, y_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` and ``y`` as uint8 views, which must have equal byte length."""
+    x8, y8 = as_u8(x, x_name), as_u8(y, y_name)
+    if x8.nbytes != y8.nbytes:
+        raise ValueError(f"{x_name} and {y_name} must have equal byte length ({x8.nbytes} != {y8.nbytes})")
+    return x8, y8
+
+
 class Impl:
     """Public, validating wrapper around one backend's raw kernels.
 
@@ -59,35 +67,27 @@ class Impl:
     def xor_shuffle(self, a, b, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
         """``shuffle(a XOR b)`` in one pass; ``a`` and ``b`` must have equal byte length."""
         k = check_elem_size(elem_size)
-        a8, b8 = as_u8(a, "a"), as_u8(b, "b")
-        if a8.nbytes != b8.nbytes:
-            raise ValueError(f"a and b must have equal byte length ({a8.nbytes} != {b8.nbytes})")
+        a8, b8 = _same_length(a, b, "a", "b")
         return self._run(self._raw.xor_shuffle, (a8, b8), k, out)
 
     def unshuffle_xor(self, planes, base, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
         """``unshuffle(planes) XOR base`` in one pass (inverse of :meth:`xor_shuffle` given ``base``)."""
         k = check_elem_size(elem_size)
-        p8, b8 = as_u8(planes, "planes"), as_u8(base, "base")
-        if p8.nbytes != b8.nbytes:
-            raise ValueError(f"planes and base must have equal byte length ({p8.nbytes} != {b8.nbytes})")
+        p8, b8 = _same_length(planes, base, "planes", "base")
         return self._run(self._raw.unshuffle_xor, (p8, b8), k, out)
 
     def zigzag_shuffle(self, a, b, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
         """``shuffle(zigzag(a - b))`` over little-endian ``elem_size``-byte integers in one pass (trailing
         partial element: ``a XOR b``); ``a`` and ``b`` must have equal byte length."""
         k = check_elem_size(elem_size)
-        a8, b8 = as_u8(a, "a"), as_u8(b, "b")
-        if a8.nbytes != b8.nbytes:
-            raise ValueError(f"a and b must have equal byte length ({a8.nbytes} != {b8.nbytes})")
+        a8, b8 = _same_length(a, b, "a", "b")
         return self._run(self._raw.zigzag_shuffle, (a8, b8), k, out)
 
     def unshuffle_zigzag(self, planes, base, elem_size: int, out: np.ndarray | None = None) -> np.ndarray:
         """``base + unzigzag(unshuffle(planes))`` in one pass (inverse of :meth:`zigzag_shuffle` given
         ``base``)."""
         k = check_elem_size(elem_size)
-        p8, b8 = as_u8(planes, "planes"), as_u8(base, "base")
-        if p8.nbytes != b8.nbytes:
-            raise ValueError(f"planes and base must have equal byte length ({p8.nbytes} != {b8.nbytes})")
+        p8, b8 = _same_length(planes, base, "planes", "base")
         return self._run(self._raw.unshuffle_zigzag, (p8, b8), k, out)
 
     def sparse_split(self, src) -> tuple[np.ndarray, np.ndarray]:

@@ -48,6 +48,17 @@ def test_init_creates_store_and_refuses_twice(tmp_path, capsys):
     assert code == 3 and err.count("\n") == 1 and "already holds" in err
 
 
+def test_init_sets_the_chain_settings_and_refuses_a_bad_pair(tmp_path, capsys):
+    code, out, _ = run(capsys, "init", str(tmp_path / "all"), "--chain-links", "all", "--max-chain", "4", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["chain_links"] == "all" and data["max_chain"] == 4
+    assert "chain-all-deltas" in data["features"]
+    cfg = Store.open(tmp_path / "all").config
+    assert (cfg.chain_links, cfg.max_chain) == ("all", 4)
+    code, _, err = run(capsys, "init", str(tmp_path / "bad"), "--chain-links", "all", "--max-chain", "1")
+    assert code == 2 and "needs max_chain > 1" in err and not (tmp_path / "bad").exists()
+
+
 def test_ls_lists_names_sizes_and_dedup(store_dir, capsys):
     code, out, _ = run(capsys, "ls", str(store_dir), "--json")
     assert code == 0

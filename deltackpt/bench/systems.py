@@ -146,7 +146,7 @@ class DeltackptSystem(System):
                 "store_config": {"chunk_size_bytes": cfg.chunk_size_bytes, "zstd_level": cfg.zstd_level,
                                  "delta": cfg.delta, "keyframe_interval": cfg.keyframe_interval,
                                  "delta_min_gain": cfg.delta_min_gain, "min_gain": cfg.min_gain,
-                                 "max_chain": cfg.max_chain}}
+                                 "max_chain": cfg.max_chain, "chain_links": cfg.chain_links}}
 
 
 class ZipnnSystem(System):

@@ -17,6 +17,11 @@ def register(add) -> None:
     sp.add_argument("store")
     sp.add_argument("--chunk-size", type=int, help="array chunk size in bytes (default 4 MiB)")
     sp.add_argument("--pack-size", type=int, help="target pack size in bytes (default 32 MiB)")
+    sp.add_argument("--max-chain", type=int,
+                    help="most deltas a chunk's restore decodes down its chain (default 8)")
+    sp.add_argument("--chain-links", choices=["sparse", "all"],
+                    help="which deltas the next delta may build on: sparse (default: only sparse-row deltas, "
+                         "loads as fast as depth 1) or all (fewest bytes, slower loads of late checkpoints)")
     sp = add("ls", cmd_ls, "list checkpoints: time, logical bytes, newly stored bytes, dedup ratio")
     sp.add_argument("store")
     sp = add("show", cmd_show, "items of one checkpoint: dtype, shape, chunk counts")
@@ -43,11 +48,16 @@ def cmd_init(args) -> int:
         overrides["chunk_size_bytes"] = args.chunk_size
     if args.pack_size is not None:
         overrides["pack_target_bytes"] = args.pack_size
+    if args.max_chain is not None:
+        overrides["max_chain"] = args.max_chain
+    if args.chain_links is not None:
+        overrides["chain_links"] = args.chain_links
     store = Store.init(args.store, storage_options=options_for(args, args.store), **overrides)
     cfg = store.config
     data = {"store": args.store, "store_id": cfg.store_id, "format_version": cfg.format_version,
             "features": list(cfg.features), "chunk_size_bytes": cfg.chunk_size_bytes,
-            "pack_target_bytes": cfg.pack_target_bytes}
+            "pack_target_bytes": cfg.pack_target_bytes, "max_chain": cfg.max_chain,
+            "chain_links": cfg.chain_links}
     emit(args, data, lambda: f"initialized deltackpt store at {args.store} (id {cfg.store_id[:12]}, "
                              f"format {cfg.format_version}, chunks {fmt_bytes(cfg.chunk_size_bytes)})")
     return EXIT_OK

@@ -31,13 +31,18 @@ SUPPORTED_FEATURES = {
     "zero-sparse-planes": "plane segments of mode 2: a bitmap of nonzero bytes plus those bytes",
     "zigzag-delta": "chunks of codec 3 (zdelta): byte planes of the zigzag integer difference with the base",
     "delta-chains": f"a delta's base may itself be a delta, at most {MAX_CHAIN} deltas deep",
+    "chain-all-deltas": "config field chain_links: which deltas a writer lets the next delta build on",
 }
 # What this code's writer may produce in any store it writes to (and "delta-chains" where max_chain > 1).
 WRITER_FEATURES = ("plane-container", "zero-sparse-planes", "zigzag-delta")
 CHAINS_FEATURE = "delta-chains"
+# Listed by a store whose chain_links is not the default, so that a reader that does not know the field
+# reports a newer store instead of a config it takes for damaged.
+CHAIN_LINKS_FEATURE = "chain-all-deltas"
+CHAIN_LINKS = ("sparse", "all")
 # Fields added since format 2 was first written, left out of the config at their default so that an older
 # reader (which refuses unknown fields) still opens a store that does not use them.
-_OMITTED_AT_DEFAULT = {"max_chain": 1}
+_OMITTED_AT_DEFAULT = {"max_chain": 1, "chain_links": "sparse"}
 # What a new store gets. Only deltas applied in place (sparse ones) grow chains (store/deltapolicy.py), so a
 # restore costs max_chain 1's plus the sparse links: sparse runs store 19.5x less than DCP (12.5x at 1), dense
 # runs the same bytes as at 1 (docs/performance.md, chains). A config without the field (older stores) means 1.
@@ -73,6 +78,11 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     # A delta's base may be a delta this many deltas deep: restoring a chunk reads at most max_chain + 1
     # stored chunks. 1: the base is always a keyframe. Above 1 the store gains the feature "delta-chains".
     max_chain: int = 1
+    # Which deltas the next delta may build on. "sparse": only deltas applied in place at restore (sparse
+    # rows), so a restore costs max_chain 1's plus their nonzero bytes. "all": any delta, for the fewest bytes
+    # (bf16 fine-tune 2.62x -> 2.94x DCP's bytes, dense 1.44x -> 1.50x at max_chain 8) at up to max_chain full
+    # delta decodes per chunk (the last checkpoint loaded 2-2.5x DCP's time; docs/performance.md, chains).
+    chain_links: str = "sparse"
 
     def validate(self) -> "StoreConfig":
         def bad(msg: str):
@@ -94,6 +104,10 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             bad("keyframe_interval must be in [1, 65535]")
         if not (1 <= self.max_chain <= MAX_CHAIN):
             bad(f"max_chain must be in [1, {MAX_CHAIN}]")
+        if self.chain_links not in CHAIN_LINKS:
+            bad(f"chain_links must be one of {', '.join(CHAIN_LINKS)}, got {self.chain_links!r}")
+        if self.chain_links != "sparse" and self.max_chain == 1:
+            bad(f"chain_links {self.chain_links!r} needs max_chain > 1 (at 1 no delta is a base)")
         if list(self.features) != sorted(set(self.features)):
             bad("features must be sorted and unique")
         if self.features and self.format_version < 2:
@@ -110,7 +124,9 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
 
 def writer_features(cfg: StoreConfig) -> tuple[str, ...]:
     """The features this code's writer may produce in a store of config ``cfg``."""
-    return tuple(sorted(WRITER_FEATURES + ((CHAINS_FEATURE,) if cfg.max_chain > 1 else ())))
+    extra = ((CHAINS_FEATURE,) if cfg.max_chain > 1 else ()) + \
+        ((CHAIN_LINKS_FEATURE,) if cfg.chain_links != "sparse" else ())
+    return tuple(sorted(WRITER_FEATURES + extra))
 
 
 def chain_limit(cfg: StoreConfig) -> int:

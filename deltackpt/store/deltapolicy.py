@@ -2,8 +2,9 @@
 
 A :class:`DeltaPolicy` answers the writer's questions about one chunk: may it be a delta at all (size,
 the store's ``delta`` switch), which base it would be coded against (:meth:`DeltaPolicy.base_for`: the
-parent's chunk at the same place if it is a keyframe or a sparse link (:func:`is_sparse_link`) and its chain
-is shorter than ``max_chain``, else that chunk's own base;
+parent's chunk at the same place if it is a keyframe or a link (a sparse link, :func:`is_sparse_link`; any
+delta where the store's ``chain_links`` is "all") and its chain is shorter than ``max_chain``, else that
+chunk's own base;
 a base is retired when a delta against it would cost more than a new keyframe, and at the latest after
 serving ``keyframe_interval`` checkpoints), whether the delta is expected to pay and in which delta codec
 (:meth:`DeltaPolicy.verdict`: this place's history, else a sample), and whether a coded delta is small
@@ -163,9 +164,16 @@ class DeltaPolicy:
         return DeltaBase(chain[1], age, last, last_codec, depth - 1, key_len,
                          _cycle_mean(chain[1:], entry.age, entry.stored_len))
 
+    def is_link(self, stored, raw_len: int, elem_size: int) -> bool:
+        """Whether a new delta (its stored bytes) may be the base of the next delta: any delta with the store's
+        ``chain_links`` "all", else a sparse link (:func:`is_sparse_link`)."""
+        return self.config.chain_links == "all" or is_sparse_link(stored, raw_len, elem_size)
+
     def extends_chain(self, entry: PackEntry) -> bool:
-        """Whether delta ``entry`` may be the base of the next delta (:func:`is_sparse_link`, on its stored
-        bytes read from its pack when they are small enough to be sparse)."""
+        """Whether delta ``entry`` may be the base of the next delta (:meth:`is_link`, on its stored bytes read
+        from its pack when they are small enough to be sparse)."""
+        if self.config.chain_links == "all":
+            return True
         if entry.stored_len * _LINK_MAX_SHARE > entry.raw_len:
             return False  # too large to be that sparse: no read needed
         if self.store.base_cache.get(entry.chunk_id) is not None:

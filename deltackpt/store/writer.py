@@ -29,7 +29,7 @@ from ..errors import DeltackptError
 from . import codec
 from .chunking import as_byte_view, cdc_spans, chunk_ids_of, grid_spans
 from .config import chain_limit
-from .deltapolicy import DeltaBase, DeltaPolicy, is_sparse_link
+from .deltapolicy import DeltaBase, DeltaPolicy
 from .records import NO_BASE_VOID
 from .manifest import ChunkRef, Item, Manifest
 from .pack import PackEntry
@@ -417,6 +417,6 @@ class ChunkWriter:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
         depth = base.depth + 1 if codec.is_delta(cod) else 0
         if (depth < c.max_chain and self._policy.keeps_as_base(n, is_array)
-                and (depth == 0 or is_sparse_link(stored, n, elem_size))):
+                and (depth == 0 or self._policy.is_link(stored, n, elem_size))):
             self._cache.put(cid, view)  # the next save's base: a keyframe, or a delta a chain may grow from
         self._sink.add(cid, cod, elem_size, n, stored, base_id, age)

@@ -72,11 +72,12 @@ def test_chains_restore_bit_exact_and_never_exceed_max_chain(tmp_path, max_chain
     assert verify_store(reopened, level=2).clean
 
 
-def test_a_save_reads_nothing_from_the_store_with_chains(tmp_path):
+@pytest.mark.parametrize("links", ["sparse", "all"])
+def test_a_save_reads_nothing_from_the_store_with_chains(tmp_path, links):
     backend = MemoryBackend()
-    store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=CHUNK, max_chain=4)
+    store = Store.init(backend, cache_dir=tmp_path / "c", chunk_size_bytes=CHUNK, max_chain=4, chain_links=links)
     store.base_cache.reserve(64 << 20)  # a training loop's store (a one-off first save keeps no copies)
-    states = _sparse_steps(5, 8)
+    states = _sparse_steps(5, 8) if links == "sparse" else _dense_steps(5, 8)
     store.save("c0", {"w": states[0]})
     reads = []
     real = backend.get_range_into
@@ -84,7 +85,7 @@ def test_a_save_reads_nothing_from_the_store_with_chains(tmp_path):
     for i, w in enumerate(states[1:], 1):
         store.save(f"c{i}", {"w": w})
     assert not [k for k in reads if k.startswith("packs/")], "bases came from the keyframe cache"
-    assert max(_depth(store, cid) for cid in _chunk_ids(store, "c7")) >= 2
+    assert max(_depth(store, cid) for i in range(8) for cid in _chunk_ids(store, f"c{i}")) >= 2
 
 
 def test_chains_make_sparse_updates_smaller_than_keyframe_bases(tmp_path):
@@ -412,3 +413,55 @@ def test_gc_marks_each_chain_from_the_pack_tables_as_the_index_does(tmp_path, ke
     assert live.size > manifest_ids.size, "the tips are coded against chunks of forgotten checkpoints"
     assert live.tobytes() == want.tobytes()
     assert pos.tolist() == idset.find(live, ids).tolist()
+
+
+@pytest.mark.parametrize("reopen", [False, True])
+def test_chain_links_all_chains_dense_deltas_and_restores_them(tmp_path, reopen):
+    """With ``chain_links`` "all" a dense delta is a base too: its place's chain grows to ``max_chain`` (with or
+    without the writer's cache), fewer bytes are stored than with sparse links only, and every checkpoint
+    restores bit-exact and verifies, also once the checkpoints a chain runs through are forgotten."""
+    dense = _dense_steps(1, 7)
+    sizes = {}
+    for links in ("sparse", "all"):
+        path = tmp_path / links
+        store = Store.init(path, chunk_size_bytes=CHUNK, max_chain=4, chain_links=links)
+        for i, d in enumerate(dense):
+            if reopen:
+                store = Store.open(path)
+            store.save(f"c{i}", {"dense": d})
+        depths = [_depth(store, cid) for i in range(7) for cid in _chunk_ids(store, f"c{i}")]
+        assert max(depths) == (4 if links == "all" else 1)
+        sizes[links] = sum(i.added_bytes for i in store.list_checkpoints())
+        reopened = Store.open(path)
+        for i, d in enumerate(dense):
+            np.testing.assert_array_equal(reopened.load(f"c{i}")["dense"], d)
+        assert verify_store(reopened, level=2).clean
+    assert sizes["all"] < sizes["sparse"]
+    store = Store.open(tmp_path / "all")
+    store.forget([f"c{i}" for i in range(6)])
+    plan_gc(store, grace_s=0).execute()
+    np.testing.assert_array_equal(Store.open(tmp_path / "all").load("c6")["dense"], dense[6])
+    assert verify_store(Store.open(tmp_path / "all"), level=2).clean
+
+
+def test_chain_links_is_left_out_at_its_default_and_named_by_a_feature_otherwise(tmp_path, monkeypatch):
+    Store.init(tmp_path / "s")
+    raw = json.loads((tmp_path / "s" / "config").read_bytes())
+    assert "chain_links" not in raw and "chain-all-deltas" not in raw["features"]  # older readers open it
+    assert Store.open(tmp_path / "s").config.chain_links == "sparse"
+    Store.init(tmp_path / "all", chain_links="all")
+    raw = json.loads((tmp_path / "all" / "config").read_bytes())
+    assert raw["chain_links"] == "all" and "chain-all-deltas" in raw["features"]
+    # A reader from before the field: it refuses the store by the feature's name, not as a damaged config.
+    monkeypatch.setattr(config_mod, "SUPPORTED_FEATURES",
+                        {k: v for k, v in config_mod.SUPPORTED_FEATURES.items() if k != "chain-all-deltas"})
+    with pytest.raises(UnsupportedFormatError, match="chain-all-deltas"):
+        Store.open(tmp_path / "all")
+
+
+@pytest.mark.parametrize("config,match", [({"chain_links": "dense"}, "chain_links must be one of"),
+                                          ({"chain_links": "all", "max_chain": 1}, "needs max_chain > 1")])
+def test_a_bad_chain_links_setting_is_refused(tmp_path, config, match):
+    with pytest.raises(ValueError, match=match):
+        Store.init(tmp_path / "s", **config)
+    assert not (tmp_path / "s" / "config").exists()

@@ -751,6 +751,18 @@ static PyObject *py_find_sorted(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The bucket of a 16-byte key: its first `bits` bits, big-endian. */
+static inline size_t bucket_of(const uint8_t *key, Py_ssize_t bits)
+{
+    uint64_t head = 0;
+    int k;
+    for (k = 0; k < 8; k++)
+        head = (head << 8) | key[k];
+    return (size_t)(head >> (64 - bits));
+}
+
+#define FIND_AHEAD 8
+
 PyDoc_STRVAR(find_bucketed_doc,
 "find_bucketed(ids, starts, bits, keys, out) -> None\n\n"
 "As find_sorted, keys in any order, each looked for among the ids of its bucket only: b = its first `bits`\n"
@@ -795,17 +807,26 @@ static PyObject *py_find_bucketed(PyObject *self, PyObject *args)
                         "ids and keys must be 16-byte ids, out an int64 per key, starts 2**bits + 1 uint32");
     } else {
         const uint8_t *set = (const uint8_t *)ids.buf, *key = (const uint8_t *)keys.buf;
-        const uint8_t *table = (const uint8_t *)starts.buf;
+        const uint8_t *table = (const uint8_t *)starts.buf, *first = key;
         int64_t *pos = (int64_t *)out.buf;
         Py_BEGIN_ALLOW_THREADS
         for (i = 0; i < m; i++, key += 16) {
-            uint64_t head = 0;
             uint32_t lo32, hi32;
             size_t b, left, right;
-            int k;
-            for (k = 0; k < 8; k++)
-                head = (head << 8) | key[k];
-            b = (size_t)(head >> (64 - bits));
+            /* Keys in any order miss the caches twice each in a large set (its table, then its bucket):
+             * fetch the table entry of the key FIND_AHEAD * 2 on and the bucket of the key FIND_AHEAD on
+             * (whose table entry came in by now), so the misses of many keys overlap. */
+            if (i + 2 * FIND_AHEAD < m)
+                __builtin_prefetch(table + 4 * bucket_of(first + 16 * (i + 2 * FIND_AHEAD), bits));
+            if (i + FIND_AHEAD < m) {
+                uint32_t ahead;
+                memcpy(&ahead, table + 4 * bucket_of(first + 16 * (i + FIND_AHEAD), bits), 4);
+                if (ahead < n) {
+                    __builtin_prefetch(set + 16 * (size_t)ahead);
+                    __builtin_prefetch(set + 16 * (size_t)ahead + 64);
+                }
+            }
+            b = bucket_of(key, bits);
             memcpy(&lo32, table + 4 * b, 4);
             memcpy(&hi32, table + 4 * (b + 1), 4);
             left = lo32 < n ? lo32 : n;

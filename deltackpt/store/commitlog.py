@@ -111,11 +111,12 @@ def decode_commit_record(data: bytes, name: str, store_id: str) -> CommitRecord 
         return None
     if data[len(MAGIC)] != VERSION:
         return None
-    body, (digest,) = data[head:-_DIGEST.size], _DIGEST.unpack(data[-_DIGEST.size:])
-    if xxhash.xxh3_64_intdigest(data[:-_DIGEST.size]) != digest:
+    view = memoryview(data)  # no copy of the record (its tables: 16 B a chunk) to hash or decode it
+    (digest,) = _DIGEST.unpack(view[-_DIGEST.size:])
+    if xxhash.xxh3_64_intdigest(view[:-_DIGEST.size]) != digest:
         return None
     try:
-        record = _DECODER.decode(body)
+        record = _DECODER.decode(view[head:-_DIGEST.size])
     except msgspec.DecodeError:  # ValidationError included
         return None
     if (record.store_id != store_id or record.name != name or not all(map(is_pack_name, record.packs))

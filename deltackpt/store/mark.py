@@ -77,9 +77,11 @@ def mark_live(store, live: np.ndarray, pins: np.ndarray, ids: np.ndarray, bases:
             break
         live = idset.union(live, frontier)
         at = idset.find(live, frontier)  # where the new ids went: each shifts the positions past it by one
-        inserted_before = at - np.arange(at.size)
+        # shift[p]: how many new ids went before old position p (a count and a running sum over the old set:
+        # linear, where a search of the sorted insertion points per entry cost 0.125 s at 1.2M entries).
+        shift = np.cumsum(np.bincount(at - np.arange(at.size), minlength=live.size - at.size + 1))
         old = pos >= 0
-        pos[old] += np.searchsorted(inserted_before, pos[old], side="right")
+        pos[old] += shift[pos[old]]
         fpos = idset.find(frontier, ids)
         pos[fpos >= 0] = at[fpos[fpos >= 0]]
     return live, pos

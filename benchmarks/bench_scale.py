@@ -15,7 +15,8 @@ coded as real state is), 8 KiB chunks to reach many chunks in little memory:
            process: per rank the real DeltaStorageWriter path (set_up_storage_writer, prepare_local_plan,
            write_data) with its own planner, the coordinator's prepare_global_plan and finish; first save
            and a save with 1 % of the rows changed, each phase summed over ranks
-  items    N items of 4 KiB: save, save 1 % (1 % of the items changed), load, verify --level 0
+  items    N items of 4 KiB: save, save 1 % (1 % of the items changed), load (into arrays allocated
+           before), verify --level 0
 
 For every operation: its time (median of ``--repeat`` runs; the chunks and items saves each into a new store,
 the million and history saves once) and peak memory above the process's
@@ -130,8 +131,7 @@ def load_into(path: Path, dest: dict[str, np.ndarray]) -> None:
     the state dict's tensors: a load into new arrays also timed how the machine hands out fresh memory (on
     this VM 1-30 GB/s, depending on whether the host still backs the pages: 1.25 GiB took 0.05-1.3 s)."""
     with Store.open(path).open_checkpoint("c1") as reader:
-        for key, arr in dest.items():
-            reader.read_into(key, arr.view(np.uint8).reshape(-1))
+        reader.read_many_into(dest)
 
 
 def link_copy(src: Path, dst: Path) -> None:
@@ -301,7 +301,9 @@ def sweep_items(root: Path, sizes: list[int], repeat: int, log) -> dict:
             changed[k] = items[k] + np.float32(1e-3)
         row = {}
         row["save"], row["save 1%"], store, path = measure_saves(root, f"items-{n}", items, changed, repeat)
-        row["load"] = measure(lambda: len(Store.open(path).load("c1")), repeat)
+        dest = {key: np.ones_like(arr) for key, arr in changed.items()}
+        row["load"] = measure(lambda: load_into(path, dest), repeat)
+        dest = None
         row["verify 0"] = measure(lambda: verify_store(Store.open(path), level=0), repeat, heap=True)
         shutil.rmtree(path)
         points.append((n, row))

@@ -46,6 +46,10 @@ _DST, _REF, _SKIP, _DST_OFF, _COUNT = itemgetter(1), itemgetter(2), itemgetter(3
 _ID, _LENGTH = attrgetter("id"), attrgetter("length")
 
 
+def _nbytes(buf) -> int:
+    return buf.nbytes if isinstance(buf, np.ndarray) else memoryview(buf).nbytes
+
+
 class CheckpointReader:
     """Random access to the items of one committed checkpoint."""
 
@@ -114,11 +118,19 @@ class CheckpointReader:
         open each)."""
         with paused_gc():
             outs = {key: np.empty(self.item(key).nbytes, dtype=np.uint8) for key in keys}
+        self.read_many_into(outs)
+        return outs
+
+    def read_many_into(self, outs: dict) -> None:
+        """Fill each writable buffer of ``outs`` (item key -> buffer of the item's size, as DCP's state dict
+        tensors are) with its item's bytes, the chunks of all of them read together (:meth:`read_many`)."""
+        with paused_gc():
             jobs = []
             for key, out in outs.items():
+                if _nbytes(out) != self.item(key).nbytes:
+                    raise ValueError(f"item {key!r} holds {self.item(key).nbytes} bytes, its buffer {_nbytes(out)}")
                 jobs += self.chunk_jobs(key, out)
             self._run_jobs(self.coalesce(jobs))
-        return outs
 
     def _run_jobs(self, jobs: list[tuple], parallel: bool = True) -> None:
         if len(jobs) <= 1 or self.num_threads == 1 or not parallel:

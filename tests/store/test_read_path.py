@@ -310,6 +310,24 @@ def test_load_of_many_small_items_reads_them_together(tmp_path, monkeypatch):
     assert (ei.value.chunk_id, ei.value.item, ei.value.checkpoint) == (victim.chunk_id.hex(), "p0123", "a")
 
 
+def test_read_many_into_fills_given_buffers_together_and_checks_their_sizes(tmp_path, monkeypatch):
+    monkeypatch.setattr(_CountingLocal, "opens", 0)
+    store = Store.init(_CountingLocal(tmp_path / "st", fsync=False), chunk_size_bytes=8192)
+    rng = np.random.default_rng(9)
+    items = {f"p{i:04d}": (rng.standard_normal(1024) * 0.02).astype(np.float32) for i in range(200)}  # 4 KiB
+    store.save("a", items, num_threads=1)
+    dest = {k: np.full_like(v, np.nan) for k, v in items.items()}  # DCP's tensors: given, any dtype
+    _CountingLocal.opens = 0
+    with store.open_checkpoint("a") as r:
+        r.read_many_into(dest)
+        assert all(np.array_equal(dest[k], v) for k, v in items.items())
+        assert _CountingLocal.opens < 20, "coalesced by pack, not an open per item"
+        with pytest.raises(ValueError, match="p0001"):
+            r.read_many_into({"p0001": np.empty(1023, dtype=np.float32)})
+        with pytest.raises(KeyError, match="nope"):
+            r.read_many_into({"nope": np.empty(4, dtype=np.uint8)})
+
+
 def test_damaged_chunk_used_many_times_is_a_corrupt_chunk(tmp_path):
     store = Store.init(LocalBackend(tmp_path / "st", fsync=False), chunk_size_bytes=4096)
     store.save("a", {"z": np.zeros(50 * 4096, np.uint8)})

@@ -40,6 +40,9 @@ CHAINS_FEATURE = "delta-chains"
 # reports a newer store instead of a config it takes for damaged.
 CHAIN_LINKS_FEATURE = "chain-all-deltas"
 CHAIN_LINKS = ("sparse", "all")
+# Features that name a config field, not an encoding of the data: a copy does not carry them to its
+# destination, nor does a recreated config list them (its fields are at their defaults).
+CONFIG_FEATURES = frozenset({CHAIN_LINKS_FEATURE})
 # Fields added since format 2 was first written, left out of the config at their default so that an older
 # reader (which refuses unknown fields) still opens a store that does not use them.
 _OMITTED_AT_DEFAULT = {"max_chain": 1, "chain_links": "sparse"}
@@ -81,7 +84,7 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     # Which deltas the next delta may build on. "sparse": only deltas applied in place at restore (sparse
     # rows), so a restore costs max_chain 1's plus their nonzero bytes. "all": any delta, for the fewest bytes
     # (bf16 fine-tune 2.62x -> 2.94x DCP's bytes, dense 1.44x -> 1.50x at max_chain 8) at up to max_chain full
-    # delta decodes per chunk (the last checkpoint loaded 2-2.5x DCP's time; docs/performance.md, chains).
+    # delta decodes per chunk (the last checkpoint loaded 1.7-2.7x DCP's time; docs/performance.md, chains).
     chain_links: str = "sparse"
 
     def validate(self) -> "StoreConfig":
@@ -108,6 +111,10 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             bad(f"chain_links must be one of {', '.join(CHAIN_LINKS)}, got {self.chain_links!r}")
         if self.chain_links != "sparse" and self.max_chain == 1:
             bad(f"chain_links {self.chain_links!r} needs max_chain > 1 (at 1 no delta is a base)")
+        # A listed field an older reader does not know must come with the feature that makes it refuse the
+        # store by name (it would take the field for damage).
+        if self.features and self.chain_links != "sparse" and CHAIN_LINKS_FEATURE not in self.features:
+            bad(f"chain_links {self.chain_links!r} needs the feature {CHAIN_LINKS_FEATURE}")
         if list(self.features) != sorted(set(self.features)):
             bad("features must be sorted and unique")
         if self.features and self.format_version < 2:
@@ -127,6 +134,11 @@ def writer_features(cfg: StoreConfig) -> tuple[str, ...]:
     extra = ((CHAINS_FEATURE,) if cfg.max_chain > 1 else ()) + \
         ((CHAIN_LINKS_FEATURE,) if cfg.chain_links != "sparse" else ())
     return tuple(sorted(WRITER_FEATURES + extra))
+
+
+def data_features(features) -> tuple[str, ...]:
+    """Of ``features``, those that name encodings of the data (what a copy of the data needs)."""
+    return tuple(sorted(set(features) - CONFIG_FEATURES))
 
 
 def chain_limit(cfg: StoreConfig) -> int:

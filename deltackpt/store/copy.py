@@ -21,7 +21,7 @@ from typing import Iterable
 import msgspec
 
 from .chains import chain_entries, needed_ids
-from .config import chain_limit
+from .config import chain_limit, data_features
 from ..errors import CheckpointExistsError, CorruptChunkError, MissingChunkError
 from .lock import SHARED
 from .manifest import Manifest, Stats, encode_manifest
@@ -62,7 +62,7 @@ def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite:
     else:
         wanted = {src.resolve(n) for n in names}
         order = [i.name for i in infos if i.name in wanted]
-    dst.ensure_features(src.config.features)
+    dst.ensure_features(data_features(src.config.features))  # not src's config fields' (chain_links)
     with dst.lock(SHARED) as lock:
         dst.index.sync()
         for name in order:

@@ -24,8 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
-from .config import (CONFIG_KEY, NEW_STORE_MAX_CHAIN, SUPPORTED_FEATURES, StoreConfig, decode_config,
-                     encode_config)
+from .config import (CONFIG_KEY, NEW_STORE_MAX_CHAIN, SUPPORTED_FEATURES, StoreConfig, data_features,
+                     decode_config, encode_config)
 from .repack import repack_packs
 from .index import GC_EPOCH_KEY
 from .location import holds_store_data, not_a_store_error, open_backend
@@ -101,7 +101,7 @@ def _repair_config(backend) -> RepairReport:
     # recreated without "delta-chains" would read its chains as damage); new writes chain as a new store's.
     cfg = StoreConfig(store_id=store_id, chunk_size_bytes=chunk or defaults.chunk_size_bytes,
                       pack_target_bytes=max(defaults.pack_target_bytes, chunk or 0), max_chain=NEW_STORE_MAX_CHAIN,
-                      features=tuple(sorted(SUPPORTED_FEATURES))).validate()
+                      features=data_features(SUPPORTED_FEATURES)).validate()
     report = RepairReport(store_id=store_id, chunk_size_bytes=cfg.chunk_size_bytes, config_recreated=True,
                           chunk_size_inferred=chunk is not None)
     if data is not None:

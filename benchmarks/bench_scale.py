@@ -152,6 +152,7 @@ def measure_on_copies(path: Path, fn, repeat: int) -> dict:
     runs = []
     for _ in range(max(1, repeat)):
         copy = path.with_name(path.name + "-run")
+        shutil.rmtree(copy, ignore_errors=True)  # left by a run that was killed
         link_copy(path, copy)
         try:
             runs.append(measure(lambda: fn(copy)))

@@ -821,10 +821,10 @@ static PyObject *py_find_bucketed(PyObject *self, PyObject *args)
             if (i + FIND_AHEAD < m) {
                 uint32_t ahead;
                 memcpy(&ahead, table + 4 * bucket_of(first + 16 * (i + FIND_AHEAD), bits), 4);
-                if (ahead < n) {
+                if (ahead < n)
                     __builtin_prefetch(set + 16 * (size_t)ahead);
-                    __builtin_prefetch(set + 16 * (size_t)ahead + 64);
-                }
+                if ((size_t)ahead + 4 < n)  /* a bucket of ~8 ids spans two cache lines */
+                    __builtin_prefetch(set + 16 * ((size_t)ahead + 4));
             }
             b = bucket_of(key, bits);
             memcpy(&lo32, table + 4 * b, 4);

@@ -290,15 +290,21 @@ def test_load_of_small_chunks_opens_each_pack_once_per_bundle(tmp_path, monkeypa
                                        for v in items.values())
 
 
+def _small_items_store(tmp_path, monkeypatch, count: int, seed: int):
+    """A store whose opens are counted, with checkpoint "a" of ``count`` items of 4 KiB (a chunk each)."""
+    monkeypatch.setattr(_CountingLocal, "opens", 0)
+    store = Store.init(_CountingLocal(tmp_path / "st", fsync=False), chunk_size_bytes=8192)
+    rng = np.random.default_rng(seed)
+    items = {f"p{i:04d}": (rng.standard_normal(1024) * 0.02).astype(np.float32) for i in range(count)}
+    store.save("a", items, num_threads=1)
+    _CountingLocal.opens = 0
+    return store, items
+
+
 def test_load_of_many_small_items_reads_them_together(tmp_path, monkeypatch):
     from deltackpt.store import reader as reader_mod
 
-    monkeypatch.setattr(_CountingLocal, "opens", 0)
-    store = Store.init(_CountingLocal(tmp_path / "st", fsync=False), chunk_size_bytes=8192)
-    rng = np.random.default_rng(8)
-    items = {f"p{i:04d}": (rng.standard_normal(1024) * 0.02).astype(np.float32) for i in range(400)}  # 4 KiB
-    store.save("a", items, num_threads=1)
-    _CountingLocal.opens = 0
+    store, items = _small_items_store(tmp_path, monkeypatch, 400, 8)
     got = store.load("a")
     assert got.keys() == items.keys() and all(np.array_equal(got[k], v) for k, v in items.items())
     # the items' chunks coalesced by pack: a few bundles, not an open per item (400)
@@ -311,13 +317,8 @@ def test_load_of_many_small_items_reads_them_together(tmp_path, monkeypatch):
 
 
 def test_read_many_into_fills_given_buffers_together_and_checks_their_sizes(tmp_path, monkeypatch):
-    monkeypatch.setattr(_CountingLocal, "opens", 0)
-    store = Store.init(_CountingLocal(tmp_path / "st", fsync=False), chunk_size_bytes=8192)
-    rng = np.random.default_rng(9)
-    items = {f"p{i:04d}": (rng.standard_normal(1024) * 0.02).astype(np.float32) for i in range(200)}  # 4 KiB
-    store.save("a", items, num_threads=1)
+    store, items = _small_items_store(tmp_path, monkeypatch, 200, 9)
     dest = {k: np.full_like(v, np.nan) for k, v in items.items()}  # DCP's tensors: given, any dtype
-    _CountingLocal.opens = 0
     with store.open_checkpoint("a") as r:
         r.read_many_into(dest)
         assert all(np.array_equal(dest[k], v) for k, v in items.items())

@@ -88,6 +88,12 @@ def test_du_reports_logical_vs_physical(store_dir, capsys):
     assert code == 0 and data["num_checkpoints"] == 2
     assert data["logical_bytes"] == 2 * 64 * 128 * 4 + 400 + 404
     assert data["physical_bytes"] < data["logical_bytes"] and data["ratio"] > 1.5
+    cfg = Store.open(store_dir).config
+    assert data["settings"] == {"format_version": 2, "features": list(cfg.features),
+                                "chunk_size_bytes": cfg.chunk_size_bytes, "pack_target_bytes": cfg.pack_target_bytes,
+                                "max_chain": cfg.max_chain, "chain_links": "sparse"}
+    code, text, _ = run(capsys, "du", str(store_dir))
+    assert code == 0 and f"max_chain {cfg.max_chain}, chain_links sparse" in text
 
 
 def test_index_rebuild_after_cache_loss(store_dir, capsys):

@@ -27,7 +27,7 @@ def register(add) -> None:
     sp = add("show", cmd_show, "items of one checkpoint: dtype, shape, chunk counts")
     sp.add_argument("store")
     sp.add_argument("checkpoint", help="checkpoint name or 'latest'")
-    sp = add("du", cmd_du, "logical vs physical bytes of the whole store")
+    sp = add("du", cmd_du, "logical vs physical bytes of the whole store, and its settings")
     sp.add_argument("store")
 
 
@@ -151,11 +151,17 @@ def cmd_show(args) -> int:
 def cmd_du(args) -> int:
     store = open_store(args)
     u = store.usage()
+    cfg = store.config
+    settings = {"format_version": cfg.format_version, "features": list(cfg.features),
+                "chunk_size_bytes": cfg.chunk_size_bytes, "pack_target_bytes": cfg.pack_target_bytes,
+                "max_chain": cfg.max_chain, "chain_links": cfg.chain_links}
     data = {"num_checkpoints": u.num_checkpoints, "logical_bytes": u.logical_bytes,
             "physical_bytes": u.physical_bytes, "pack_bytes": u.pack_bytes, "manifest_bytes": u.manifest_bytes,
-            "num_packs": u.num_packs, "num_chunks": u.num_chunks, "ratio": u.ratio}
+            "num_packs": u.num_packs, "num_chunks": u.num_chunks, "ratio": u.ratio, "settings": settings}
     emit(args, data, lambda: (
         f"checkpoints {u.num_checkpoints}\nlogical     {fmt_bytes(u.logical_bytes)}\n"
         f"physical    {fmt_bytes(u.physical_bytes)} ({u.num_packs} packs, {u.num_chunks} chunks)\n"
-        f"ratio       {fmt_ratio(u.ratio)}"))
+        f"ratio       {fmt_ratio(u.ratio)}\n"
+        f"settings    chunks {fmt_bytes(cfg.chunk_size_bytes)}, packs {fmt_bytes(cfg.pack_target_bytes)}, "
+        f"max_chain {cfg.max_chain}, chain_links {cfg.chain_links}, format {cfg.format_version}"))
     return EXIT_OK

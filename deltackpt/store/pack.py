@@ -147,10 +147,16 @@ class PackBuilder:
         self._rows: list[tuple] = []
         self._hash = xxhash.xxh3_128()
         self._spool = spool
-        self._file = open(spool, "wb", buffering=JOIN_BYTES) if spool is not None else None
         self._buf = bytearray()
         self._size = 0
-        self._write(PACK_MAGIC)
+        self._file = open(spool, "wb", buffering=JOIN_BYTES) if spool is not None else None
+        try:
+            self._write(PACK_MAGIC)
+        except BaseException:
+            # Not yet known to any caller, so none could remove the file: a Ctrl-C that lands here (its
+            # handler runs at the first Python call after the open) would leave it behind.
+            self.discard()
+            raise
 
     def _write(self, data) -> None:
         self._hash.update(data)

@@ -154,6 +154,22 @@ def test_sigint_mid_save_cleans_up(tmp_path, rng, threads):
     assert_clean(store, packs_before, {"first": first})
 
 
+def test_an_interrupt_while_a_spool_file_is_opened_removes_it(tmp_path, monkeypatch):
+    """A Ctrl-C is raised at the first Python call after the one it arrived in: one that lands while a pack's
+    spool file is created is raised inside the builder, before any writer knows of the file (seen once in
+    test_sigint_mid_save_cleans_up: a stray spool file)."""
+    from deltackpt.store import pack as pack_mod
+
+    def interrupted(self, data):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack_mod.PackBuilder, "_write", interrupted)
+    spool = tmp_path / "spool.tmp-x"
+    with pytest.raises(KeyboardInterrupt):
+        pack_mod.PackBuilder(spool)
+    assert not spool.exists()
+
+
 def test_packs_another_writer_indexed_are_kept(tmp_path, rng):
     """Once another process's index has recorded a pack of ours it may dedup against it: the pack stays."""
     root = tmp_path / "s"

@@ -40,6 +40,13 @@ def checkpoint_dict(info, tags: list[str]) -> dict:
             "dedup_ratio": None if math.isinf(ratio) else ratio, "tags": tags, "metadata": info.metadata}
 
 
+def store_settings(cfg) -> dict:
+    """What ``init`` and ``du`` report of a store's config."""
+    return {"format_version": cfg.format_version, "features": list(cfg.features),
+            "chunk_size_bytes": cfg.chunk_size_bytes, "pack_target_bytes": cfg.pack_target_bytes,
+            "max_chain": cfg.max_chain, "chain_links": cfg.chain_links}
+
+
 def cmd_init(args) -> int:
     from ..store import Store
 
@@ -54,10 +61,7 @@ def cmd_init(args) -> int:
         overrides["chain_links"] = args.chain_links
     store = Store.init(args.store, storage_options=options_for(args, args.store), **overrides)
     cfg = store.config
-    data = {"store": args.store, "store_id": cfg.store_id, "format_version": cfg.format_version,
-            "features": list(cfg.features), "chunk_size_bytes": cfg.chunk_size_bytes,
-            "pack_target_bytes": cfg.pack_target_bytes, "max_chain": cfg.max_chain,
-            "chain_links": cfg.chain_links}
+    data = {"store": args.store, "store_id": cfg.store_id, **store_settings(cfg)}
     emit(args, data, lambda: f"initialized deltackpt store at {args.store} (id {cfg.store_id[:12]}, "
                              f"format {cfg.format_version}, chunks {fmt_bytes(cfg.chunk_size_bytes)})")
     return EXIT_OK
@@ -152,9 +156,7 @@ def cmd_du(args) -> int:
     store = open_store(args)
     u = store.usage()
     cfg = store.config
-    settings = {"format_version": cfg.format_version, "features": list(cfg.features),
-                "chunk_size_bytes": cfg.chunk_size_bytes, "pack_target_bytes": cfg.pack_target_bytes,
-                "max_chain": cfg.max_chain, "chain_links": cfg.chain_links}
+    settings = store_settings(cfg)
     data = {"num_checkpoints": u.num_checkpoints, "logical_bytes": u.logical_bytes,
             "physical_bytes": u.physical_bytes, "pack_bytes": u.pack_bytes, "manifest_bytes": u.manifest_bytes,
             "num_packs": u.num_packs, "num_chunks": u.num_chunks, "ratio": u.ratio, "settings": settings}

@@ -140,8 +140,8 @@ class DeltaPolicy:
         """The base to code a changed chunk of ``n`` bytes against, or None for a new keyframe.
 
         The base is the parent's chunk at the same place if it is a keyframe or a link (:meth:`is_link`) and
-        its chain holds fewer than ``max_chain`` deltas, else that chunk's own base (with ``max_chain`` 1: the keyframe
-        behind the parent's chunk), so restoring any chunk reads at most ``max_chain + 1``. A base that has
+        its chain holds fewer than ``max_chain`` deltas, else that chunk's own base (with ``max_chain`` 1: the
+        keyframe behind the parent's chunk), so restoring any chunk reads at most ``max_chain + 1``. A base that has
         served ``keyframe_interval`` checkpoints is retired; before that, a delta is kept only under
         ``refresh_at`` (the refresh rule in the module docstring). The parent's delta size is this place's
         history: a delta that paid off well last time is likely to again.

@@ -46,10 +46,6 @@ _DST, _REF, _SKIP, _DST_OFF, _COUNT = itemgetter(1), itemgetter(2), itemgetter(3
 _ID, _LENGTH = attrgetter("id"), attrgetter("length")
 
 
-def _nbytes(buf) -> int:
-    return buf.nbytes if isinstance(buf, np.ndarray) else memoryview(buf).nbytes
-
-
 class CheckpointReader:
     """Random access to the items of one committed checkpoint."""
 
@@ -127,8 +123,9 @@ class CheckpointReader:
         with paused_gc():
             jobs = []
             for key, out in outs.items():
-                if _nbytes(out) != self.item(key).nbytes:
-                    raise ValueError(f"item {key!r} holds {self.item(key).nbytes} bytes, its buffer {_nbytes(out)}")
+                want, got = self.item(key).nbytes, memoryview(out).nbytes
+                if got != want:
+                    raise ValueError(f"item {key!r} holds {want} bytes, its buffer {got}")
                 jobs += self.chunk_jobs(key, out)
             self._run_jobs(self.coalesce(jobs))
 

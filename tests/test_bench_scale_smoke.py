@@ -71,3 +71,24 @@ def test_quick_run_measures_and_fits_every_operation(tmp_path, capsys):
     bench.write_docs(docs, "new tables")
     assert docs.read_text().count("<!-- bench_scale:begin -->") == 1 and "new tables" in docs.read_text()
     assert "kept text" in docs.read_text() and "### chunks:" not in docs.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_successive_saves_change_another_percent_each(tmp_path):
+    bench = _bench()
+    per = bench.MIN_CHUNK // 4
+    state = bench.float_state(200 * bench.MIN_CHUNK, 2, chunk=bench.MIN_CHUNK)
+    flat = bench.np.concatenate(list(state.values())).reshape(200, per)
+    changed = [bench.change_chunks(state, 0.01, bench.MIN_CHUNK, first=k) for k in (0, 1, 2)]
+    for k, c in enumerate(changed):  # chunks k and k + 100 of the 200, counted across items
+        diff = bench.np.concatenate(list(c.values())).reshape(200, per) != flat
+        assert list(bench.np.flatnonzero(diff.any(axis=1))) == [k, k + 100]
+    store, path = bench.new_store(tmp_path, "s", chunk_size_bytes=bench.MIN_CHUNK)
+    store.save("c0", state)
+    row = bench.measure_successive_saves(store, changed[0], 3)
+    assert row["time_s"] > 0
+    names = [i.name for i in bench.Store.open(path).list_checkpoints()]
+    assert names == ["c0", "c1", "c2", "c3"]
+    # each save stored the two chunks it changed, not the state again
+    new = [i.stored_bytes for i in bench.Store.open(path).list_checkpoints()[1:]]
+    assert all(0 < b < 4 * bench.MIN_CHUNK for b in new), new

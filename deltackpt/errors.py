@@ -54,12 +54,14 @@ class CheckpointExistsError(DeltackptError, FileExistsError):
     DCP's wording keeps working.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, where: str = ""):
         self.name = name
+        self.where = where  # e.g. "in the destination, with other data"
         super().__init__(name)
 
     def __str__(self) -> str:
-        return f"Checkpoint already exists: {self.name}; pass overwrite=True to replace it"
+        where = f" {self.where}" if self.where else ""
+        return f"Checkpoint already exists: {self.name}{where}; pass overwrite=True to replace it"
 
 
 class InvalidNameError(DeltackptError, ValueError):

@@ -21,12 +21,13 @@ from typing import Iterable
 import msgspec
 
 from .chains import chain_entries, needed_ids
-from .config import chain_limit, data_features
-from ..errors import CheckpointExistsError, CorruptChunkError, MissingChunkError
+from .config import CHAINS_FEATURE, MAX_CHAIN, chain_limit, data_features
+from ..errors import CheckpointExistsError, CorruptChunkError, DeltackptError, MissingChunkError
 from .lock import SHARED
 from .manifest import Manifest, Stats, encode_manifest
 from .pack import HEADER_SIZE, PackBuilder, PackEntry, pack_bytes_ok, pack_key, read_pack_entries
 from .progress import Progress, phase
+from .retention import read_tags, set_tags
 
 MAX_COALESCE_GAP = 64 * 1024  # entries closer than this are read with one ranged GET
 
@@ -87,29 +88,76 @@ def _needed_entries(src, manifest: Manifest) -> dict[bytes, PackEntry]:
 def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, progress) -> None:
     manifest = src.read_manifest(name)
     if dst.exists(name):
-        theirs = dst.read_manifest(name)
-        if _same_content(theirs, manifest):
+        if _same_content(dst.read_manifest(name), manifest):
             report.skipped.append(name)
+            _copy_tags(src, dst, name)
             return
         if not overwrite:
-            raise CheckpointExistsError(f"Checkpoint already exists: {name!r} in the destination holds other "
-                                        "data; pass overwrite=True (--overwrite) to replace it")
+            raise _exists_error(name)
+    packs: dict[str, int] = {}  # what this copy put into the destination, kept across a retry
+    entries: list[PackEntry] = []
+    for attempt in range(2):
+        try:
+            skipped = _send_chunks(src, dst, name, manifest, packs, entries, report, progress)
+            break
+        except _PackGone as gone:
+            if attempt:
+                raise CorruptChunkError(f"pack {gone.pack} of the source is missing; run `deltackpt verify` on "
+                                        "the source", pack=gone.pack, checkpoint=name) from None
+            src.refresh_index()  # a gc of the source moved the chunks since its index was read: find them again
+    report.chunks_skipped += len(skipped)
+    report.bytes_skipped += sum(e.span for e in skipped)
+    body = msgspec.structs.replace(
+        manifest, store_id=dst.config.store_id,
+        stats=Stats(logical_bytes=manifest.stats.logical_bytes, stored_bytes=sum(packs.values()),
+                    num_chunks=manifest.stats.num_chunks, new_chunks=len(entries)))
+    try:  # create-if-absent unless told to replace: another writer may have committed this name meanwhile
+        committed = dst.commit(name, body.items, entries=entries, packs=packs, metadata=body.metadata,
+                               layer_data=body.layer_data, parent=body.parent, overwrite=overwrite, lock=lock,
+                               created_ns=manifest.created_ns)
+    except CheckpointExistsError:
+        if not _same_content(dst.read_manifest(name), manifest):
+            raise _exists_error(name) from None
+        report.skipped.append(name)  # the same checkpoint, committed by another copy meanwhile
+    else:
+        report.bytes_sent += len(encode_manifest(committed))
+        report.copied.append(name)
+    _copy_tags(src, dst, name)
+
+
+class _PackGone(Exception):
+    def __init__(self, pack: str) -> None:
+        super().__init__(pack)
+        self.pack = pack
+
+
+def _exists_error(name: str) -> CheckpointExistsError:
+    return CheckpointExistsError(name, "in the destination, with other data")
+
+
+def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int], entries: list[PackEntry],
+                 report: CopyReport, progress) -> list[PackEntry]:
+    """Put the chunks ``manifest`` needs and ``dst`` lacks (nor holds from an earlier attempt, ``entries``)
+    into ``dst``, adding to ``packs`` and ``entries``; returns the needed entries ``dst`` already held.
+    Raises _PackGone when a source pack is not there."""
     needed = _needed_entries(src, manifest)
     have = dst.index.lookup_many(needed.keys())
-    send = {cid: e for cid, e in needed.items() if cid not in have}
-    report.chunks_skipped += len(needed) - len(send)
-    report.bytes_skipped += sum(needed[c].span for c in have)
+    sent = {e.chunk_id for e in entries}
+    send = {cid: e for cid, e in needed.items() if cid not in have and cid not in sent}
+    _allow_chains(dst, send, name)
     by_pack: dict[str, list[PackEntry]] = {}
     for e in send.values():
         by_pack.setdefault(e.pack, []).append(e)
-    packs: dict[str, int] = {}
-    entries: list[PackEntry] = []
     builder = _Repacker(dst)
     with phase(progress, f"copy {name}", sum(e.span for e in send.values()), "B") as bar:
         for pack, wanted in sorted(by_pack.items()):
-            table = read_pack_entries(src.backend, pack)
-            if len(table) == len(wanted):  # the whole pack is needed: send it as is, under its name
-                data = src.backend.get(pack_key(pack))
+            try:
+                table = read_pack_entries(src.backend, pack)
+                whole = len(table) == len(wanted)  # the whole pack is needed: send it as is, under its name
+                data = src.backend.get(pack_key(pack)) if whole else None
+            except FileNotFoundError:
+                raise _PackGone(pack) from None
+            if whole:
                 if not pack_bytes_ok(pack, data):
                     raise CorruptChunkError(f"pack {pack} of the source does not match its hash; run "
                                             "`deltackpt verify` on the source", pack=pack, checkpoint=name)
@@ -119,7 +167,7 @@ def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, pr
                 report.packs_sent += 1
                 report.bytes_sent += len(data)
             else:
-                for e, payload in _read_payloads(src.backend, pack, wanted):
+                for e, payload in _source_reads(pack, _read_payloads(src.backend, pack, wanted)):
                     sealed = builder.add(e, payload)
                     if sealed is not None:
                         _account(sealed, packs, entries, report)
@@ -128,15 +176,58 @@ def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, pr
     sealed = builder.finish()
     if sealed is not None:
         _account(sealed, packs, entries, report)
-    body = msgspec.structs.replace(
-        manifest, store_id=dst.config.store_id,
-        stats=Stats(logical_bytes=manifest.stats.logical_bytes, stored_bytes=sum(packs.values()),
-                    num_chunks=manifest.stats.num_chunks, new_chunks=len(entries)))
-    committed = dst.commit(name, body.items, entries=entries, packs=packs, metadata=body.metadata,
-                           layer_data=body.layer_data, parent=body.parent, overwrite=True, lock=lock,
-                           created_ns=manifest.created_ns)
-    report.bytes_sent += len(encode_manifest(committed))
-    report.copied.append(name)
+    return [needed[c] for c in have]
+
+
+def _source_reads(pack: str, reads):
+    """``reads`` (a generator reading pack ``pack`` of the source), a missing pack raised as _PackGone."""
+    try:
+        yield from reads
+    except FileNotFoundError:
+        raise _PackGone(pack) from None
+
+
+def _allow_chains(dst, send: dict[bytes, PackEntry], name: str) -> None:
+    """Let ``dst`` hold the chains the sent chunks make: a sent delta whose base ``dst`` already holds as a
+    delta (two stores that coded one chunk differently) makes a chain longer than either store's; ``dst``
+    gains the feature ``delta-chains`` when that is more than its readers follow. Past MAX_CHAIN: an error,
+    before anything is sent."""
+    limit = chain_limit(dst.config)
+    held = {e.base_id for e in send.values() if e.base_id is not None and e.base_id not in send}
+    if not held:
+        return  # the sent chains are the source's, within its limit (dst has its features)
+    below = chain_entries(dst.index, held, MAX_CHAIN)
+    depth: dict[bytes, int] = {}  # deltas from a chunk down to its keyframe, as dst will hold it
+    deepest, deepest_id = 0, None
+    for cid in send:
+        path, at = [], cid
+        while at not in depth:
+            e = send.get(at) or below.get(at)
+            if e is None or e.base_id is None or len(path) > MAX_CHAIN:  # a keyframe, missing (the commit
+                depth[at] = MAX_CHAIN + 1 if e is not None and e.base_id is not None else 0  # says), or a cycle
+                break
+            path.append(at)
+            at = e.base_id
+        d = depth[at]
+        for c in reversed(path):
+            d += 1
+            depth[c] = d
+        if d > deepest:
+            deepest, deepest_id = d, cid
+    if deepest <= limit:
+        return
+    if deepest > MAX_CHAIN:
+        raise DeltackptError(f"copy of {name!r}: chunk {deepest_id.hex()} would be a delta more than {MAX_CHAIN} "
+                             "deep in the destination (its base is coded there as a deeper delta); nothing of it "
+                             "was sent")
+    dst.ensure_features([CHAINS_FEATURE])
+
+
+def _copy_tags(src, dst, name: str) -> None:
+    """Add the source's tags of ``name`` to the destination's (a pin survives the copy, e.g. an upload)."""
+    tags = read_tags(src, name)
+    if tags and not set(tags) <= set(theirs := read_tags(dst, name)):
+        set_tags(dst, name, [*theirs, *tags])
 
 
 def _account(sealed, packs, entries, report) -> None:

@@ -3,11 +3,14 @@
 The training loop saves into the local (hot) store as always; an :class:`Uploader` thread then copies each
 committed checkpoint to the remote (cold) store with :func:`~deltackpt.store.copy.copy_checkpoints` (only
 chunks the remote lacks, manifest last), so the training step never waits on the network. Local checkpoints
-beyond ``keep_local_last`` are forgotten only once the remote holds them.
+beyond ``keep_local_last`` are forgotten only once they are uploaded (the remote may have forgotten them
+since, by its own retention).
 
 The local store records its remote in a small JSON object ``tier`` ({"remote": url, "uploading": name or
-null}), so ``deltackpt ls`` can show where each checkpoint lives. Storage options (credentials) are never
-written there.
+null, "uploaded": [names]}), so ``deltackpt ls`` can show where each checkpoint lives and an uploader
+started later knows what was sent: it first uploads every local checkpoint neither the remote holds nor
+the record lists (an upload cut short by a crash, a failed one, one committed just before the crash).
+Storage options (credentials) are never written there.
 """
 
 from __future__ import annotations
@@ -26,21 +29,27 @@ log = logging.getLogger("deltackpt.tier")
 
 
 def read_tier(store) -> dict | None:
-    """The local store's tier record ({"remote": url, "uploading": name or None}), or None."""
+    """The local store's tier record ({"remote": url, "uploading": name or None, "uploaded": [names]}), or
+    None. A record written before "uploaded" existed reads as uploaded nothing."""
     try:
         raw = json.loads(store.backend.get(TIER_KEY))
     except FileNotFoundError:
         return None
     except ValueError:
-        return None  # a damaged record only loses the tier column of `ls`
+        return None  # a damaged record only loses the tier column of `ls` (and the uploader re-sends)
     if not isinstance(raw, dict) or not isinstance(raw.get("remote"), str):
         return None
     uploading = raw.get("uploading")
-    return {"remote": raw["remote"], "uploading": uploading if isinstance(uploading, str) else None}
+    uploaded = raw.get("uploaded")
+    if not isinstance(uploaded, list) or not all(isinstance(n, str) for n in uploaded):
+        uploaded = []
+    return {"remote": raw["remote"], "uploading": uploading if isinstance(uploading, str) else None,
+            "uploaded": uploaded}
 
 
-def write_tier(store, remote: str, uploading: str | None = None) -> None:
-    store.backend.put(TIER_KEY, json.dumps({"remote": remote, "uploading": uploading}).encode())
+def write_tier(store, remote: str, uploading: str | None = None, uploaded=()) -> None:
+    record = {"remote": remote, "uploading": uploading, "uploaded": sorted(uploaded)}
+    store.backend.put(TIER_KEY, json.dumps(record).encode())
 
 
 def tier_states(local, remote) -> dict[str, str]:
@@ -63,9 +72,10 @@ class Uploader:
     """Copies committed checkpoints of ``local`` to ``remote`` in a background thread, oldest first.
 
     ``submit(name)`` never blocks; ``wait()`` blocks until everything submitted is remote; an upload error is
-    raised by the next ``submit``/``wait``/``raise_if_failed`` (like an async save's). ``keep_local_last``:
-    forget local checkpoints beyond the newest N once the remote has them; ``keep_remote_last``: retention of
-    the remote store (None keeps all).
+    raised by the next ``submit``/``wait``/``raise_if_failed`` (like an async save's), and the checkpoint is
+    uploaded again with the next ``submit`` (or by the next Uploader of this store). ``keep_local_last``:
+    forget local checkpoints beyond the newest N once they are uploaded; ``keep_remote_last``: retention of
+    the remote store (None keeps all; a checkpoint tagged in either store is kept).
     """
 
     def __init__(self, local, remote, *, storage_options: dict | None = None, keep_local_last: int | None = None,
@@ -80,17 +90,33 @@ class Uploader:
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._failed_name: str | None = None
+        self._retry: list[str] = []  # failed uploads, queued again by the next submit
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="deltackpt-upload", daemon=True)
         self._closed = False
-        write_tier(local, self.remote_url)
+        local_names = [i.name for i in local.list_checkpoints()]  # oldest first
+        record = read_tier(local)
+        # What an earlier uploader to this remote sent (forgotten there since, perhaps, by its retention).
+        self._uploaded = set(record["uploaded"]) & set(local_names) \
+            if record is not None and record["remote"] == self.remote_url else set()
+        write_tier(local, self.remote_url, uploaded=self._uploaded)
+        there = set(self.remote.checkpoint_names())
+        for name in local_names:  # what an earlier run did not finish sending
+            if name not in there and name not in self._uploaded:
+                self._queue.put(name)
         self._thread.start()
 
     def submit(self, name: str) -> None:
-        self.raise_if_failed()
+        """Queue ``name`` for upload (after any failed upload, queued again first), then raise an earlier
+        upload's error if there was one."""
         if self._closed:
             raise RuntimeError("Uploader is closed")
+        with self._lock:
+            retry, self._retry = self._retry, []
+        for n in retry:
+            self._queue.put(n)
         self._queue.put(name)
+        self.raise_if_failed()
 
     def wait(self) -> None:
         """Block until every submitted checkpoint is remote (or failed); raise the first failure."""
@@ -125,6 +151,8 @@ class Uploader:
             except BaseException as e:  # noqa: BLE001 - surfaced at the next call
                 log.warning("upload of checkpoint %r failed: %s", name, e)
                 with self._lock:
+                    if name not in self._retry:
+                        self._retry.append(name)
                     if self._error is None:
                         self._error, self._failed_name = e, name
             finally:
@@ -133,23 +161,32 @@ class Uploader:
     def _upload(self, name: str) -> None:
         if not self.local.exists(name):
             return  # forgotten locally before its turn (retention): nothing to send
-        write_tier(self.local, self.remote_url, uploading=name)
+        write_tier(self.local, self.remote_url, uploading=name, uploaded=self._uploaded)
         report = copy_checkpoints(self.local, self.remote, [name])
-        write_tier(self.local, self.remote_url)
+        self._uploaded.add(name)
+        write_tier(self.local, self.remote_url, uploaded=self._uploaded)
         log.info("uploaded checkpoint %r: %d bytes sent, %d skipped, %.2f s", name, report.bytes_sent,
                  report.bytes_skipped, report.seconds)
         if self.keep_remote_last is not None:
             plan = plan_forget(self.remote, keep_last=self.keep_remote_last)
+            pinned = read_all_tags(self.local)  # tagged locally after its upload: kept there too
+            plan.forget = [n for n in plan.forget if n not in pinned]
             plan.execute()
         if self.keep_local_last is not None:
             self._drop_local()
 
     def _drop_local(self) -> None:
-        """Forget local checkpoints beyond the newest ``keep_local_last`` that the remote holds."""
+        """Forget local checkpoints beyond the newest ``keep_local_last`` that were uploaded (the remote holds
+        them, or held them until its retention forgot them)."""
         names = [i.name for i in self.local.list_checkpoints()]
         old = names[:-self.keep_local_last] if len(names) > self.keep_local_last else []
-        if not old:
-            return
-        pinned = read_all_tags(self.local)
-        confirmed = [n for n in old if n not in pinned and self.remote.exists(n)]
-        ForgetPlan(store=self.local, forget=confirmed).execute()
+        if old:
+            pinned = read_all_tags(self.local)
+            there = set(self.remote.checkpoint_names())
+            confirmed = [n for n in old if n not in pinned and (n in self._uploaded or n in there)]
+            if confirmed:
+                ForgetPlan(store=self.local, forget=confirmed).execute()
+        left = self._uploaded & set(self.local.checkpoint_names())
+        if left != self._uploaded:
+            self._uploaded = left
+            write_tier(self.local, self.remote_url, uploaded=self._uploaded)

@@ -75,6 +75,8 @@ class CheckpointManager:
     ``close()``), so a save blocks training for a memory copy.
     ``base_cache_bytes``: memory for the previous save's keyframes, so changed chunks are delta-coded
     without reading their bases back from the store (0 turns it off).
+    ``remote``: a store (URL) every checkpoint is uploaded to in the background; ``keep_last`` then applies
+    there, and the local store keeps the newest ``keep_local_last`` (default ``keep_last``) once uploaded.
     """
 
     def __init__(self, store, state: TrainState, *, every_n_steps: int = 100, keep_last: int | None = None,
@@ -96,7 +98,8 @@ class CheckpointManager:
         self._uploader: Uploader | None = None
         if remote is not None and rank_and_world()[0] == 0:
             self._uploader = Uploader(self.store, remote, storage_options=remote_storage_options,
-                                      keep_local_last=keep_local_last, keep_remote_last=keep_last)
+                                      keep_local_last=keep_local_last if keep_local_last is not None else keep_last,
+                                      keep_remote_last=keep_last)
         self.state = state
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last

@@ -142,3 +142,94 @@ def test_copy_to_and_from_s3(src, tmp_path, s3_server, s3_url):
     down = copy(s3_url, tmp_path / "back", ["latest"], src_storage_options=opts, verify=True)
     assert down.copied == ["step-5"] and down.problems == []
     assert_items_equal(saved["step-5"], Store.open(tmp_path / "back").load("step-5"))
+
+
+class _OnFirstPhase:
+    """A progress sink that runs ``action`` when the copy starts sending its first checkpoint's chunks."""
+
+    def __init__(self, action) -> None:
+        self.action, self.fired = action, False
+
+    def start(self, *args) -> None:
+        if not self.fired:
+            self.fired = True
+            self.action()
+
+    def advance(self, n=1) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+def test_a_checkpoint_committed_into_the_destination_during_the_copy_is_not_replaced(tmp_path):
+    src = Store.init(tmp_path / "src", **SMALL)
+    src.save("step-5", {"w": np.arange(4096, dtype=np.float32)})
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    theirs = np.full(4096, 7.0, np.float32)
+    other = _OnFirstPhase(lambda: Store.open(tmp_path / "dst").save("step-5", {"w": theirs}))
+    with pytest.raises(CheckpointExistsError, match="step-5 in the destination, with other data") as err:
+        copy(src, dst, ["step-5"], progress=other)
+    assert other.fired and err.value.name == "step-5"
+    np.testing.assert_array_equal(Store.open(tmp_path / "dst").load("step-5")["w"], theirs)
+    # the same checkpoint committed meanwhile (another copy of it) is reported as skipped, not refused
+    dst2 = Store.init(tmp_path / "dst2", **SMALL)
+    report = copy(src, dst2, ["step-5"], progress=_OnFirstPhase(lambda: copy(src, tmp_path / "dst2")))
+    assert report.skipped == ["step-5"] and report.copied == []
+    np.testing.assert_array_equal(dst2.load("step-5")["w"], np.arange(4096, dtype=np.float32))
+
+
+def test_a_gc_of_the_source_during_the_copy_is_followed(tmp_path, rng):
+    from deltackpt.store.gc import plan_gc
+
+    src = Store.init(tmp_path / "src", **SMALL)
+    a = rng.standard_normal(8192).astype(np.float32)
+    src.save("s1", {"a": a, "b": rng.standard_normal(8192).astype(np.float32)})
+    b2 = rng.standard_normal(8192).astype(np.float32)
+    src.save("s2", {"a": a, "b": b2})  # a's chunks stay in s1's pack, whose b chunks die below
+    src.forget(["s1"])
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    results = []
+    gc = _OnFirstPhase(lambda: results.append(plan_gc(Store.open(tmp_path / "src"), grace_s=0).execute()))
+    report = copy(src, dst, ["s2"], progress=gc)
+    assert results and results[0].repacked_packs >= 1  # the pack the copy had located is gone
+    assert report.copied == ["s2"]
+    assert_items_equal({"a": a, "b": b2}, Store.open(tmp_path / "dst").load("s2"))
+    assert verify_store(Store.open(tmp_path / "dst"), level=2).ok
+
+
+def test_a_delta_on_a_base_the_destination_codes_as_a_delta_fits_its_chain_limit(tmp_path, rng):
+    # Two stores without delta chains (max_chain 1) that coded chunk B differently: dst as a delta on C,
+    # src as a keyframe with X a delta on it. X copied onto dst's B is a chain of two.
+    cfg = {**SMALL, "max_chain": 1}
+    c = rng.standard_normal(SMALL["chunk_size_bytes"] // 4).astype(np.float32)
+    b = c.copy()
+    b[:16] += np.float32(1e-3)
+    x = b.copy()
+    x[16:32] += np.float32(1e-3)
+    src, dst = Store.init(tmp_path / "src", **cfg), Store.init(tmp_path / "dst", **cfg)
+    dst.save("d1", {"w": c})
+    dst.save("d2", {"w": b})
+    src.save("s1", {"w": b})
+    src.save("s2", {"w": x})
+    assert "delta-chains" not in dst.config.features
+    copy(src, dst)
+    reopened = Store.open(tmp_path / "dst")
+    assert "delta-chains" in reopened.config.features  # what its readers must follow now
+    for name, want in (("d1", c), ("d2", b), ("s1", b), ("s2", x)):
+        np.testing.assert_array_equal(reopened.load(name)["w"], want)
+    assert verify_store(reopened, level=2).ok
+
+
+def test_tags_travel_with_the_copy(src, tmp_path):
+    from deltackpt.store.retention import read_tags, set_tags
+
+    store, _ = src
+    set_tags(store, "step-1", ["best"])
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    copy(store, dst, ["step-1"])
+    assert read_tags(dst, "step-1") == ["best"]
+    set_tags(dst, "step-1", ["paper"])
+    set_tags(store, "step-1", ["best", "final"])
+    assert copy(store, dst, ["step-1"]).skipped == ["step-1"]  # already there: its tags are added all the same
+    assert read_tags(dst, "step-1") == ["best", "final", "paper"]

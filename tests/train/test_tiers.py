@@ -119,3 +119,18 @@ def test_a_damaged_local_copy_is_restored_from_the_remote(tmp_path, s3_server, s
     with CheckpointManager(str(local), fresh, every_n_steps=2, remote=s3_url, remote_storage_options=opts) as mgr:
         assert mgr.restore_latest() == 4
     assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[4])
+
+
+def test_keep_last_bounds_the_local_store_too_unless_keep_local_last_says_otherwise(tmp_path):
+    state = _state()
+    with CheckpointManager(str(tmp_path / "hot"), state, every_n_steps=1, keep_last=2,
+                           remote=str(tmp_path / "cold")) as mgr:
+        _train(state, mgr, 0, 5)
+    names = [f"step-{s:08d}" for s in range(1, 6)]
+    assert [i.name for i in Store.open(tmp_path / "hot").list_checkpoints()] == names[-2:]
+    assert [i.name for i in Store.open(tmp_path / "cold").list_checkpoints()] == names[-2:]
+    state = _state()
+    with CheckpointManager(str(tmp_path / "hot2"), state, every_n_steps=1, keep_last=2, keep_local_last=3,
+                           remote=str(tmp_path / "cold2")) as mgr:
+        _train(state, mgr, 0, 5)
+    assert [i.name for i in Store.open(tmp_path / "hot2").list_checkpoints()] == names[-3:]

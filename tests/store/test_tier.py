@@ -1,0 +1,134 @@
+"""The uploader of a hot/cold tier, against a local directory as the remote (the S3 path: tests/train/test_tiers.py).
+
+Local retention counts what was uploaded even after the remote's own retention forgot it; a failed upload is
+sent again; an uploader started after a crash sends what the last one did not finish; tags pin on both sides.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deltackpt.errors import DeltackptError
+from deltackpt.store import Store, tier
+from deltackpt.store.retention import read_tags, set_tags
+from deltackpt.store.tier import Uploader, read_tier, write_tier
+
+from store_helpers import SMALL
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _save(store: Store, rng, name: str) -> None:
+    store.save(name, {"w": rng.standard_normal(3000).astype(np.float32)})
+
+
+def _names(store_or_path) -> list[str]:
+    store = store_or_path if isinstance(store_or_path, Store) else Store.open(store_or_path)
+    return [i.name for i in store.list_checkpoints()]
+
+
+@pytest.mark.parametrize("keep_local, keep_remote", [(2, 2), (1, 1), (2, 1), (1, 3)])
+def test_local_retention_counts_what_the_remote_retention_already_forgot(tmp_path, rng, keep_local, keep_remote):
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"), keep_local_last=keep_local, keep_remote_last=keep_remote)
+    names = [f"step-{i}" for i in range(1, 7)]
+    for name in names:
+        _save(local, rng, name)
+        up.submit(name)
+        up.wait()
+    up.close()
+    assert _names(local) == names[-keep_local:]
+    assert _names(tmp_path / "cold") == names[-keep_remote:]
+    assert read_tier(local)["uploaded"] == names[-keep_local:]  # pruned with the local checkpoints
+
+
+def test_a_failed_upload_is_sent_again_with_the_next_submit(tmp_path, rng, monkeypatch):
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"), keep_local_last=1)
+    real, calls = tier.copy_checkpoints, []
+
+    def flaky(src, dst, names, **kw):
+        calls.append(list(names))
+        if len(calls) == 1:
+            raise OSError("network down")
+        return real(src, dst, names, **kw)
+
+    monkeypatch.setattr(tier, "copy_checkpoints", flaky)
+    _save(local, rng, "a")
+    up.submit("a")
+    with pytest.raises(DeltackptError, match="background upload of checkpoint 'a'"):
+        up.wait()
+    assert _names(local) == ["a"]  # not uploaded: not dropped
+    _save(local, rng, "b")
+    up.submit("b")
+    up.close()
+    assert calls == [["a"], ["a"], ["b"]]
+    assert _names(tmp_path / "cold") == ["a", "b"] and _names(local) == ["b"]
+
+
+def test_an_error_is_raised_by_submit_after_its_checkpoint_is_queued(tmp_path, rng, monkeypatch):
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"))
+    real = tier.copy_checkpoints
+    failed = []
+
+    def once(src, dst, names, **kw):
+        if not failed:
+            failed.append(names)
+            raise OSError("network down")
+        return real(src, dst, names, **kw)
+
+    monkeypatch.setattr(tier, "copy_checkpoints", once)
+    _save(local, rng, "a")
+    up.submit("a")
+    up._queue.join()
+    _save(local, rng, "b")
+    with pytest.raises(DeltackptError, match="'a'"):
+        up.submit("b")  # the error of 'a' surfaces here, and 'b' (with 'a' again) is queued all the same
+    up.close()
+    assert _names(tmp_path / "cold") == ["a", "b"]
+
+
+def test_a_new_uploader_sends_what_a_crashed_one_did_not(tmp_path, rng):
+    local = Store.init(tmp_path / "hot", **SMALL)
+    cold = str(tmp_path / "cold")
+    for name in ("s1", "s2", "s3", "s4"):
+        _save(local, rng, name)
+    # The last run uploaded s1 (its remote has forgotten it since), crashed while sending s2, and never
+    # queued s3 and s4.
+    Store.init(cold, **SMALL)
+    write_tier(local, cold, uploading="s2", uploaded=["s1"])
+    up = Uploader(local, cold, keep_local_last=1)
+    up.wait()
+    up.close()
+    assert _names(cold) == ["s2", "s3", "s4"]  # oldest first; s1 is not sent again
+    assert _names(local) == ["s4"]
+    record = read_tier(local)
+    assert record["uploading"] is None and record["uploaded"] == ["s4"]
+
+
+def test_an_uploaded_list_for_another_remote_is_not_trusted(tmp_path, rng):
+    local = Store.init(tmp_path / "hot", **SMALL)
+    _save(local, rng, "s1")
+    write_tier(local, str(tmp_path / "old-remote"), uploaded=["s1"])
+    up = Uploader(local, str(tmp_path / "cold"))
+    up.close()
+    assert _names(tmp_path / "cold") == ["s1"]
+
+
+def test_the_remote_retention_keeps_what_is_tagged_in_either_store(tmp_path, rng):
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"), keep_remote_last=1)
+    for i in range(1, 5):
+        _save(local, rng, f"s{i}")
+        if i == 1:
+            set_tags(local, "s1", ["best"])  # tagged before its upload: the copy carries the tag
+        up.submit(f"s{i}")
+        if i == 2:
+            up.wait()
+            set_tags(local, "s2", ["paper"])  # tagged after it: the local tag pins it all the same
+    up.close()
+    cold = Store.open(tmp_path / "cold")
+    assert _names(cold) == ["s1", "s2", "s4"]
+    assert read_tags(cold, "s1") == ["best"]

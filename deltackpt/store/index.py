@@ -103,11 +103,19 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
         with self._repair_lock:
             if gen != self._gen:
                 return True  # rebuilt since the caller looked
+            epoch = read_gc_epoch(self.backend)  # before the listing: a gc after it is not taken for seen
             if self._trusted:
-                return False  # the index says what the packs say: the damage is real
-            self._warn("distrust", f"index cache {self.path} disagrees with the packs; rebuilding it from the "
-                                   "pack tables")
-            self.rebuild()
+                if epoch == (self.get_meta(b"gc_epoch") or b""):
+                    return False  # the index says what the packs said, and no gc ran since: the damage is real
+                # A gc since moved chunks (another host's: a cache on each node sees its gc only through the
+                # epoch, and reads do not sync as saves do): catch up, look again.
+                self.refresh()
+            else:
+                self._warn("distrust", f"index cache {self.path} disagrees with the packs; rebuilding it from "
+                                       "the pack tables")
+                self.rebuild()
+            self.set_meta(b"gc_epoch", epoch)
+            self._gen += 1
             return True
 
     def _dbs(self):
@@ -265,8 +273,9 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
     def add(self, entries, packs: dict[str, int], *, if_present: bool = False) -> list[PackEntry]:
         """Record ``entries`` and mark ``packs`` (name -> size) as indexed, in one transaction.
 
-        An id already indexed keeps its first location, so repeated chunks never move: those of ``entries``
-        are returned. ``if_present``: skip the packs (and their entries) that no longer exist, checked inside
+        An id already indexed keeps its first location, so repeated chunks never move, unless the new copy is
+        a keyframe and the indexed one a delta (:func:`_take_if_better`): the entries not located are
+        returned. ``if_present``: skip the packs (and their entries) that no longer exist, checked inside
         the transaction (see delete_unindexed_packs).
         """
         return self._add(list(entries), packs, if_present=if_present)
@@ -285,8 +294,8 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
                 txn.put(b"store_id", self.store_id, db=meta)
                 txn.put(b"version", INDEX_VERSION, db=meta)
             kept = [e for e in entries if not txn.put(e.chunk_id, encode_record(e), db=chunks, overwrite=False)]
-            if rank is not None:
-                kept = [e for e in kept if not _take_if_first(txn, chunks, e, rank)]
+            if kept:
+                kept = [e for e in kept if not _take_if_better(txn, chunks, e, rank)]
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
         return kept
@@ -403,11 +412,19 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
 _WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
 
 
-def _take_if_first(txn, db, entry: PackEntry, rank: dict[str, int]) -> bool:
-    """Point ``entry``'s chunk at ``entry`` when its pack comes before the indexed copy's in ``rank``
-    (a pack ``rank`` lacks comes last); whether it did."""
+def _take_if_better(txn, db, entry: PackEntry, rank: dict[str, int] | None) -> bool:
+    """Point ``entry``'s chunk at ``entry`` when it is the better copy of the indexed one; whether it did.
+
+    A keyframe beats a delta: writers whose caches missed each other's copy may store a chunk twice, coded
+    differently, and a delta built on it was checked against the copy its writer knew, whose chain is never
+    shorter than a keyframe's (a delta located instead could make the chain longer than its readers follow;
+    gc keeps the located copy). Between copies of one kind, the first pack in ``rank`` (a pack ``rank`` lacks
+    comes last); without ``rank``, the copy indexed first stays."""
     indexed = decode_record(entry.chunk_id, txn.get(entry.chunk_id, db=db))
-    if rank.get(entry.pack, len(rank)) >= rank.get(indexed.pack, len(rank)):
-        return False
-    txn.put(entry.chunk_id, encode_record(entry), db=db)
-    return True
+    if (entry.base_id is None) != (indexed.base_id is None):
+        better = entry.base_id is None
+    else:
+        better = rank is not None and rank.get(entry.pack, len(rank)) < rank.get(indexed.pack, len(rank))
+    if better:
+        txn.put(entry.chunk_id, encode_record(entry), db=db)
+    return better

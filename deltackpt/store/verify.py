@@ -152,10 +152,14 @@ def _check_packs(store, found: Findings, packs: dict[str, int], level: int, samp
                 if data is not None:
                     report.packs_checked += 1
                     report.bytes_checked += len(data)
+                    problems = len(found.bad)
                     table, hash_ok = _check_pack_hash(name, data, found, report)
                     if level >= 2 or not hash_ok:
                         _decode_chunks(source, table, found, report)
-                done.append(name)
+                    if hash_ok and len(found.bad) == problems:
+                        # Only a pack found sound counts as verified: a damaged one stays first in line for
+                        # the next partial run (else a rotating --sample exits 0 right after finding it).
+                        done.append(name)
                 bar.advance(packs[name])
     finally:
         index.mark_verified(done)  # one transaction for the run (also when it is interrupted)

@@ -12,6 +12,7 @@ import pytest
 from deltackpt.errors import ManifestFormatError
 from deltackpt.store import LocalBackend, MemoryBackend, Store, codec
 from deltackpt.store.gc import plan_gc
+from deltackpt.store.verify import verify_store
 from deltackpt.store import index as index_mod
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.pack import pack_key
@@ -429,3 +430,51 @@ def test_a_walk_of_the_cache_locates_as_look_ups_do(local_store, rng, monkeypatc
         txn.put(entries[3].chunk_id, b"short")  # one of the ids': refused, as a look-up refuses it
     with index.env.begin(db=chunks) as txn, pytest.raises(ManifestFormatError, match=entries[3].chunk_id.hex()):
         records.locate_walk(txn, ids, lambda start, loc: None, 3)
+
+
+# -- caches of their own (hosts on a shared file system or object storage) --------------------------------------
+def test_a_chunk_stored_twice_is_located_at_its_keyframe_so_chains_stay_in_bounds(tmp_path, rng):
+    # Caches that missed each other's copy store a chunk twice, coded differently: here W1 as a delta (c1,
+    # then forgotten) and as a keyframe (c3, by a cache that caught up through the commit log, which does not
+    # name c1's pack). c4 is a delta on the keyframe copy; an index locating the delta copy would see a chain
+    # of two in a store whose readers follow one, and gc, keeping the located copy, would make it permanent.
+    root = tmp_path / "store"
+    Store.init(root, chunk_size_bytes=4096, pack_target_bytes=65536, max_chain=1)
+    a, b, c = (Store.open(root, cache_dir=tmp_path / f"cache-{k}") for k in "abc")
+    w0 = rng.standard_normal(1024).astype(np.float32)
+    w1 = w0.copy()
+    w1[[5, 500]] += 1.0
+    w2 = w1.copy()
+    w2[[7, 900]] += 1.0
+    v = [rng.standard_normal(1024).astype(np.float32) for _ in range(5)]
+    c.save("c0", {"w": w0, "v": v[0]})
+    b.save("c1", {"w": w1, "v": v[1]})
+    b.forget(["c1"])
+    a.save("c2", {"w": w1, "v": v[2]})
+    c.save("c3", {"w": w1, "v": v[3]})
+    c.save("c4", {"w": w2, "v": v[4]})
+    expected = {"c0": w0, "c2": w1, "c3": w1, "c4": w2}
+    x = b.read_manifest("c3").items[[i.key for i in b.read_manifest("c3").items].index("w")].chunks[0].id
+    for store in (b, Store.open(root, cache_dir=tmp_path / "fresh")):
+        store.index.refresh()
+        assert store.index.lookup(x).base_id is None  # the keyframe copy, whichever the cache saw first
+    plan_gc(b, grace_s=0, max_unused=0.0).execute()
+    fresh = Store.open(root, cache_dir=tmp_path / "fresh-after-gc")
+    assert verify_store(fresh, level=2).ok
+    for name, w in expected.items():
+        np.testing.assert_array_equal(fresh.load(name)["w"], w)
+
+
+def test_a_read_after_another_hosts_gc_finds_the_moved_chunks(tmp_path, rng):
+    root = tmp_path / "store"
+    Store.init(root, chunk_size_bytes=4096, pack_target_bytes=65536)
+    a = Store.open(root, cache_dir=tmp_path / "host-a")
+    data = {f"c{i}": {"w": rng.standard_normal(1024).astype(np.float32)} for i in range(4)}
+    for name in ("c0", "c1", "c2"):
+        a.save(name, data[name])
+    b = Store.open(root, cache_dir=tmp_path / "host-b")
+    b.forget(["c0"])
+    plan_gc(b, grace_s=0).execute()
+    a.save("c3", data["c3"])  # sees the gc's epoch: host a's cache is rebuilt from the packs (trusted)
+    assert plan_gc(Store.open(root, cache_dir=tmp_path / "host-b"), grace_s=0).execute().merged_packs > 0
+    assert_items_equal(data["c3"], a.load("c3"))  # host a's cache locates the merged packs' chunks again

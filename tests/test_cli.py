@@ -140,3 +140,14 @@ def test_store_and_cli_do_not_import_torch():
     code = ("import sys, deltackpt.store, deltackpt.cli; import deltackpt; deltackpt.Store; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_copy_all_exits_1_naming_a_checkpoint_it_could_not_read(store_dir, tmp_path, capsys):
+    names = [i.name for i in Store.open(store_dir).list_checkpoints()]
+    (store_dir / "manifests" / names[0]).write_bytes(b"damaged")
+    code, out, _ = run(capsys, "copy", str(store_dir), str(tmp_path / "dst"), "--all")
+    assert code == 1
+    assert f"not copied, manifest damaged in the source: {names[0]}" in out
+    assert [i.name for i in Store.open(tmp_path / "dst").list_checkpoints()] == names[1:]
+    code, _, err = run(capsys, "copy", str(store_dir), str(tmp_path / "dst3"), names[0])
+    assert code == 3 and f"manifest {names[0]!r}" in err

@@ -35,10 +35,13 @@ def cmd_copy(args) -> int:
                  f"sent {fmt_bytes(report.bytes_sent)} ({report.packs_sent} packs whole, {report.packs_repacked} "
                  f"repacked, {report.chunks_sent} chunks), skipped {fmt_bytes(report.bytes_skipped)} "
                  f"({report.chunks_skipped} chunks the destination had) in {report.seconds:.1f} s"]
+        if report.damaged:
+            lines.append(f"not copied, manifest damaged in the source: {', '.join(report.damaged)} (`deltackpt "
+                         "verify` the source)")
         if report.verified:
             lines.append("verify: " + ("; ".join(report.problems) if report.problems else "every copied checkpoint "
                                        "read back and re-hashed: no problems"))
         return "\n".join(lines)
 
     emit(args, data, text)
-    return EXIT_PROBLEMS if report.problems else EXIT_OK
+    return EXIT_PROBLEMS if report.problems or report.damaged else EXIT_OK

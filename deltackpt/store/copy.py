@@ -43,6 +43,7 @@ class CopyReport:
     bytes_sent: int = 0  # bytes put into the destination (packs and manifests)
     bytes_skipped: int = 0  # stored bytes of the chunks the destination already had
     seconds: float = 0.0
+    damaged: list[str] = field(default_factory=list)  # of all checkpoints (names None): not copied, unreadable
     verified: bool = False  # whether the copied checkpoints were read back from the destination
     problems: list[str] = field(default_factory=list)  # what that read-back found
 
@@ -54,12 +55,15 @@ def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite:
                      progress: Progress | None = None) -> CopyReport:
     """Copy checkpoints ``names`` (default: all, oldest first) from Store ``src`` to Store ``dst``.
 
+    A named checkpoint whose manifest is damaged raises CorruptManifestError when its turn comes; of all
+    checkpoints, the damaged ones are left out and listed in ``report.damaged``.
     ``progress`` hears of each checkpoint sent (a phase ``copy NAME``), in stored bytes, pack by pack."""
     start = time.perf_counter()
     report = CopyReport()
-    infos = src.list_checkpoints()
+    infos = src.list_checkpoints(include_damaged=True)
     if names is None:
-        order = [i.name for i in infos]
+        order = [i.name for i in infos if i.damage is None]
+        report.damaged = [i.name for i in infos if i.damage is not None]
     else:
         wanted = {src.resolve(n) for n in names}
         order = [i.name for i in infos if i.name in wanted]

@@ -435,23 +435,36 @@ def _read_table(backend, name: str, size: int | None) -> tuple[bytes, bytes]:
     return table, tail
 
 
-def walk_entries(data, name: str) -> list[PackEntry]:
+def walk_entries(data, name: str, gaps: list[tuple[int, int]] | None = None) -> list[PackEntry]:
     """Recover a pack's entries from their self-describing headers, when its table is unreadable.
 
-    Walks header to header from the start and stops at the first entry that does not parse or does not fit,
-    so a truncated or partly damaged pack still yields every intact entry before the damage.
+    Walks header to header from the start. Past a header that does not parse or an entry that does not fit,
+    it looks for the next header that checks out (each carries its own checksum), so a damaged entry costs
+    only itself; ``gaps`` (a list) receives (offset, length) of each stretch between two intact entries that
+    could not be walked (one damaged entry or more). What follows the last intact entry (the table and
+    footer, or entries cut off) is not a gap.
     """
-    out, pos, end = [], len(PACK_MAGIC), len(data)
-    if bytes(data[:len(PACK_MAGIC)]) != PACK_MAGIC:
+    buf = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+    view = memoryview(buf)
+    out, pos, end = [], len(PACK_MAGIC), len(buf)
+    if bytes(buf[:len(PACK_MAGIC)]) != PACK_MAGIC:
         return out
+    lost_at = None  # where the stretch being skipped began
     while pos + HEADER_SIZE <= end:
         try:
-            cid, codec, es, rlen, slen, base, age = decode_header(memoryview(data)[pos:pos + HEADER_SIZE],
-                                                                  f"pack {name}")
+            cid, codec, es, rlen, slen, base, age = decode_header(view[pos:pos + HEADER_SIZE], f"pack {name}")
+            fits = pos + HEADER_SIZE + slen <= end
         except ManifestFormatError:
-            break
-        if pos + HEADER_SIZE + slen > end:
-            break
+            fits = False
+        if not fits:
+            lost_at = pos if lost_at is None else lost_at
+            pos = buf.find(ENTRY_MAGIC, pos + 1)
+            if pos < 0:
+                break
+            continue
+        if lost_at is not None and gaps is not None:
+            gaps.append((lost_at, pos - lost_at))
+        lost_at = None
         out.append(PackEntry(cid, name, pos, slen, rlen, codec, es, base, age))
         pos += HEADER_SIZE + slen
     return out

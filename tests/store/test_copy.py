@@ -233,3 +233,19 @@ def test_tags_travel_with_the_copy(src, tmp_path):
     set_tags(store, "step-1", ["best", "final"])
     assert copy(store, dst, ["step-1"]).skipped == ["step-1"]  # already there: its tags are added all the same
     assert read_tags(dst, "step-1") == ["best", "final", "paper"]
+
+
+def test_a_damaged_manifest_is_an_error_when_named_and_reported_when_copying_all(src, tmp_path):
+    from deltackpt.errors import CorruptManifestError
+
+    store, saved = src
+    path = store.backend.root / "manifests" / "step-1"
+    path.write_bytes(path.read_bytes()[:60])
+    with pytest.raises(CorruptManifestError, match="step-1"):
+        copy(store, tmp_path / "dst", ["step-1"])
+    report = copy(store, tmp_path / "dst2")
+    assert report.damaged == ["step-1"]
+    assert report.copied == [n for n in saved if n != "step-1"]
+    dst = Store.open(tmp_path / "dst2")
+    for name in report.copied:
+        assert_items_equal(saved[name], dst.load(name))

@@ -14,7 +14,7 @@ from deltackpt.store import LocalBackend, Store
 from deltackpt.store import codec
 from deltackpt.store.config import StoreConfig
 from deltackpt.store.manifest import ChunkRef, Item, Manifest, Stats
-from deltackpt.store.pack import FOOTER_SIZE, HEADER_SIZE, pack_key
+from deltackpt.store.pack import FOOTER_SIZE, HEADER_SIZE, pack_key, read_pack_entries, walk_entries
 from deltackpt.store.repair import infer_chunk_size, repair_store
 from deltackpt.store.verify import verify_store
 
@@ -161,6 +161,29 @@ def test_damaged_entry_is_dropped_and_reported(populated):
     assert (root / (pack_key(victim) + ".damaged")).exists()
     problems = verify_store(Store.open(root), level=2)
     assert "step-0" in problems.damaged_checkpoints  # verify says what the lost chunk affects
+
+
+def test_entries_past_a_damaged_header_are_recovered_and_the_loss_reported(populated):
+    root, _cfg, _saved = populated
+    store = Store.open(root)
+    victim = _pack_of(store)
+    path = root / pack_key(victim)
+    data = bytearray(path.read_bytes())
+    entries = sorted(read_pack_entries(store.backend, victim), key=lambda e: e.offset)
+    assert len(entries) >= 3
+    data[-FOOTER_SIZE] ^= 1  # the table is unreadable
+    data[entries[1].offset + 10] ^= 1  # and the second entry's header
+    path.write_bytes(bytes(data))
+    report = repair_store(root)
+    assert not report.ok and report.dropped_entries == 1
+    assert report.recovered_chunks == len(entries) - 1  # every entry but the damaged one, also those after it
+    index = Store.open(root).index
+    assert all(index.lookup(e.chunk_id) is not None for e in entries if e is not entries[1])
+    assert index.lookup(entries[1].chunk_id) is None
+    gaps = []
+    assert [e.offset for e in walk_entries(bytes(data), victim, gaps)] == [e.offset for e in entries
+                                                                           if e is not entries[1]]
+    assert gaps == [(entries[1].offset, entries[2].offset - entries[1].offset)]
 
 
 def test_healthy_store_is_left_alone(populated):

@@ -151,3 +151,14 @@ def test_copy_all_exits_1_naming_a_checkpoint_it_could_not_read(store_dir, tmp_p
     assert [i.name for i in Store.open(tmp_path / "dst").list_checkpoints()] == names[1:]
     code, _, err = run(capsys, "copy", str(store_dir), str(tmp_path / "dst3"), names[0])
     assert code == 3 and f"manifest {names[0]!r}" in err
+
+
+def test_json_output_is_strict_when_metadata_holds_nan_or_inf(tmp_path, capsys):
+    store = Store.init(tmp_path / "s")
+    store.save("c", {"w": np.ones(3, np.float32)}, metadata={"loss": float("nan"), "grad": [float("-inf"), 1.0]})
+    for argv in (["ls", str(tmp_path / "s")], ["show", str(tmp_path / "s"), "c"]):
+        code, out, _ = run(capsys, "--json", *argv)
+        assert code == 0 and "NaN" not in out and "Infinity" not in out
+        data = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+        meta = (data[0] if isinstance(data, list) else data)["metadata"]
+        assert meta == {"loss": None, "grad": ["-inf", 1.0]}

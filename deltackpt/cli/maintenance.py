@@ -119,7 +119,8 @@ def cmd_verify(args) -> int:
                          f" packs; {report.packs_skipped} pack(s) and {report.chunks_skipped} chunk(s) not checked"
                          f" because of {why}")
         if not report.ok:
-            lines.append(f"{len(report.problems)} problem(s); damaged: {', '.join(report.damaged_checkpoints)}")
+            damaged = f"; damaged: {', '.join(report.damaged_checkpoints)}" if report.damaged_checkpoints else ""
+            lines.append(f"{len(report.problems)} problem(s){damaged}")
         else:
             lines.append("no problems found" + ("" if report.complete else " in what was checked"))
         return "\n".join(lines)

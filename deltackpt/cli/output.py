@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Callable
 
@@ -19,8 +20,20 @@ def out(text: str) -> None:
 
 
 def emit(args, data, text: Callable[[], str]) -> None:
-    """``data`` as JSON with ``--json``, else the text ``text()`` renders."""
-    out(json.dumps(data, indent=2, sort_keys=True) if args.json else text())
+    """``data`` as JSON with ``--json``, else the text ``text()`` renders. The JSON is strict: a float that is
+    not finite (a diverged run's ``loss: nan`` in checkpoint metadata) is written as null (NaN) or as the
+    string "inf" / "-inf", as ``diff`` does, never as the bare ``NaN`` that jq and most parsers refuse."""
+    out(json.dumps(_finite(data), indent=2, sort_keys=True, allow_nan=False) if args.json else text())
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def fmt_bytes(n: int | float) -> str:

@@ -142,6 +142,31 @@ def _plain_name(rel: str) -> bool:
     return rel not in ("", ".", "..") and os.path.basename(rel) == rel and "\\" not in rel
 
 
+def _check_tiling(meta_path: Path, fqn: str, size: list[int], chunks) -> None:
+    """The chunks of a tensor tile it: each inside its size, none overlapping another, covering it all."""
+    boxes = []
+    for c in chunks:
+        o, n = list(c.offsets), list(c.sizes)
+        if len(o) != len(size) or len(n) != len(size) or any(a < 0 or b < 0 or a + b > g
+                                                               for a, b, g in zip(o, n, size)):
+            raise SourceFormatError(f"{meta_path}: a chunk of {fqn} at offset {o}, size {n} is not inside its "
+                                    f"size {size}")
+        if math.prod(n):
+            boxes.append((o, n))
+    if sum(math.prod(n) for _o, n in boxes) != math.prod(size):
+        raise SourceFormatError(f"{meta_path}: the chunks of {fqn} do not tile its size {size} (their sizes add "
+                                f"up to {sum(math.prod(n) for _o, n in boxes)} elements)")
+    if len(boxes) > 1:  # inside and adding up: an overlap would leave a hole. Swept along the most split dim.
+        dim = max(range(len(size)), key=lambda d: len({o[d] for o, _n in boxes}))
+        active: list[tuple[list[int], list[int]]] = []
+        for o, n in sorted(boxes, key=lambda b: b[0][dim]):
+            active = [(ao, an) for ao, an in active if ao[dim] + an[dim] > o[dim]]
+            for ao, an in active:
+                if all(a < b + m and b < a + k for a, k, b, m in zip(o, n, ao, an)):
+                    raise SourceFormatError(f"{meta_path}: chunks of {fqn} at offsets {ao} and {o} overlap")
+            active.append((o, n))
+
+
 def _check_metadata(meta_path: Path, md: Metadata, slices: dict) -> None:
     """The schema's checks on the metadata's types, plus: every chunk of every tensor has a slice."""
     try:
@@ -156,8 +181,8 @@ def _check_metadata(meta_path: Path, md: Metadata, slices: dict) -> None:
             if index not in slices:
                 raise SourceFormatError(f"{meta_path}: no data for {fqn}"
                                         + ("" if chunk is None else f" at offset {list(chunk.offsets)}"))
-        if isinstance(smd, TensorStorageMetadata) and sum(math.prod(c.sizes) for c in chunks) < math.prod(smd.size):
-            raise SourceFormatError(f"{meta_path}: the chunks of {fqn} do not cover its size {list(smd.size)}")
+        if isinstance(smd, TensorStorageMetadata):
+            _check_tiling(meta_path, fqn, list(smd.size), chunks)
     for index in slices:
         if index.fqn not in md.state_dict_metadata:
             raise SourceFormatError(f"{meta_path}: data for {index.fqn}, which the metadata does not describe")

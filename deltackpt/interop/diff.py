@@ -24,7 +24,7 @@ import numpy as np
 
 from ..store import CheckpointReader, Progress, Store, phase
 from .layout import TensorLayout, read_layout, read_rows, slabs
-from .numeric import as_numbers
+from .numeric import EXACT_INTS, as_numbers, int_distance
 
 WINDOW_BYTES = 16 << 20
 
@@ -245,7 +245,11 @@ class _TensorDiff:
             self.numeric = False
             return mask
         vb = as_numbers(b, self.ta.dtype)
-        delta = np.abs(vb[mask] - va[mask])
+        if self.ta.dtype in EXACT_INTS:
+            rows_a, rows_b = a.reshape(n, self.size)[mask], b.reshape(n, self.size)[mask]
+            delta = int_distance(rows_a.reshape(-1), rows_b.reshape(-1), self.ta.dtype)
+        else:
+            delta = np.abs(vb[mask] - va[mask])
         delta = delta[np.isfinite(delta)]
         if delta.size:
             self.max_abs = max(self.max_abs, float(delta.max()))
@@ -264,7 +268,10 @@ class _TensorDiff:
 
 def _space(ta: TensorLayout, tb: TensorLayout):
     """(A's, B's) chunk extents ``(start, end, chunk id, skip, item key, item offset)`` in one byte space
-    both cover exactly, or (None, None) if the shardings share none."""
+    both cover exactly, or (None, None) if the shardings share none, or either's bytes are in the other
+    byte order (:func:`read_rows` swaps them)."""
+    if ta.swap is not None or tb.swap is not None:
+        return None, None
     if all(box.contiguous for box in ta.boxes + tb.boxes):
         ext_a, ext_b = _extents(ta, None), _extents(tb, None)
     else:

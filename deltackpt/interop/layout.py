@@ -42,6 +42,17 @@ def dtype_name(stored: str) -> str:
     return name if name in _NUMERIC else stored
 
 
+def foreign_byte_order(stored: str) -> str | None:
+    """``stored`` when it names a numpy dtype in the other byte order than this machine's (``Store.save`` of
+    a ``>f4`` array keeps its bytes as they are), else None: :func:`read_rows` swaps such bytes, so that
+    everything after it sees the canonical dtype in this machine's order."""
+    try:
+        dt = np.dtype(stored)
+    except TypeError:
+        return None
+    return stored if dt.byteorder not in ("=", "|") and dt.newbyteorder("=") != dt else None
+
+
 @dataclass
 class Box:
     """One stored shard of a tensor: where it sits in the global tensor and the item holding its bytes."""
@@ -59,6 +70,7 @@ class TensorLayout:
     itemsize: int
     shape: tuple[int, ...]
     boxes: list[Box] = field(default_factory=list)
+    swap: str | None = None  # the stored dtype when its bytes are in the other order (foreign_byte_order)
 
     @property
     def numel(self) -> int:
@@ -118,8 +130,10 @@ def read_layout(manifest: Manifest) -> Layout:
             raise ManifestFormatError(f"item {item.key!r}: {item.nbytes} bytes for shape {list(sizes)}")
         t = tensors.get(name)
         if t is None:
-            t = tensors[name] = TensorLayout(name, dtype_name(item.dtype), itemsize, sizes)
-        elif t.dtype != dtype_name(item.dtype) or t.itemsize != itemsize or len(t.shape) != len(sizes):
+            t = tensors[name] = TensorLayout(name, dtype_name(item.dtype), itemsize, sizes,
+                                             swap=foreign_byte_order(item.dtype))
+        elif (t.dtype != dtype_name(item.dtype) or t.itemsize != itemsize or len(t.shape) != len(sizes)
+              or t.swap != foreign_byte_order(item.dtype)):
             raise ManifestFormatError(f"shards of {name!r} disagree on dtype or rank")
         t.shape = tuple(max(g, o + s) for g, o, s in zip(t.shape, offsets, sizes))
         t.boxes.append(Box(offsets, sizes, item, contiguous=item.group_name == name))
@@ -148,8 +162,8 @@ def slabs(t: TensorLayout, max_bytes: int = SLAB_BYTES) -> list[tuple[int, int]]
 
 def read_rows(reader: CheckpointReader, t: TensorLayout, r0: int, r1: int, out: np.ndarray | None = None
               ) -> np.ndarray:
-    """Rows [r0, r1) of the global tensor ``t`` as raw bytes (a uint8 array), read from every box that
-    overlaps them (a 0-d tensor: rows [0, 1) are the scalar)."""
+    """Rows [r0, r1) of the global tensor ``t`` as raw bytes (a uint8 array) in this machine's byte order,
+    read from every box that overlaps them (a 0-d tensor: rows [0, 1) are the scalar)."""
     rb = t.row_bytes if t.shape else t.itemsize
     if out is None:
         out = np.empty((r1 - r0) * rb, dtype=np.uint8)
@@ -174,6 +188,8 @@ def read_rows(reader: CheckpointReader, t: TensorLayout, r0: int, r1: int, out: 
         dst = out.view(cell).reshape((r1 - r0, *t.shape[1:]))
         where = (slice(lo - r0, hi - r0),) + tuple(slice(o, o + s) for o, s in zip(box.offsets[1:], box.sizes[1:]))
         dst[where] = part.view(cell).reshape((hi - lo, *box.sizes[1:]))
+    if t.swap is not None:
+        out.view(np.dtype(t.swap)).byteswap(inplace=True)  # per element (per part of a complex one)
     return out
 
 

@@ -27,6 +27,18 @@ def as_numbers(raw: np.ndarray, dtype: str) -> np.ndarray | None:
     return values.astype(np.complex128 if values.dtype.kind == "c" else np.float64)
 
 
+EXACT_INTS = ("int64", "uint64")  # integers float64 cannot hold: their differences are taken exactly
+
+
+def int_distance(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
+    """|b - a| of the int64 or uint64 elements whose raw bytes are ``a``/``b``, as float64: subtracted exactly
+    first (through float64 a change of 1 at 1e17 is 0), since the distance of two int64s, or of two uint64s,
+    always fits a uint64; only it is rounded."""
+    flip = np.uint64(1 << 63) if dtype == "int64" else np.uint64(0)  # int64 order as uint64 order
+    ua, ub = a.view(np.uint64) ^ flip, b.view(np.uint64) ^ flip
+    return (np.maximum(ua, ub) - np.minimum(ua, ub)).astype(np.float64)
+
+
 def cast(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
     """Floating-point bytes ``raw`` of dtype ``src`` converted to ``dst`` (float32 or bfloat16), as uint8."""
     if src == dst:

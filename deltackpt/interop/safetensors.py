@@ -35,6 +35,9 @@ def write_safetensors(path, reader, layout: Layout, names: list[str], target: st
         if t is None:
             report.skipped.append(f"{name}: not a tensor (safetensors holds tensors only)")
             continue
+        if name == "__metadata__":  # the header's own key: a tensor of that name would make the file unreadable
+            report.skipped.append(f"{name}: the name safetensors reserves for the header's metadata")
+            continue
         if t.dtype not in DTYPES:
             report.skipped.append(f"{name}: dtype {t.dtype} has no safetensors equivalent")
             continue

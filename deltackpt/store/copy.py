@@ -27,7 +27,7 @@ from .lock import SHARED
 from .manifest import Manifest, Stats, encode_manifest
 from .pack import HEADER_SIZE, PackBuilder, PackEntry, pack_bytes_ok, pack_key, read_pack_entries
 from .progress import Progress, phase
-from .retention import read_tags, set_tags
+from .retention import DAMAGED_TAGS, read_tags, set_tags
 
 MAX_COALESCE_GAP = 64 * 1024  # entries closer than this are read with one ranged GET
 
@@ -229,7 +229,7 @@ def _allow_chains(dst, send: dict[bytes, PackEntry], name: str) -> None:
 
 def _copy_tags(src, dst, name: str) -> None:
     """Add the source's tags of ``name`` to the destination's (a pin survives the copy, e.g. an upload)."""
-    tags = read_tags(src, name)
+    tags = [t for t in read_tags(src, name) if t != DAMAGED_TAGS]  # a damaged object: nothing to carry
     if tags and not set(tags) <= set(theirs := read_tags(dst, name)):
         set_tags(dst, name, [*theirs, *tags])
 

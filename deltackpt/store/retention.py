@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointPinnedError, ManifestFormatError
+from ..errors import CheckpointPinnedError
 from .manifest import validate_name
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
@@ -43,7 +43,13 @@ def _tag_key(name: str) -> str:
     return f"tags/{validate_name(name)}"
 
 
+# What a tags object that does not read holds in its place: not a valid tag (set_tags drops it), so it never
+# reaches a store, and still a pin (forget keeps the checkpoint) until `tag` rewrites the object.
+DAMAGED_TAGS = "(damaged)"
+
+
 def read_tags(store, name: str) -> list[str]:
+    """Checkpoint ``name``'s tags; ``[DAMAGED_TAGS]`` when its tags object does not read."""
     try:
         data = store.backend.get(_tag_key(name))
     except FileNotFoundError:
@@ -67,15 +73,17 @@ def _decode_tags(name: str, data: bytes) -> list[str]:
     try:
         tags = json.loads(data)
     except ValueError:
-        raise ManifestFormatError(f"tags of {name!r} are not valid JSON") from None
+        return [DAMAGED_TAGS]
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise ManifestFormatError(f"tags of {name!r} must be a list of strings")
+        return [DAMAGED_TAGS]
     return tags
 
 
 def set_tags(store, name: str, tags: list[str]) -> list[str]:
-    """Replace the tags of checkpoint ``name`` (which must exist); an empty list removes them."""
+    """Replace the tags of checkpoint ``name`` (which must exist); an empty list removes them. A damaged tags
+    object (read as ``DAMAGED_TAGS``) is replaced."""
     store.resolve(name)
+    tags = [t for t in tags if t != DAMAGED_TAGS]
     for t in tags:
         if not _TAG_RE.fullmatch(t):
             raise ValueError(f"invalid tag {t!r}: 1-64 letters, digits and . _ + = @ -")

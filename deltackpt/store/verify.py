@@ -31,6 +31,7 @@ from . import idset
 from .config import chain_limit
 from .pack import PackTable, list_packs, pack_bytes_ok, pack_key, pack_stamps, read_pack_table, walk_entries
 from .progress import Progress, phase
+from .retention import DAMAGED_TAGS, read_all_tags
 from .source import ChunkSource
 from .verifyreport import Problem, ProblemKind, VerifyReport
 from .verifystructure import Findings, check_structure, node_id, pack_numbers, reconciled, user_deltas
@@ -60,6 +61,10 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
         deadline = None if max_duration_s is None else start + max_duration_s
         _check_packs(store, found, packs, level, sample, deadline, report, progress)
     _attribute(store, found, report)
+    for name, tags in sorted(read_all_tags(store).items()):
+        if DAMAGED_TAGS in tags and (checkpoints is None or name in checkpoints):
+            report.problems.append(Problem(ProblemKind.TAGS, f"tags of {name!r} do not read; the checkpoint stays "
+                                           f"pinned until `deltackpt tag` rewrites them"))
     report.duration_s = time.monotonic() - start
     return report
 

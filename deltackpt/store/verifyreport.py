@@ -19,6 +19,7 @@ class ProblemKind(str, Enum):
     BAD_BASE = "bad-base"  # a delta's base is missing, or is itself a delta
     PACK_HASH = "pack-hash"  # a pack's bytes do not hash to its name, or its table is unreadable
     BAD_CHUNK = "bad-chunk"  # a chunk does not decode to its id (or its pack's table is unreadable)
+    TAGS = "tags"  # a checkpoint's tags object does not read (the checkpoint stays pinned; its data is intact)
 
     def __str__(self) -> str:
         return self.value

@@ -84,3 +84,17 @@ def test_cli_diff_top_and_json(tmp_path, capsys):
     assert code == 0 and out.splitlines()[-1] == "identical"
     code, _out, err = run(capsys, "diff", tmp_path / "store", "a", "nope")
     assert code == 3 and len(err.strip().splitlines()) == 1
+
+
+def test_diff_of_big_endian_arrays_compares_values_and_64_bit_integers_exactly(tmp_path):
+    store = Store.init(tmp_path / "store", **SMALL_CONFIG)
+    x = np.arange(6, dtype=np.float32)
+    seed = np.array([10**17, 2**63 - 1, 5], dtype=np.int64)
+    u = np.array([2**64 - 1], dtype=np.uint64)
+    store.save("a", {"x": x.astype(">f4"), "seed": seed, "u": u})
+    changed_seed = seed + np.array([1, -100, 0], dtype=np.int64)
+    store.save("b", {"x": x, "seed": changed_seed, "u": u - np.uint64(1)})  # x: the same values, native order
+    by = {i.name: i for i in deltackpt.diff(store, "a", "b").items}
+    assert by["x"].status == "unchanged" and by["x"].rel_l2 == 0.0
+    assert (by["seed"].changed_elements, by["seed"].max_abs_diff) == (2, 100.0)  # float64 saw 0 and 0
+    assert (by["u"].changed_elements, by["u"].max_abs_diff) == (1, 1.0)

@@ -143,3 +143,17 @@ def test_cli_export_json(tmp_path, capsys):
     assert code == 0 and (data["num_tensors"], data["num_values"], data["converted"]) == (1, 1, 1)
     got = torch.load(tmp_path / "c.pt", weights_only=True)
     assert got["step"] == 2 and got["m"]["w"].dtype == torch.bfloat16
+
+
+def test_safetensors_export_writes_little_endian_values_and_skips_the_reserved_name(tmp_path):
+    from safetensors.numpy import load_file
+
+    store = Store.init(tmp_path / "store")
+    big = np.array([0.0, 1.5, -2.25, 3e38], dtype=">f4")
+    store.save("c", {"big": big, "c": np.array([1 + 2j], dtype=">c8"), "__metadata__": np.ones(3, np.float32)})
+    report = deltackpt.export(store, "c", tmp_path / "o.safetensors", format="safetensors")
+    assert any(s.startswith("__metadata__:") for s in report.skipped)
+    got = load_file(tmp_path / "o.safetensors")
+    assert sorted(got) == ["big", "c"]
+    np.testing.assert_array_equal(got["big"], big.astype("<f4"))
+    np.testing.assert_array_equal(got["c"], np.array([1 + 2j], dtype=np.complex64))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 import deltackpt
 from deltackpt.errors import CheckpointExistsError, SourceFormatError, UnsafeSourceError
@@ -112,6 +112,40 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[Path, type]]:
             "pickle payload": (tmp_path / "evil.pt", UnsafeSourceError),
             "pickle in .metadata": (evil_md, UnsafeSourceError),
             "text file": (tmp_path / "notes.txt", SourceFormatError), "missing": (tmp_path / "nope", SourceFormatError)}
+
+
+def _bad_tiling(src: Path, boxes) -> Path:
+    """A DCP directory whose metadata says tensor ``w`` (4x4) is made of ``boxes`` ((offsets, sizes) each),
+    each with a payload of its box's size (so only the tiling is wrong)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    parts = {f"p{i}": torch.full(tuple(s), float(i)) for i, (_o, s) in enumerate(boxes)}
+    dcp.save(parts, storage_writer=FileSystemWriter(src), no_dist=True)
+    md = FileSystemReader(src).read_metadata()
+    props = md.state_dict_metadata["p0"].properties
+    md.state_dict_metadata = {"w": TensorStorageMetadata(
+        properties=props, size=torch.Size([4, 4]),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in boxes])}
+    md.storage_data = {MetadataIndex("w", torch.Size(o)): md.storage_data[MetadataIndex(f"p{i}", torch.Size([0, 0]))]
+                       for i, (o, _s) in enumerate(boxes)}
+    with open(src / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return src
+
+
+@pytest.mark.parametrize("name, boxes, needle", [
+    ("overlap", [((0, 0), (3, 4)), ((1, 0), (1, 4))], "overlap"),  # sizes add up to 16: row 3 is a hole
+    ("outside", [((0, 0), (3, 4)), ((3, 0), (2, 4))], "not inside"),
+    ("short", [((0, 0), (3, 4))], "do not tile"),
+])
+def test_chunks_that_do_not_tile_their_tensor_are_refused(tmp_path, name, boxes, needle):
+    store = Store.init(tmp_path / "store", **SMALL_CONFIG)
+    good = _bad_tiling(tmp_path / "good", [((0, 0), (3, 4)), ((3, 0), (1, 4))])  # the harness itself is sound
+    deltackpt.import_checkpoint(store, good, "good")
+    assert store.load("good")["w@0,0"].shape == (3, 4)
+    with pytest.raises(SourceFormatError, match=needle):
+        deltackpt.import_checkpoint(store, _bad_tiling(tmp_path / "src", boxes), "x")
+    assert [i.name for i in store.list_checkpoints()] == ["good"]
 
 
 def test_bad_sources_are_refused_with_one_line_and_write_nothing(tmp_path, capsys):

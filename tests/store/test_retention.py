@@ -258,3 +258,23 @@ def test_execute_tolerates_an_already_forgotten_checkpoint(six):
     store.forget("s0")
     assert plan.execute() == ["s1"]
     assert sorted(store.checkpoint_names()) == ["s2", "s3", "s4", "s5"]
+
+
+@pytest.mark.parametrize("damage", [b'{"x', b'{"a": 1}', b"[1, 2]"])
+def test_a_damaged_tags_object_still_pins_is_reported_and_can_be_rewritten(six, damage):
+    from deltackpt.store.retention import DAMAGED_TAGS
+    from deltackpt.store.verify import verify_store
+    from deltackpt.store.verifyreport import ProblemKind
+
+    store, _, _ = six
+    set_tags(store, "s1", ["keep"])
+    store.backend.put("tags/s1", damage)  # a torn write, bit rot
+    assert read_tags(store, "s1") == [DAMAGED_TAGS] and read_all_tags(store) == {"s1": [DAMAGED_TAGS]}
+    assert "s1" in plan_forget(store, keep_last=1).keep  # still a pin: never forgotten by a policy
+    with pytest.raises(CheckpointPinnedError):
+        plan_forget_names(store, ["s1"])
+    report = verify_store(store, level=0)
+    assert not report.ok and [p.kind for p in report.problems] == [ProblemKind.TAGS]
+    assert "s1" in report.problems[0].detail and report.damaged_checkpoints == []  # its data is intact
+    assert set_tags(store, "s1", [*read_tags(store, "s1"), "new"]) == ["new"]  # rewritten, the marker dropped
+    assert read_tags(store, "s1") == ["new"] and verify_store(store, level=0).ok

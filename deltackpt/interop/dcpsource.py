@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
@@ -156,15 +157,36 @@ def _check_tiling(meta_path: Path, fqn: str, size: list[int], chunks) -> None:
     if sum(math.prod(n) for _o, n in boxes) != math.prod(size):
         raise SourceFormatError(f"{meta_path}: the chunks of {fqn} do not tile its size {size} (their sizes add "
                                 f"up to {sum(math.prod(n) for _o, n in boxes)} elements)")
-    if len(boxes) > 1:  # inside and adding up: an overlap would leave a hole. Swept along the most split dim.
-        dim = max(range(len(size)), key=lambda d: len({o[d] for o, _n in boxes}))
-        active: list[tuple[list[int], list[int]]] = []
-        for o, n in sorted(boxes, key=lambda b: b[0][dim]):
-            active = [(ao, an) for ao, an in active if ao[dim] + an[dim] > o[dim]]
-            for ao, an in active:
-                if all(a < b + m and b < a + k for a, k, b, m in zip(o, n, ao, an)):
-                    raise SourceFormatError(f"{meta_path}: chunks of {fqn} at offsets {ao} and {o} overlap")
-            active.append((o, n))
+    if len(boxes) > 1:  # inside and adding up: an overlap would leave a hole
+        overlap = _overlapping(boxes, len(size))
+        if overlap is not None:
+            raise SourceFormatError(f"{meta_path}: chunks of {fqn} at offsets {overlap[0]} and {overlap[1]} overlap")
+
+
+def _overlapping(boxes: list[tuple[list[int], list[int]]], ndim: int):
+    """Two of ``boxes`` ((offsets, sizes), none empty) that overlap, or None. A sharding is a grid, or close
+    to one: the boxes are marked on the grid their own edges cut (a cell per box when they tile), so the cost
+    is linear in the boxes; a cut too fine for that (edges that line up nowhere) is swept instead."""
+    cuts = [np.unique([x for o, n in boxes for x in (o[d], o[d] + n[d])]) for d in range(ndim)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells <= 8 * len(boxes) + 4096:
+        owner = np.full([len(c) - 1 for c in cuts], -1, dtype=np.int64)
+        for i, (o, n) in enumerate(boxes):
+            block = tuple(slice(np.searchsorted(c, a), np.searchsorted(c, a + k)) for c, a, k in zip(cuts, o, n))
+            taken = owner[block]
+            if (taken >= 0).any():
+                return boxes[int(taken[taken >= 0].flat[0])][0], o
+            owner[block] = i
+        return None
+    dim = max(range(ndim), key=lambda d: len(cuts[d]))
+    active: list[tuple[list[int], list[int]]] = []
+    for o, n in sorted(boxes, key=lambda b: b[0][dim]):
+        active = [(ao, an) for ao, an in active if ao[dim] + an[dim] > o[dim]]
+        for ao, an in active:
+            if all(a < b + m and b < a + k for a, k, b, m in zip(o, n, ao, an)):
+                return ao, o
+        active.append((o, n))
+    return None
 
 
 def _check_metadata(meta_path: Path, md: Metadata, slices: dict) -> None:

@@ -148,7 +148,7 @@ def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int],
     have = dst.index.lookup_many(needed.keys())
     sent = {e.chunk_id for e in entries}
     send = {cid: e for cid, e in needed.items() if cid not in have and cid not in sent}
-    _allow_chains(dst, send, name)
+    _fit_chains(dst, send, needed, entries, name)
     by_pack: dict[str, list[PackEntry]] = {}
     for e in send.values():
         by_pack.setdefault(e.pack, []).append(e)
@@ -191,39 +191,50 @@ def _source_reads(pack: str, reads):
         raise _PackGone(pack) from None
 
 
-def _allow_chains(dst, send: dict[bytes, PackEntry], name: str) -> None:
-    """Let ``dst`` hold the chains the sent chunks make: a sent delta whose base ``dst`` already holds as a
-    delta (two stores that coded one chunk differently) makes a chain longer than either store's; ``dst``
-    gains the feature ``delta-chains`` when that is more than its readers follow. Past MAX_CHAIN: an error,
-    before anything is sent."""
+def _fit_chains(dst, send: dict[bytes, PackEntry], needed: dict[bytes, PackEntry], earlier: list[PackEntry],
+                name: str) -> None:
+    """Keep the chains the sent chunks make in ``dst`` within what its readers follow. Two stores may code a
+    chunk differently: a sent delta whose base ``dst`` holds as a delta of its own makes a chain longer than
+    either store's. Then the source's copy of that base is sent too when it is a keyframe (the destination's
+    index locates a keyframe copy first), else ``dst`` gains the feature ``delta-chains``; past MAX_CHAIN, an
+    error before anything is sent. ``earlier``: entries an earlier attempt of this copy sent."""
     limit = chain_limit(dst.config)
-    held = {e.base_id for e in send.values() if e.base_id is not None and e.base_id not in send}
+    sent_before = {e.chunk_id: e for e in earlier}
+    held = {e.base_id for e in send.values() if e.base_id is not None and e.base_id not in send
+            and e.base_id not in sent_before}
     if not held:
         return  # the sent chains are the source's, within its limit (dst has its features)
     below = chain_entries(dst.index, held, MAX_CHAIN)
-    depth: dict[bytes, int] = {}  # deltas from a chunk down to its keyframe, as dst will hold it
-    deepest, deepest_id = 0, None
-    for cid in send:
-        path, at = [], cid
-        while at not in depth:
-            e = send.get(at) or below.get(at)
-            if e is None or e.base_id is None or len(path) > MAX_CHAIN:  # a keyframe, missing (the commit
-                depth[at] = MAX_CHAIN + 1 if e is not None and e.base_id is not None else 0  # says), or a cycle
-                break
-            path.append(at)
-            at = e.base_id
-        d = depth[at]
-        for c in reversed(path):
-            d += 1
-            depth[c] = d
-        if d > deepest:
-            deepest, deepest_id = d, cid
-    if deepest <= limit:
+
+    def deepest() -> tuple[int, dict[bytes, int]]:
+        depth: dict[bytes, int] = {}  # deltas from a chunk down to its keyframe, as dst will hold it
+        for cid in send:
+            path, at = [], cid
+            while at not in depth:
+                e = send.get(at) or sent_before.get(at) or below.get(at)
+                if e is None or e.base_id is None or len(path) > MAX_CHAIN:  # a keyframe, missing (the commit
+                    depth[at] = 0 if e is None or e.base_id is None else MAX_CHAIN + 1  # says so), a cycle
+                    break
+                path.append(at)
+                at = e.base_id
+            d = depth[at]
+            for c in reversed(path):
+                d += 1
+                depth[c] = d
+        return max((depth[c] for c in send), default=0), depth
+
+    worst, depth = deepest()
+    if worst <= limit:
         return
-    if deepest > MAX_CHAIN:
-        raise DeltackptError(f"copy of {name!r}: chunk {deepest_id.hex()} would be a delta more than {MAX_CHAIN} "
-                             "deep in the destination (its base is coded there as a deeper delta); nothing of it "
-                             "was sent")
+    for base in held:  # the source's keyframe of a base dst holds as a delta: its chain ends there
+        if depth.get(base, 0) and needed.get(base) is not None and needed[base].base_id is None:
+            send[base] = needed[base]
+    worst, depth = deepest()
+    if worst <= limit:
+        return
+    if worst > MAX_CHAIN:
+        raise DeltackptError(f"copy of {name!r}: a chunk would be a delta more than {MAX_CHAIN} deep in the "
+                             "destination (its base is coded there as a deeper delta); nothing of it was sent")
     dst.ensure_features([CHAINS_FEATURE])
 
 

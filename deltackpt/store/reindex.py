@@ -65,7 +65,8 @@ class Reindexing:
         """Drop the cache and index every pack again. Returns (packs indexed, packs dropped).
 
         Packs are indexed newest first and a chunk keeps the first location found, so where a chunk has
-        several copies (an interrupted repack) the newest is used and older packs become gc's orphans.
+        several copies (an interrupted repack) the newest is used and older packs become gc's orphans; but a
+        keyframe copy is located over a delta copy wherever it is (``index._take_if_better``).
         ``progress`` hears of each pack table read.
         """
         if self._env is None:

@@ -50,7 +50,9 @@ class RepairReport:
     chunk_size_inferred: bool = False  # False: the manifests did not show it, the default was used
     rebuilt_packs: dict[str, list[str]] = field(default_factory=dict)  # damaged pack -> new pack(s)
     recovered_chunks: int = 0
-    dropped_entries: int = 0  # entries found in damaged packs whose chunk did not decode (kept in .damaged)
+    # Entries of damaged packs lost (kept in .damaged): each that did not decode, and one for each stretch no
+    # header of which checked out (one entry or more: a lower bound).
+    dropped_entries: int = 0
     unrecoverable_packs: list[str] = field(default_factory=list)  # damaged packs with no intact entry
     packs_indexed: int = 0
 

@@ -7,10 +7,11 @@ beyond ``keep_local_last`` are forgotten only once they are uploaded (the remote
 since, by its own retention).
 
 The local store records its remote in a small JSON object ``tier`` ({"remote": url, "uploading": name or
-null, "uploaded": [names]}), so ``deltackpt ls`` can show where each checkpoint lives and an uploader
-started later knows what was sent: it first uploads every local checkpoint neither the remote holds nor
-the record lists (an upload cut short by a crash, a failed one, one committed just before the crash).
-Storage options (credentials) are never written there.
+null, "uploaded": {name: created_ns}}), so ``deltackpt ls`` can show where each checkpoint lives and an
+uploader started later knows what was sent: it first uploads, in the background, every local checkpoint the
+remote does not hold, the record does not list and the remote's retention would keep (an upload cut short
+by a crash, a failed one, one committed just before the crash). Storage options (credentials) are never
+written there.
 """
 
 from __future__ import annotations
@@ -20,35 +21,40 @@ import logging
 import queue
 import threading
 
-from ..errors import DeltackptError
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChunkError, DeltackptError,
+                      ManifestFormatError, MissingChunkError, UnsupportedFormatError)
 from .copy import copy_checkpoints, open_or_create_destination
 from .retention import ForgetPlan, plan_forget, read_all_tags
 
 TIER_KEY = "tier"
 log = logging.getLogger("deltackpt.tier")
+# Upload errors that sending again cannot mend (the data, not the network): raised once, not retried.
+_PERMANENT = (CheckpointExistsError, CheckpointNotFoundError, CorruptChunkError, MissingChunkError,
+              ManifestFormatError, UnsupportedFormatError)
 
 
 def read_tier(store) -> dict | None:
-    """The local store's tier record ({"remote": url, "uploading": name or None, "uploaded": [names]}), or
-    None. A record written before "uploaded" existed reads as uploaded nothing."""
+    """The local store's tier record ({"remote": url, "uploading": name or None, "uploaded": {name:
+    created_ns}}), or None. A record without a valid "uploaded" (an older release's) reads as uploaded
+    nothing."""
     try:
         raw = json.loads(store.backend.get(TIER_KEY))
     except FileNotFoundError:
         return None
     except ValueError:
-        return None  # a damaged record only loses the tier column of `ls` (and the uploader re-sends)
+        return None  # a damaged record only loses the tier column of `ls` (and the uploader re-checks)
     if not isinstance(raw, dict) or not isinstance(raw.get("remote"), str):
         return None
     uploading = raw.get("uploading")
     uploaded = raw.get("uploaded")
-    if not isinstance(uploaded, list) or not all(isinstance(n, str) for n in uploaded):
-        uploaded = []
+    if not isinstance(uploaded, dict) or not all(isinstance(n, str) and type(t) is int for n, t in uploaded.items()):
+        uploaded = {}
     return {"remote": raw["remote"], "uploading": uploading if isinstance(uploading, str) else None,
             "uploaded": uploaded}
 
 
-def write_tier(store, remote: str, uploading: str | None = None, uploaded=()) -> None:
-    record = {"remote": remote, "uploading": uploading, "uploaded": sorted(uploaded)}
+def write_tier(store, remote: str, uploading: str | None = None, uploaded: dict[str, int] | None = None) -> None:
+    record = {"remote": remote, "uploading": uploading, "uploaded": dict(sorted((uploaded or {}).items()))}
     store.backend.put(TIER_KEY, json.dumps(record).encode())
 
 
@@ -94,17 +100,29 @@ class Uploader:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="deltackpt-upload", daemon=True)
         self._closed = False
-        local_names = [i.name for i in local.list_checkpoints()]  # oldest first
+        # Local checkpoints (name -> created_ns, which a copy keeps) that need no upload: sent by this
+        # uploader or an earlier one to this remote (which may have forgotten them since, by its retention),
+        # or that its retention would forget as soon as they arrived. The created_ns tells a checkpoint from
+        # a later one saved under its name.
+        local_ns = {i.name: i.created_ns for i in local.list_checkpoints()}  # oldest first
+        remote_ns = {i.name: i.created_ns for i in self.remote.list_checkpoints()}
         record = read_tier(local)
-        # What an earlier uploader to this remote sent (forgotten there since, perhaps, by its retention).
-        self._uploaded = set(record["uploaded"]) & set(local_names) \
-            if record is not None and record["remote"] == self.remote_url else set()
+        sent = record["uploaded"] if record is not None and record["remote"] == self.remote_url else {}
+        pinned = read_all_tags(local)
+        self._uploaded = {n: t for n, t in local_ns.items()
+                          if sent.get(n) == t or remote_ns.get(n) == t
+                          or (n not in pinned and self._retired(t, remote_ns.values()))}
         write_tier(local, self.remote_url, uploaded=self._uploaded)
-        there = set(self.remote.checkpoint_names())
-        for name in local_names:  # what an earlier run did not finish sending
-            if name not in there and name not in self._uploaded:
-                self._queue.put(name)
+        for name in local_ns:  # what an earlier run did not finish sending: a crash, a failure
+            if name not in self._uploaded:
+                self._queue.put((name, True))
+        if keep_local_last is not None:
+            self._queue.put((None, True))  # then the local retention, once (an earlier run may have kept more)
         self._thread.start()
+
+    def _retired(self, created_ns: int, remote_times) -> bool:
+        """Whether the remote's retention would forget a checkpoint created at ``created_ns`` on arrival."""
+        return self.keep_remote_last is not None and sum(t > created_ns for t in remote_times) >= self.keep_remote_last
 
     def submit(self, name: str) -> None:
         """Queue ``name`` for upload (after any failed upload, queued again first), then raise an earlier
@@ -114,8 +132,8 @@ class Uploader:
         with self._lock:
             retry, self._retry = self._retry, []
         for n in retry:
-            self._queue.put(n)
-        self._queue.put(name)
+            self._queue.put((n, False))
+        self._queue.put((name, False))
         self.raise_if_failed()
 
     def wait(self) -> None:
@@ -143,17 +161,23 @@ class Uploader:
 
     def _run(self) -> None:
         while True:
-            name = self._queue.get()
+            job = self._queue.get()
             try:
-                if name is None:
+                if job is None:
                     return
-                self._upload(name)
+                name, backlog = job
+                if name is None:
+                    self._drop_local()
+                else:
+                    self._upload(name)
             except BaseException as e:  # noqa: BLE001 - surfaced at the next call
                 log.warning("upload of checkpoint %r failed: %s", name, e)
                 with self._lock:
-                    if name not in self._retry:
-                        self._retry.append(name)
-                    if self._error is None:
+                    if not isinstance(e, _PERMANENT) and name not in self._retry:
+                        self._retry.append(name)  # a network fault, a full disk: sent again with the next submit
+                    # A checkpoint an earlier run left unsent is caught up on a best-effort basis: its failure
+                    # is logged (and retried), not raised into the training loop.
+                    if not backlog and self._error is None:
                         self._error, self._failed_name = e, name
             finally:
                 self._queue.task_done()
@@ -161,9 +185,10 @@ class Uploader:
     def _upload(self, name: str) -> None:
         if not self.local.exists(name):
             return  # forgotten locally before its turn (retention): nothing to send
+        created_ns = self.local.read_manifest(name).created_ns
         write_tier(self.local, self.remote_url, uploading=name, uploaded=self._uploaded)
         report = copy_checkpoints(self.local, self.remote, [name])
-        self._uploaded.add(name)
+        self._uploaded[name] = created_ns
         write_tier(self.local, self.remote_url, uploaded=self._uploaded)
         log.info("uploaded checkpoint %r: %d bytes sent, %d skipped, %.2f s", name, report.bytes_sent,
                  report.bytes_skipped, report.seconds)
@@ -177,16 +202,19 @@ class Uploader:
 
     def _drop_local(self) -> None:
         """Forget local checkpoints beyond the newest ``keep_local_last`` that were uploaded (the remote holds
-        them, or held them until its retention forgot them)."""
-        names = [i.name for i in self.local.list_checkpoints()]
+        them, or held them until its retention forgot them), the very checkpoint: same created_ns."""
+        local_ns = {i.name: i.created_ns for i in self.local.list_checkpoints()}  # oldest first
+        names = list(local_ns)
         old = names[:-self.keep_local_last] if len(names) > self.keep_local_last else []
         if old:
             pinned = read_all_tags(self.local)
-            there = set(self.remote.checkpoint_names())
-            confirmed = [n for n in old if n not in pinned and (n in self._uploaded or n in there)]
+            remote_ns = {i.name: i.created_ns for i in self.remote.list_checkpoints()}
+            confirmed = [n for n in old if n not in pinned
+                         and local_ns[n] in (self._uploaded.get(n), remote_ns.get(n))]
             if confirmed:
                 ForgetPlan(store=self.local, forget=confirmed).execute()
-        left = self._uploaded & set(self.local.checkpoint_names())
+        here = set(self.local.checkpoint_names())
+        left = {n: t for n, t in self._uploaded.items() if n in here}
         if left != self._uploaded:
             self._uploaded = left
             write_tier(self.local, self.remote_url, uploaded=self._uploaded)

@@ -46,6 +46,7 @@ from ..errors import (
     MissingChunkError,
 )
 from ..store import Store, Uploader, copy_checkpoints, plan_forget, verify_store
+from ..store.verifyreport import ProblemKind
 from .state import TrainState, rank_and_world
 
 log = logging.getLogger("deltackpt.train")
@@ -235,9 +236,9 @@ class CheckpointManager:
         """Load the newest intact checkpoint into the state; returns its step (0 on an empty store).
 
         With a remote, a remote checkpoint newer than every local one (a replaced node's empty disk, a new
-        cluster) is first fetched into the local store, only the chunks it lacks.
+        cluster) is first fetched into the local store, only the chunks it lacks. Uploads go on meanwhile.
         """
-        self.wait()
+        self._wait_save()
         if self.remote is not None:
             self._fetch_newer_remote()
         infos = list(reversed(self.store.list_checkpoints(include_damaged=True)))
@@ -254,7 +255,8 @@ class CheckpointManager:
             # Structure first (manifest, chunks indexed, packs and bases present): a damaged checkpoint is
             # skipped before it touches the state. Chunk bytes are re-hashed as they load.
             report = verify_store(self.store, level=0, checkpoints=[name])
-            damage = None if report.ok else report.problems[0].detail
+            problems = [p for p in report.problems if p.kind != ProblemKind.TAGS]  # its data is intact
+            damage = problems[0].detail if problems else None
             if damage is None:
                 try:
                     return self.restore(name)

@@ -196,3 +196,15 @@ def test_cli_import_all_reports_source_new_bytes_and_ratio(tmp_path, capsys):
     code, _out, err = run(capsys, "import", tmp_path / "store")
     assert code == 2 and "SRC" in err
     assert os.path.isdir(tmp_path / "store" / "manifests")
+
+
+def test_overlap_search_on_a_grid_and_on_edges_that_line_up_nowhere():
+    from deltackpt.interop.dcpsource import _overlapping
+
+    grid = [([i * 4, j * 4], [4, 4]) for i in range(30) for j in range(30)]  # 900 boxes tiling 120x120
+    assert _overlapping(grid, 2) is None
+    assert _overlapping(grid + [([50, 50], [3, 3])], 2) == ([48, 48], [50, 50])
+    # 300 rows of staggered widths: edges line up nowhere, more cells than boxes allow: swept
+    stagger = [([r, 0], [1, 7 + r]) for r in range(300)] + [([r, 7 + r], [1, 400 - 7 - r]) for r in range(300)]
+    assert _overlapping(stagger, 2) is None
+    assert _overlapping(stagger + [([150, 100], [1, 1])], 2) is not None

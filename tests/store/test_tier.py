@@ -40,7 +40,8 @@ def test_local_retention_counts_what_the_remote_retention_already_forgot(tmp_pat
     up.close()
     assert _names(local) == names[-keep_local:]
     assert _names(tmp_path / "cold") == names[-keep_remote:]
-    assert read_tier(local)["uploaded"] == names[-keep_local:]  # pruned with the local checkpoints
+    uploaded = read_tier(local)["uploaded"]  # pruned with the local checkpoints
+    assert uploaded == {i.name: i.created_ns for i in local.list_checkpoints()}
 
 
 def test_a_failed_upload_is_sent_again_with_the_next_submit(tmp_path, rng, monkeypatch):
@@ -98,20 +99,20 @@ def test_a_new_uploader_sends_what_a_crashed_one_did_not(tmp_path, rng):
     # The last run uploaded s1 (its remote has forgotten it since), crashed while sending s2, and never
     # queued s3 and s4.
     Store.init(cold, **SMALL)
-    write_tier(local, cold, uploading="s2", uploaded=["s1"])
+    write_tier(local, cold, uploading="s2", uploaded={"s1": local.read_manifest("s1").created_ns})
     up = Uploader(local, cold, keep_local_last=1)
     up.wait()
     up.close()
     assert _names(cold) == ["s2", "s3", "s4"]  # oldest first; s1 is not sent again
     assert _names(local) == ["s4"]
     record = read_tier(local)
-    assert record["uploading"] is None and record["uploaded"] == ["s4"]
+    assert record["uploading"] is None and list(record["uploaded"]) == ["s4"]
 
 
 def test_an_uploaded_list_for_another_remote_is_not_trusted(tmp_path, rng):
     local = Store.init(tmp_path / "hot", **SMALL)
     _save(local, rng, "s1")
-    write_tier(local, str(tmp_path / "old-remote"), uploaded=["s1"])
+    write_tier(local, str(tmp_path / "old-remote"), uploaded={"s1": local.read_manifest("s1").created_ns})
     up = Uploader(local, str(tmp_path / "cold"))
     up.close()
     assert _names(tmp_path / "cold") == ["s1"]
@@ -132,3 +133,94 @@ def test_the_remote_retention_keeps_what_is_tagged_in_either_store(tmp_path, rng
     cold = Store.open(tmp_path / "cold")
     assert _names(cold) == ["s1", "s2", "s4"]
     assert read_tags(cold, "s1") == ["best"]
+
+
+def test_an_uploaded_name_saved_again_is_sent_again(tmp_path, rng):
+    local = Store.init(tmp_path / "hot", **SMALL)
+    cold = str(tmp_path / "cold")
+    up = Uploader(local, cold)
+    _save(local, rng, "s1")
+    up.submit("s1")
+    up.close()
+    before = Store.open(cold).read_manifest("s1").created_ns
+    # s1 saved again with other data (a rolled-back run), then the process died before its upload
+    local.save("s1", {"w": rng.standard_normal(3000).astype(np.float32)}, overwrite=True)
+    assert local.read_manifest("s1").created_ns != before
+    _save(local, rng, "s2")
+    up = Uploader(local, cold, keep_local_last=1)
+    up.wait()  # s1 is tried (the remote holds other data under its name: logged), s2 is sent
+    assert read_tier(local)["uploaded"] == {"s2": local.read_manifest("s2").created_ns}
+    with pytest.raises(DeltackptError, match="already exists"):
+        up.submit("s1")
+        up.wait()
+    up.close()
+    assert _names(local) == ["s1", "s2"]  # the new s1 is not counted as uploaded: kept past keep_local_last
+
+
+def test_a_permanent_upload_error_is_raised_once_not_retried(tmp_path, rng, monkeypatch):
+    from deltackpt.errors import CorruptChunkError
+
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"))
+    real, calls = tier.copy_checkpoints, []
+
+    def damaged(src, dst, names, **kw):
+        calls.append(list(names))
+        if names == ["bad"]:
+            raise CorruptChunkError("chunk bytes do not match their hash")
+        return real(src, dst, names, **kw)
+
+    monkeypatch.setattr(tier, "copy_checkpoints", damaged)
+    _save(local, rng, "bad")
+    up.submit("bad")
+    with pytest.raises(DeltackptError, match="'bad'"):
+        up.wait()
+    for name in ("s2", "s3"):
+        _save(local, rng, name)
+        up.submit(name)  # no error: 'bad' is not sent again
+        up.wait()
+    up.close()
+    assert calls == [["bad"], ["s2"], ["s3"]]
+
+
+def test_a_failed_catch_up_is_logged_not_raised(tmp_path, rng, monkeypatch, caplog):
+    local = Store.init(tmp_path / "hot", **SMALL)
+    _save(local, rng, "s1")  # committed, never uploaded
+    real = tier.copy_checkpoints
+
+    def down(src, dst, names, **kw):
+        if names == ["s1"]:
+            raise OSError("network down")
+        return real(src, dst, names, **kw)
+
+    monkeypatch.setattr(tier, "copy_checkpoints", down)
+    up = Uploader(local, str(tmp_path / "cold"))
+    up.wait()  # the catch-up failed: logged, and sent again with the next submit
+    assert "upload of checkpoint 's1' failed" in caplog.text
+    monkeypatch.setattr(tier, "copy_checkpoints", real)
+    _save(local, rng, "s2")
+    up.submit("s2")
+    up.close()
+    assert _names(tmp_path / "cold") == ["s1", "s2"]
+
+
+def test_an_older_record_is_caught_up_without_resending_what_retention_would_forget(tmp_path, rng, monkeypatch):
+    import json
+
+    local = Store.init(tmp_path / "hot", **SMALL)
+    cold = str(tmp_path / "cold")
+    up = Uploader(local, cold, keep_remote_last=2)  # an earlier release's manager kept every local checkpoint
+    names = [f"s{i}" for i in range(6)]
+    for name in names:
+        _save(local, rng, name)
+        up.submit(name)
+    up.close()
+    local.backend.put("tier", json.dumps({"remote": cold, "uploading": None}).encode())  # its record
+    sent = []
+    real = tier.copy_checkpoints
+    monkeypatch.setattr(tier, "copy_checkpoints", lambda *a, **k: (sent.append(a[2]), real(*a, **k))[1])
+    up = Uploader(local, cold, keep_local_last=2, keep_remote_last=2)
+    up.wait()
+    up.close()
+    assert sent == []  # the remote holds the newest two; the rest it would forget at once
+    assert _names(local) == names[-2:] and _names(cold) == names[-2:]  # trimmed at start

@@ -134,3 +134,30 @@ def test_keep_last_bounds_the_local_store_too_unless_keep_local_last_says_otherw
                            remote=str(tmp_path / "cold2")) as mgr:
         _train(state, mgr, 0, 5)
     assert [i.name for i in Store.open(tmp_path / "hot2").list_checkpoints()] == names[-3:]
+
+
+def test_resume_is_not_held_by_a_checkpoint_an_earlier_run_left_unsent(tmp_path):
+    local, cold = tmp_path / "hot", str(tmp_path / "cold")
+    state = _state()
+    with CheckpointManager(str(local), state, every_n_steps=2, remote=cold) as mgr:
+        _train(state, mgr, 0, 4)
+    with CheckpointManager(str(local), state, every_n_steps=2) as mgr:  # step 6: the run died before its upload
+        _train(state, mgr, 4, 6)
+    store = Store.open(local)
+    cid = store.read_manifest("step-00000006").items[0].chunks[0].id
+    pack = store.index.lookup(cid).pack
+    (local / "packs" / pack[:2] / pack).unlink()  # and the disk lost one of its packs
+    with CheckpointManager(str(local), _state(seed=5), every_n_steps=2, remote=cold) as mgr:
+        assert mgr.restore_latest() == 4  # step 6 is damaged; its catch-up upload fails in the background
+    assert [i.name for i in Store.open(cold).list_checkpoints()] == ["step-00000002", "step-00000004"]
+
+
+def test_damaged_tags_do_not_make_resume_skip_an_intact_checkpoint(tmp_path):
+    state, refs = _state(), {}
+    with CheckpointManager(str(tmp_path / "l"), state, every_n_steps=2) as mgr:
+        _train(state, mgr, 0, 4, refs)
+    Store.open(tmp_path / "l").backend.put("tags/step-00000004", b'["best"')  # a torn write
+    fresh = _state(seed=5)
+    with CheckpointManager(str(tmp_path / "l"), fresh, every_n_steps=2) as mgr:
+        assert mgr.restore_latest() == 4
+    assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[4])

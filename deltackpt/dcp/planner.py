@@ -10,6 +10,7 @@ written and raises SilentDataCorruptionError naming the item and the disagreeing
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -28,15 +29,26 @@ def _replicated(value) -> bool:
 
 
 class DeltaSavePlanner(DefaultSavePlanner):
-    """DefaultSavePlanner that also records a digest of every replicated tensor this rank holds."""
+    """DefaultSavePlanner that also records a digest of every replicated tensor this rank holds.
+
+    ``unchecked``: keys (DCP's flattened fqns) of plain tensors each rank holds its own of, not replicas
+    (BatchNorm's running stats under DDP or FSDP), or a callable returning them when the plan is made (the
+    keys a TrainState learns as DCP asks for its state dict). Their digests are not compared.
+    """
+
+    def __init__(self, *args, unchecked: Iterable[str] | Callable[[], Iterable[str]] = (), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._unchecked = unchecked
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return plan
+        unchecked = set(self._unchecked() if callable(self._unchecked) else self._unchecked)
         digests = {}
         for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO or not _replicated(self.state_dict.get(item.index.fqn)):
+            if item.type == WriteItemType.BYTE_IO or item.index.fqn in unchecked \
+                    or not _replicated(self.state_dict.get(item.index.fqn)):
                 continue
             _, raw, _ = tensor_bytes(self.resolve_data(item))
             digests[item_key(item.index)] = xxhash.xxh3_128_hexdigest(raw)

@@ -63,7 +63,7 @@ _LAZY = {
     "CopyReport": ".copy", "copy_checkpoints": ".copy",
     "ForgetPlan": ".retention", "plan_forget": ".retention",
     "Uploader": ".tier",
-    "VerifyReport": ".verify", "verify_store": ".verify",
+    "ProblemKind": ".verifyreport", "VerifyReport": ".verify", "verify_store": ".verify",
 }
 
 
@@ -99,6 +99,7 @@ __all__ = [
     "MemoryBackend",
     "ObjectInfo",
     "ParentMap",
+    "ProblemKind",
     "Progress",
     "Stats",
     "Store",

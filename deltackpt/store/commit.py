@@ -29,6 +29,7 @@ def index_new_packs(store, entries: Iterable[PackEntry] | None, packs: dict[str,
     if entries is None:
         entries = [e for p, size in packs.items() for e in read_pack_entries(store.backend, p, size)]
     entries = list(entries)
+    store.index.clear_damaged(packs)  # written from memory by this save
     crash_point("commit:before-index")
     _index_rewritten_chunks(store, store.index.add(entries, packs))
     crash_point("commit:after-index")

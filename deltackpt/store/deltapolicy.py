@@ -152,6 +152,9 @@ class DeltaPolicy:
         chain = self._chain(entry, n)
         if chain is None:
             return None  # broken, or longer than this store's max_chain (copied in, or the setting lowered)
+        damaged = self.store.index.damaged_packs()
+        if damaged and any(e.pack in damaged for e in chain):
+            return None  # a base a read found damaged: a new keyframe instead
         depth = len(chain) - 1
         last, last_codec = (entry.stored_len, entry.codec) if codec.is_delta(entry.codec) else (None, None)
         key_len = chain[-1].stored_len

@@ -36,7 +36,7 @@ from . import lmdbenv
 from .commitlog import Commit
 from . import idset
 from .lmdbenv import LmdbCache, close_env, guarded
-from .pack import PackEntry, pack_key
+from .pack import PackEntry, is_pack_name, pack_key
 from .reconcile import Reconciling
 from .records import (RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, locate_walk,
                       malformed, records_in)
@@ -50,6 +50,7 @@ _CHECK_RECORDS = 256  # records checked at once by check_records (~50 KiB of obj
 
 # Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
 GC_EPOCH_KEY = "gc-epoch"
+DAMAGED_PACKS_KEY = b"damaged_packs"  # meta: 16-byte names of packs a read found a damaged chunk in
 LAST_COMMIT_KEY = b"last_commit"  # meta: the checkpoint whose commit this cache indexed last (Store.index_as_of)
 LAST_COMMIT_NS_KEY = b"last_commit_ns"  # meta: that commit's created_ns (decimal), empty when not known
 _envs, _close_env = lmdbenv._envs, close_env  # the registry, under the names the tests close it by
@@ -295,7 +296,8 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
                 txn.put(b"version", INDEX_VERSION, db=meta)
             kept = [e for e in entries if not txn.put(e.chunk_id, encode_record(e), db=chunks, overwrite=False)]
             if kept:
-                kept = [e for e in kept if not _take_if_better(txn, chunks, e, rank)]
+                damaged = self.damaged_packs()
+                kept = [e for e in kept if not _take_if_better(txn, chunks, e, rank, damaged)]
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
         return kept
@@ -355,6 +357,33 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
             value = txn.get(key)
         return None if value is None else bytes(value)
 
+    # -- packs found damaged ----------------------------------------------------------------------------------
+    def damaged_packs(self) -> frozenset[str]:
+        """Packs a read or verify of this process (or an earlier one on this cache) found a chunk damaged in.
+        A writer reuses nothing from them and codes no delta against their chunks, so the next save writes
+        such a chunk again from memory, and the index then locates the new copy (:func:`_take_if_better`):
+        without this, every later save deduplicated against the damaged chunk, unrestorable."""
+        cached = getattr(self, "_damaged", None)
+        if cached is None:
+            raw = self.get_meta(DAMAGED_PACKS_KEY) or b""
+            cached = self._damaged = frozenset(raw[k:k + 16].hex() for k in range(0, len(raw) - 15, 16))
+        return cached
+
+    def mark_damaged(self, packs) -> None:
+        """Add ``packs`` (names) to :meth:`damaged_packs` (kept in the cache, across rebuilds)."""
+        new = {p for p in packs if p and is_pack_name(p)} - self.damaged_packs()
+        if new:
+            self._damaged = self.damaged_packs() | new
+            self.set_meta(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(self._damaged)))
+
+    def clear_damaged(self, packs) -> None:
+        """Drop ``packs`` from :meth:`damaged_packs`: written again, whole, by a save (a pack is named by the hash
+        of its bytes, so a save that writes the same chunks again can publish the very pack it replaces)."""
+        left = self.damaged_packs() - set(packs)
+        if left != self.damaged_packs():
+            self._damaged = frozenset(left)
+            self.set_meta(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(left)))
+
     @guarded(best_effort=True)
     def set_meta(self, key: bytes, value: bytes) -> None:
         _, _, meta = self._dbs()
@@ -412,16 +441,19 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
 _WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
 
 
-def _take_if_better(txn, db, entry: PackEntry, rank: dict[str, int] | None) -> bool:
+def _take_if_better(txn, db, entry: PackEntry, rank: dict[str, int] | None, damaged=frozenset()) -> bool:
     """Point ``entry``'s chunk at ``entry`` when it is the better copy of the indexed one; whether it did.
 
-    A keyframe beats a delta: writers whose caches missed each other's copy may store a chunk twice, coded
+    A copy outside the ``damaged`` packs beats one inside (a save wrote the chunk again). A keyframe beats a
+    delta: writers whose caches missed each other's copy may store a chunk twice, coded
     differently, and a delta built on it was checked against the copy its writer knew, whose chain is never
     shorter than a keyframe's (a delta located instead could make the chain longer than its readers follow;
     gc keeps the located copy). Between copies of one kind, the first pack in ``rank`` (a pack ``rank`` lacks
     comes last); without ``rank``, the copy indexed first stays."""
     indexed = decode_record(entry.chunk_id, txn.get(entry.chunk_id, db=db))
-    if (entry.base_id is None) != (indexed.base_id is None):
+    if (entry.pack in damaged) != (indexed.pack in damaged):
+        better = indexed.pack in damaged
+    elif (entry.base_id is None) != (indexed.base_id is None):
         better = entry.base_id is None
     else:
         better = rank is not None and rank.get(entry.pack, len(rank)) < rank.get(indexed.pack, len(rank))

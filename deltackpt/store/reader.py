@@ -170,10 +170,15 @@ class CheckpointReader:
         return jobs
 
     def run_job(self, job: tuple) -> None:
-        if job[0] is _BUNDLE:
-            self._read_bundle(*job[1:4])
-        else:
-            self._copy(*job)
+        try:
+            if job[0] is _BUNDLE:
+                self._read_bundle(*job[1:4])
+            else:
+                self._copy(*job)
+        except CorruptChunkError as e:  # final (a wrong cache record was looked up again): the pack's fault
+            if e.pack:
+                self.store.index.mark_damaged([e.pack])  # the next save writes the chunk again
+            raise
 
     def coalesce(self, jobs: list[tuple]) -> list[tuple]:
         """``jobs`` (from chunk_jobs, of one item or many) with the whole chunks stored close together in one

@@ -90,6 +90,7 @@ class Reindexing:
             # A cache refilled from every pack still holds what the commit it recorded indexed (not so another
             # store's): a failed commit's refresh must not make the next save list every pack again.
             last_commit = self._last_commit()
+            damaged = self.damaged_packs() & present.keys()  # kept: a rebuild must not trust them again
             with self.env.begin(write=True) as txn:
                 txn.drop(chunks, delete=False)
                 txn.drop(packs_db, delete=False)
@@ -104,6 +105,8 @@ class Reindexing:
                 with self.env.begin(write=True, db=meta) as txn:
                     for key, value in self.commit_meta(last_commit).items():
                         txn.put(key, value)
+            self._damaged = frozenset()
+            self.mark_damaged(damaged)
             self._trusted = not logged  # tables the commit log gave are not the packs' word: a wrong read rebuilds
             self._gen += 1
             return len(present), max(0, before - len(present))

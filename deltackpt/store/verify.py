@@ -61,6 +61,9 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
         deadline = None if max_duration_s is None else start + max_duration_s
         _check_packs(store, found, packs, level, sample, deadline, report, progress)
     _attribute(store, found, report)
+    # The next save writes their chunks again rather than reuse them (ChunkIndex.damaged_packs).
+    store.index.mark_damaged({p.pack for p in report.problems
+                              if p.pack and p.kind in (ProblemKind.BAD_CHUNK, ProblemKind.PACK_HASH)})
     for name, tags in sorted(read_all_tags(store).items()):
         if DAMAGED_TAGS in tags and (checkpoints is None or name in checkpoints):
             report.problems.append(Problem(ProblemKind.TAGS, f"tags of {name!r} do not read; the checkpoint stays "

@@ -99,8 +99,10 @@ class ChunkWriter:
         self._reused_packs: set[str] = set()  # see WriteSummary.reused_packs
         # A pack the index dropped since (lost, or gc moved its chunks): its chunks are looked up, and rewritten
         # if gone.
-        self._parent_packs = parent_packs if self.parent and parent_packs and \
-            store.index.indexes_packs(parent_packs) else None
+        # A pack a read found damaged: nothing in it is reused or built upon (ChunkIndex.damaged_packs).
+        self._damaged = store.index.damaged_packs()
+        self._parent_packs = parent_packs if self.parent and parent_packs and not (parent_packs & self._damaged) \
+            and store.index.indexes_packs(parent_packs) else None
         self._failed: BaseException | None = None  # the first coding job's (or upload's) error: stop queueing
         self._sink = PackSink(store, on_error=self._note_failure)
         self._inflight = 0
@@ -332,6 +334,7 @@ class ChunkWriter:
         found, recs = index.lookup_records(ids)
         ok = np.ones(len(found), bool)
         packs = [recs["pack"]]
+        owners = [None]  # per level of the chains: the chunks (positions in found) its packs are for
         pending = np.flatnonzero(recs["base"] != NO_BASE_VOID)  # chunks whose chain is not yet followed
         bases = recs["base"][pending]
         for _ in range(self._chain_limit):
@@ -345,10 +348,16 @@ class ChunkWriter:
             ok[pending[where < 0]] = False
             pending, where = pending[where >= 0], where[where >= 0]
             packs.append(base_recs["pack"][where])
+            owners.append(pending)
             bases = base_recs["base"][where]
             more = bases != NO_BASE_VOID
             pending, bases = pending[more], bases[more]
         ok[pending] = False  # a chain longer than the store allows: not restorable here
+        if self._damaged:  # a copy (or a base) in a pack found damaged: written again, not reused
+            bad = {bytes.fromhex(p) for p in self._damaged}
+            for level, owner in zip(packs, owners):
+                hit = np.fromiter((p.tobytes() in bad for p in level), bool, len(level))
+                ok[np.flatnonzero(hit) if owner is None else owner[hit]] = False
         # The packs' names as a set of bytes first: np.unique sorted 16-byte voids (a fifth of this look-up).
         raw = b"".join(p.tobytes() for p in packs)
         self._note_reused({name.hex() for name in {raw[k:k + 16] for k in range(0, len(raw), 16)}})

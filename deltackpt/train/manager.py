@@ -45,8 +45,7 @@ from ..errors import (
     ManifestFormatError,
     MissingChunkError,
 )
-from ..store import Store, Uploader, copy_checkpoints, plan_forget, verify_store
-from ..store.verifyreport import ProblemKind
+from ..store import ProblemKind, Store, Uploader, copy_checkpoints, plan_forget, verify_store
 from .state import TrainState, rank_and_world
 
 log = logging.getLogger("deltackpt.train")
@@ -76,6 +75,9 @@ class CheckpointManager:
     ``close()``), so a save blocks training for a memory copy.
     ``base_cache_bytes``: memory for the previous save's keyframes, so changed chunks are delta-coded
     without reading their bases back from the store (0 turns it off).
+    ``replica_check``: what a save does when replicas of a parameter or optimizer state differ across ranks
+    (silent data corruption): "raise" (nothing is saved), "warn" or "off"; the models' buffers (BatchNorm
+    running stats) are each rank's own and never compared.
     ``remote``: a store (URL) every checkpoint is uploaded to in the background; ``keep_last`` then applies
     there, and the local store keeps the newest ``keep_local_last`` (default ``keep_last``) once uploaded.
     """
@@ -83,13 +85,17 @@ class CheckpointManager:
     def __init__(self, store, state: TrainState, *, every_n_steps: int = 100, keep_last: int | None = None,
                  async_mode: str | None = None, process_group=None, name_format: str = "step-{step:08d}",
                  base_cache_bytes: int = 256 << 20, storage_options: dict | None = None, remote=None,
-                 remote_storage_options: dict | None = None, keep_local_last: int | None = None) -> None:
+                 remote_storage_options: dict | None = None, keep_local_last: int | None = None,
+                 replica_check: str = "raise") -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (or None to keep every checkpoint)")
         if async_mode not in (None, *_ASYNC_TYPES):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
+        if replica_check not in ("raise", "warn", "off"):
+            raise ValueError(f"replica_check must be 'raise', 'warn' or 'off', got {replica_check!r}")
+        self.replica_check = replica_check
         self.store: Store = open_store(store, storage_options)
         self.store.base_cache.limit(base_cache_bytes)
         self.remote = remote
@@ -105,6 +111,11 @@ class CheckpointManager:
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.async_mode = async_mode
+        if async_mode == "thread" and process_group is None and rank_and_world()[1] > 1:
+            # DCP's save thread runs collectives while training runs its own (FSDP's all-gathers): on one
+            # group their order is undefined (gloo aborts on the mismatch, or both sides wait forever). Every
+            # rank makes the manager, so every rank makes this group, in the same order.
+            process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
         self.name_format = name_format
         self._pending: tuple[Future, str] | None = None
@@ -149,18 +160,19 @@ class CheckpointManager:
         name = self.name_for(step)
         meta = {"step": step, "world_size": world,
                 "optimizers": {n: type(o).__name__ for n, o in self.state.optimizers.items()}, **(metadata or {})}
-        writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta, staging=self._staging)
+        writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta, staging=self._staging,
+                                    replica_check=self.replica_check)
         payload = {STATE_KEY: self.state}
         started = time.perf_counter()
         if self.async_mode is None:
             with quiet_single_process():
-                typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
+                typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=self._planner(),
                                             process_group=self.process_group))
             self._log_saved(name, started)
             self._after_save(name)
         else:
             with quiet_single_process():
-                fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=DeltaSavePlanner(),
+                fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=self._planner(),
                                                         process_group=self.process_group,
                                                         async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
             self._staging.hold_until(fut)
@@ -217,6 +229,10 @@ class CheckpointManager:
         stats = self.store.read_manifest(name).stats
         log.info("saved checkpoint %r in %.2f s: %s bytes new / %s logical", name, seconds,
                  f"{stats.stored_bytes:,}", f"{stats.logical_bytes:,}")
+
+    def _planner(self) -> DeltaSavePlanner:
+        """A planner that compares replicas but not the models' buffers (each rank's own running stats)."""
+        return DeltaSavePlanner(unchecked=lambda: {f"{STATE_KEY}.{k}" for k in self.state.buffer_keys})
 
     def _after_save(self, name: str) -> None:
         rank, _ = rank_and_world()

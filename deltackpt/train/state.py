@@ -64,6 +64,12 @@ def _generators(loader) -> list[torch.Generator]:
     return found
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where a tensor's (local) data starts: the same for a buffer and the state dict's view of it."""
+    local = getattr(t, "_local_tensor", t)
+    return local.data_ptr()
+
+
 class TrainState(Stateful):
     """The complete state of a training run. Pass it to ``dcp.save``/``dcp.load`` or a CheckpointManager.
 
@@ -89,6 +95,9 @@ class TrainState(Stateful):
         self._owner = self._attach_optimizers()
         # Saved world size for the next load_state_dict (set by prepare_load); None = same as now.
         self._load_world: int | None = None
+        # Keys (in state_dict()) of the models' buffers, as of the last state_dict(): BatchNorm's running
+        # stats are each rank's own under DDP and FSDP, so they are no replicas to compare.
+        self.buffer_keys: frozenset[str] = frozenset()
 
     def _attach_optimizers(self) -> dict[str, list]:
         owner: dict[str, list] = {name: [] for name in self.models}
@@ -105,16 +114,21 @@ class TrainState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         rank, world = rank_and_world()
         sd: dict[str, Any] = {}
+        buffer_keys = set()
         for name, model in self.models.items():
             opts = self._owner[name]
             msd, osd = get_state_dict(model, opts, options=self.options)
             sd[name] = msd
+            buffers = {_storage_ptr(b) for b in model.buffers()}
+            buffer_keys |= {f"{name}.{k}" for k, v in msd.items()
+                            if isinstance(v, torch.Tensor) and v.numel() and _storage_ptr(v) in buffers}
             if opts:
                 sd[f"{name}.optim"] = osd
         for name, sched in self.schedulers.items():
             sd[name] = sched.state_dict()
         if self.scaler is not None:
             sd["scaler"] = self.scaler.state_dict()
+        self.buffer_keys = frozenset(buffer_keys)
         sd["progress"] = {"step": int(self.step), "epoch": int(self.epoch), "world_size": world}
         # One JSON value, not a nested dict: DCP only loads keys the target already has, and a fresh
         # TrainState's extra is empty.

@@ -8,6 +8,7 @@ import struct
 import tracemalloc
 
 import msgspec
+import numpy as np
 import pytest
 import xxhash
 import zstandard
@@ -464,3 +465,33 @@ def test_delta_with_bad_base_is_corrupt(make_store, rng, variant):
     assert ei.value.chunk_id == target_id.hex()
     assert ei.value.base_chunk_id == base_id.hex()
     assert ei.value.checkpoint == "delta" and ei.value.item == "t"
+
+
+@pytest.mark.parametrize("found_by", ["load", "verify"])
+def test_a_chunk_found_damaged_is_written_again_by_the_next_save_not_reused(local_store, rng, found_by):
+    from deltackpt.store.verify import verify_store
+
+    store = local_store
+    frozen = random_array(rng, "float32", (20_000,))  # a frozen layer: the same bytes in every save
+    store.save("c1", {"frozen": frozen, "w": random_array(rng, "float32", (3000,))})
+    _ref, victim = _entry_of(store, "c1", "frozen", 0)
+    flip_bit(store.backend, pack_key(victim.pack), victim.offset + HEADER_SIZE + victim.stored_len // 2, 3)
+    if found_by == "load":
+        with pytest.raises(CorruptChunkError):
+            store.load("c1")
+    else:
+        assert not verify_store(store, level=1).ok
+    assert victim.pack in store.index.damaged_packs()
+    w2 = random_array(rng, "float32", (3000,))
+    store.save("c2", {"frozen": frozen, "w": w2})  # before: the damaged chunk deduplicated, c2 unrestorable
+    assert_items_equal({"frozen": frozen, "w": w2}, Store.open(store.backend.root).load("c2"))
+    np.testing.assert_array_equal(store.load("c1")["frozen"], frozen)  # c1 heals: same chunk id, new copy
+    packs_of_c2 = packs_of_checkpoint(store, "c2")
+    # A rebuild from the packs does not trust a damaged pack again; one c2 wrote anew (its bytes, the same
+    # chunks again, may even give it the same name) is not damaged.
+    assert store.index.damaged_packs() == ({victim.pack} - packs_of_c2)
+    store.index.rebuild()
+    assert store.index.damaged_packs() == ({victim.pack} - packs_of_c2)
+    for name in ("c1", "c2"):
+        np.testing.assert_array_equal(store.load(name)["frozen"], frozen)
+    assert verify_store(store, level=2).ok

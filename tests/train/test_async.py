@@ -161,3 +161,31 @@ def test_process_mode_two_ranks(store_path):
     # The background processes rendezvous over TCP on MASTER_ADDR (otherwise the host's FQDN).
     assert run_ranks(_process_mode, 2, store_path, timeout=300, env={"MASTER_ADDR": "127.0.0.1"}) == [True, True]
     assert [i.name for i in Store.open(store_path).list_checkpoints()] == ["step-00000002", "step-00000004"]
+
+
+def _thread_mode_fsdp(rank, world_size, path):
+    warnings.filterwarnings("ignore")
+    model = shard(make_model(0), world_size)  # FSDP2: training runs collectives while a save runs its own
+    optim = make_optim(model)
+    state = TrainState(model=model, optimizer=optim, scheduler=make_sched(optim))
+    refs = {}
+    with CheckpointManager(path, state, every_n_steps=1, async_mode="thread") as mgr:  # the default group
+        assert mgr.process_group is not None  # a group of the manager's own for the save thread
+        for step in range(1, 9):
+            _step(state, step, rank)
+            refs[step] = full_state(model, optim)
+            mgr.maybe_save(step)
+    model2 = shard(make_model(1), world_size)
+    optim2 = make_optim(model2)
+    st2 = TrainState(model=model2, optimizer=optim2, scheduler=make_sched(optim2))
+    with CheckpointManager(path, st2) as mgr:
+        assert mgr.restore_latest() == 8
+    got = full_state(model2, optim2)  # a collective: every rank
+    if rank == 0:
+        assert_tree_equal(got, refs[8])
+    return True
+
+
+def test_thread_mode_on_the_default_group_with_fsdp_saves_every_step(store_path):
+    # On one group with training's all-gathers, the save thread's collectives aborted gloo or hung.
+    assert run_ranks(_thread_mode_fsdp, 2, store_path, timeout=300) == [True, True]

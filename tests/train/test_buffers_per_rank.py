@@ -1,0 +1,51 @@
+"""BatchNorm's running stats are each rank's own under DDP (buffers are broadcast at the start of forward,
+then updated from the local batch): a CheckpointManager save must not take them for corrupted replicas, while
+a parameter that differs across ranks still stops the save."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist import run_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
+
+
+def _ddp_bn_save(rank, world_size, path, corrupt):
+    import torch.distributed as dist
+
+    from deltackpt import CheckpointManager, TrainState
+    from deltackpt.errors import SilentDataCorruptionError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    torch.manual_seed(100 + rank)  # each rank its own batch
+    ddp(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    mean = model[1].running_mean.clone()
+    gathered = [torch.zeros_like(mean) for _ in range(world_size)]
+    dist.all_gather(gathered, mean)
+    assert not torch.equal(gathered[0], gathered[1])  # the premise: the ranks' stats differ
+    if corrupt and rank == 1:
+        with torch.no_grad():
+            model[0].weight[0, 0] += 1.0  # a flipped bit in one replica of a parameter
+    state = TrainState(model=ddp, optimizer=opt)
+    try:
+        with CheckpointManager(path, state, every_n_steps=1) as mgr:
+            mgr.save(1)
+    except SilentDataCorruptionError as e:
+        return str(e)
+    return "saved"
+
+
+def test_buffers_differ_across_ranks_without_stopping_the_save(tmp_path):
+    from deltackpt.store import Store
+
+    assert run_ranks(_ddp_bn_save, 2, str(tmp_path / "ok"), False, timeout=240) == ["saved", "saved"]
+    assert [i.name for i in Store.open(tmp_path / "ok").list_checkpoints()] == ["step-00000001"]
+    out = run_ranks(_ddp_bn_save, 2, str(tmp_path / "bad"), True, timeout=240)
+    assert all("0.weight" in o and "running" not in o for o in out), out

@@ -37,7 +37,7 @@ staging buffers
 through ``deltackpt.store``'s public names.
 """
 
-from .api import async_save, load, quiet_single_process, save, typed_call, typed_future, unwrap
+from .api import async_save, default_planner, load, quiet_single_process, save, typed_call, typed_future, unwrap
 from .names import LAYER_KEY, checkpoint_name
 from .planner import DeltaSavePlanner
 from .reader import DeltaStorageReader
@@ -52,6 +52,7 @@ __all__ = [
     "StagingBuffers",
     "async_save",
     "checkpoint_name",
+    "default_planner",
     "load",
     "open_store",
     "quiet_single_process",

@@ -27,6 +27,14 @@ from .writer import DeltaStorageWriter
 T = TypeVar("T")
 
 
+
+def default_planner(state_dict) -> DeltaSavePlanner:
+    """The planner a save uses unless given one: replicas compared, but not the buffers of a top-level
+    ``TrainState`` (anything with ``buffer_keys()``: BatchNorm's running stats are each rank's own)."""
+    return DeltaSavePlanner(unchecked=[f"{key}.{name}" for key, value in state_dict.items()
+                                       if callable(getattr(value, "buffer_keys", None))
+                                       for name in value.buffer_keys()])
+
 def unwrap(exc: BaseException) -> BaseException:
     """The typed error behind DCP's ``CheckpointException``; any other exception is returned as is.
 
@@ -93,8 +101,9 @@ def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group
     """``dcp.save`` into checkpoint ``checkpoint_id`` of ``store`` (a path, URL or Store); returns DCP's Metadata."""
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
                                 storage_options=storage_options)
+    planner = planner or default_planner(state_dict)
     with quiet_single_process():
-        return typed_call(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner or DeltaSavePlanner(),
+        return typed_call(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
                                            process_group=process_group, no_dist=no_dist))
 
 
@@ -126,9 +135,10 @@ def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
     """
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
                                 storage_options=storage_options, staging=staging)
+    planner = planner or default_planner(state_dict)
     with quiet_single_process():
-        fut = typed_call(lambda: dcp.async_save(state_dict, storage_writer=writer,
-                                                planner=planner or DeltaSavePlanner(), process_group=process_group,
+        fut = typed_call(lambda: dcp.async_save(state_dict, storage_writer=writer, planner=planner,
+                                                process_group=process_group,
                                                 async_checkpointer_type=async_checkpointer_type))
     if staging is not None:
         staging.hold_until(fut)

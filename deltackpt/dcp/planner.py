@@ -10,7 +10,7 @@ written and raises SilentDataCorruptionError naming the item and the disagreeing
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -32,19 +32,18 @@ class DeltaSavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner that also records a digest of every replicated tensor this rank holds.
 
     ``unchecked``: keys (DCP's flattened fqns) of plain tensors each rank holds its own of, not replicas
-    (BatchNorm's running stats under DDP or FSDP), or a callable returning them when the plan is made (the
-    keys a TrainState learns as DCP asks for its state dict). Their digests are not compared.
+    (BatchNorm's running stats under DDP or FSDP: ``TrainState.buffer_keys``). Their digests are not compared.
     """
 
-    def __init__(self, *args, unchecked: Iterable[str] | Callable[[], Iterable[str]] = (), **kwargs) -> None:
+    def __init__(self, *args, unchecked: Iterable[str] = (), **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._unchecked = unchecked
+        self.unchecked = frozenset(unchecked)  # a set, not a callable: process-mode async saves pickle the planner
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return plan
-        unchecked = set(self._unchecked() if callable(self._unchecked) else self._unchecked)
+        unchecked = self.unchecked
         digests = {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO or item.index.fqn in unchecked \

@@ -332,6 +332,7 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
                 txn.delete(k, db=chunks)
             for rn in raw_names:
                 txn.delete(rn, db=packs_db)
+        self.clear_damaged(names)  # gone: nothing left to distrust
 
     def delete_unindexed_packs(self, names, delete) -> list[str]:
         """Call ``delete(name)`` for each of ``names`` this index has not recorded; returns those names.
@@ -358,31 +359,39 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
         return None if value is None else bytes(value)
 
     # -- packs found damaged ----------------------------------------------------------------------------------
-    def damaged_packs(self) -> frozenset[str]:
-        """Packs a read or verify of this process (or an earlier one on this cache) found a chunk damaged in.
-        A writer reuses nothing from them and codes no delta against their chunks, so the next save writes
-        such a chunk again from memory, and the index then locates the new copy (:func:`_take_if_better`):
-        without this, every later save deduplicated against the damaged chunk, unrestorable."""
+    def damaged_packs(self, refresh: bool = False) -> frozenset[str]:
+        """Packs a read or verify (of any process on this cache) found a chunk damaged in. A writer reuses
+        nothing from them and codes no delta against their chunks, so the next save writes such a chunk again
+        from memory, and the index then locates the new copy (:func:`_take_if_better`): without this, every
+        later save deduplicated against the damaged chunk, unrestorable. ``refresh``: read the cache again
+        (a writer does, at its start: a ``verify`` in another process may have marked one since)."""
         cached = getattr(self, "_damaged", None)
-        if cached is None:
-            raw = self.get_meta(DAMAGED_PACKS_KEY) or b""
-            cached = self._damaged = frozenset(raw[k:k + 16].hex() for k in range(0, len(raw) - 15, 16))
+        if cached is None or refresh:
+            cached = self._damaged = _pack_names(self.get_meta(DAMAGED_PACKS_KEY))
         return cached
 
     def mark_damaged(self, packs) -> None:
         """Add ``packs`` (names) to :meth:`damaged_packs` (kept in the cache, across rebuilds)."""
-        new = {p for p in packs if p and is_pack_name(p)} - self.damaged_packs()
-        if new:
-            self._damaged = self.damaged_packs() | new
-            self.set_meta(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(self._damaged)))
+        self._update_damaged(lambda now: now | {p for p in packs if p and is_pack_name(p)})
 
     def clear_damaged(self, packs) -> None:
         """Drop ``packs`` from :meth:`damaged_packs`: written again, whole, by a save (a pack is named by the hash
-        of its bytes, so a save that writes the same chunks again can publish the very pack it replaces)."""
-        left = self.damaged_packs() - set(packs)
-        if left != self.damaged_packs():
-            self._damaged = frozenset(left)
-            self.set_meta(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(left)))
+        of its bytes, so a save that writes the same chunks again can publish the very pack it replaces), or
+        deleted."""
+        drop = set(packs)
+        if drop & self.damaged_packs(refresh=True):
+            self._update_damaged(lambda now: now - drop)
+
+    @guarded(best_effort=True)
+    def _update_damaged(self, change) -> None:
+        """Read, change and write the stored set in one write transaction (another process may mark too)."""
+        _, _, meta = self._dbs()
+        with self.env.begin(write=True, db=meta) as txn:
+            now = _pack_names(txn.get(DAMAGED_PACKS_KEY))
+            new = frozenset(change(now))
+            if new != now:
+                txn.put(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(new)))
+        self._damaged = new
 
     @guarded(best_effort=True)
     def set_meta(self, key: bytes, value: bytes) -> None:
@@ -439,6 +448,11 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
 
 
 _WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
+
+
+def _pack_names(raw) -> frozenset[str]:
+    raw = bytes(raw or b"")
+    return frozenset(raw[k:k + 16].hex() for k in range(0, len(raw) - 15, 16))
 
 
 def _take_if_better(txn, db, entry: PackEntry, rank: dict[str, int] | None, damaged=frozenset()) -> bool:

@@ -46,6 +46,17 @@ _DST, _REF, _SKIP, _DST_OFF, _COUNT = itemgetter(1), itemgetter(2), itemgetter(3
 _ID, _LENGTH = attrgetter("id"), attrgetter("length")
 
 
+def damaged_pack(error: CorruptChunkError) -> str | None:
+    """The pack of the innermost CorruptChunkError down ``error``'s causes: a delta's error wraps its base's,
+    and a chain checked link by link names the damaged link last."""
+    pack = None
+    while error is not None:
+        if isinstance(error, CorruptChunkError) and error.pack:
+            pack = error.pack
+        error = error.__cause__
+    return pack
+
+
 class CheckpointReader:
     """Random access to the items of one committed checkpoint."""
 
@@ -176,8 +187,9 @@ class CheckpointReader:
             else:
                 self._copy(*job)
         except CorruptChunkError as e:  # final (a wrong cache record was looked up again): the pack's fault
-            if e.pack:
-                self.store.index.mark_damaged([e.pack])  # the next save writes the chunk again
+            pack = damaged_pack(e)
+            if pack:
+                self.store.index.mark_damaged([pack])  # the next save writes the chunk again
             raise
 
     def coalesce(self, jobs: list[tuple]) -> list[tuple]:

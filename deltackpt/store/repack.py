@@ -27,10 +27,14 @@ def repack_packs(store, repack: dict[str, list[PackEntry]], bar=None,
     Returns (entries moved, names of the packs published)."""
     target = store.config.pack_target_bytes
     moved, names = 0, set()
+    # Bytes are copied, not checked: chunks of a pack a read found damaged stay distrusted where they go.
+    tainted = bool(store.index.damaged_packs() & repack.keys())
 
     def flush(b: PackBuilder) -> None:
         nonlocal moved
         name, size, new_entries = b.publish(store.backend)
+        if tainted:
+            store.index.mark_damaged([name])
         store.index.relocate(new_entries, {name: size})
         if written is not None:
             written[name] = (size, new_entries)

@@ -100,7 +100,7 @@ class ChunkWriter:
         # A pack the index dropped since (lost, or gc moved its chunks): its chunks are looked up, and rewritten
         # if gone.
         # A pack a read found damaged: nothing in it is reused or built upon (ChunkIndex.damaged_packs).
-        self._damaged = store.index.damaged_packs()
+        self._damaged = store.index.damaged_packs(refresh=True)  # a verify elsewhere may have marked one
         self._parent_packs = parent_packs if self.parent and parent_packs and not (parent_packs & self._damaged) \
             and store.index.indexes_packs(parent_packs) else None
         self._failed: BaseException | None = None  # the first coding job's (or upload's) error: stop queueing
@@ -354,9 +354,12 @@ class ChunkWriter:
             pending, bases = pending[more], bases[more]
         ok[pending] = False  # a chain longer than the store allows: not restorable here
         if self._damaged:  # a copy (or a base) in a pack found damaged: written again, not reused
-            bad = {bytes.fromhex(p) for p in self._damaged}
+            bad = np.frombuffer(b"".join(bytes.fromhex(p) for p in self._damaged), dtype="<u8").reshape(-1, 2)
             for level, owner in zip(packs, owners):
-                hit = np.fromiter((p.tobytes() in bad for p in level), bool, len(level))
+                halves = np.ascontiguousarray(level).view("<u8").reshape(-1, 2)
+                hit = np.zeros(len(halves), bool)
+                for lo, hi in bad:  # a few marked packs: a pass each
+                    hit |= (halves[:, 0] == lo) & (halves[:, 1] == hi)
                 ok[np.flatnonzero(hit) if owner is None else owner[hit]] = False
         # The packs' names as a set of bytes first: np.unique sorted 16-byte voids (a fifth of this look-up).
         raw = b"".join(p.tobytes() for p in packs)

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
 from ..dcp import (
-    DeltaSavePlanner,
     DeltaStorageReader,
     DeltaStorageWriter,
     StagingBuffers,
+    default_planner,
     open_store,
     quiet_single_process,
     typed_call,
@@ -96,6 +96,13 @@ class CheckpointManager:
         if replica_check not in ("raise", "warn", "off"):
             raise ValueError(f"replica_check must be 'raise', 'warn' or 'off', got {replica_check!r}")
         self.replica_check = replica_check
+        self._own_group = None
+        if async_mode == "thread" and process_group is None and rank_and_world()[1] > 1:
+            # DCP's save thread runs collectives while training runs its own (FSDP's all-gathers): on one
+            # group their order is undefined (gloo aborts on the mismatch, or both sides wait forever). Every
+            # rank makes the manager (a collective: before anything that may fail on one rank only), so
+            # every rank makes this group, in the same order; close() destroys it.
+            process_group = self._own_group = dist.new_group(backend="gloo")
         self.store: Store = open_store(store, storage_options)
         self.store.base_cache.limit(base_cache_bytes)
         self.remote = remote
@@ -111,11 +118,6 @@ class CheckpointManager:
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.async_mode = async_mode
-        if async_mode == "thread" and process_group is None and rank_and_world()[1] > 1:
-            # DCP's save thread runs collectives while training runs its own (FSDP's all-gathers): on one
-            # group their order is undefined (gloo aborts on the mismatch, or both sides wait forever). Every
-            # rank makes the manager, so every rank makes this group, in the same order.
-            process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
         self.name_format = name_format
         self._pending: tuple[Future, str] | None = None
@@ -163,16 +165,17 @@ class CheckpointManager:
         writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta, staging=self._staging,
                                     replica_check=self.replica_check)
         payload = {STATE_KEY: self.state}
+        planner = default_planner(payload)
         started = time.perf_counter()
         if self.async_mode is None:
             with quiet_single_process():
-                typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=self._planner(),
+                typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=planner,
                                             process_group=self.process_group))
             self._log_saved(name, started)
             self._after_save(name)
         else:
             with quiet_single_process():
-                fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=self._planner(),
+                fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=planner,
                                                         process_group=self.process_group,
                                                         async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
             self._staging.hold_until(fut)
@@ -219,6 +222,9 @@ class CheckpointManager:
                     self._staging.close()
                 if self._uploader is not None:
                     self._uploader.close()
+                if self._own_group is not None and dist.is_initialized():
+                    dist.destroy_process_group(self._own_group)
+                    self._own_group = None
 
     def _log_saved(self, name: str, started: float) -> None:
         """One line per save, on the coordinator: its name, seconds, and bytes new / logical (from the
@@ -229,10 +235,6 @@ class CheckpointManager:
         stats = self.store.read_manifest(name).stats
         log.info("saved checkpoint %r in %.2f s: %s bytes new / %s logical", name, seconds,
                  f"{stats.stored_bytes:,}", f"{stats.logical_bytes:,}")
-
-    def _planner(self) -> DeltaSavePlanner:
-        """A planner that compares replicas but not the models' buffers (each rank's own running stats)."""
-        return DeltaSavePlanner(unchecked=lambda: {f"{STATE_KEY}.{k}" for k in self.state.buffer_keys})
 
     def _after_save(self, name: str) -> None:
         rank, _ = rank_and_world()

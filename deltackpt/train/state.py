@@ -64,10 +64,17 @@ def _generators(loader) -> list[torch.Generator]:
     return found
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    """Where a tensor's (local) data starts: the same for a buffer and the state dict's view of it."""
-    local = getattr(t, "_local_tensor", t)
-    return local.data_ptr()
+def _state_dict_names(model, name: str) -> set[str]:
+    """The keys ``get_state_dict`` gives module attribute ``name`` (wrapper prefixes such as DDP's
+    ``module.``, FSDP1's or torch.compile's dropped)."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # (private in torch: the same rule by hand)
+        return {".".join(p for p in name.split(".") if p not in _WRAPPERS)}
+    return set(_get_fqns(model, name))
+
+
+_WRAPPERS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 
 
 class TrainState(Stateful):
@@ -95,9 +102,6 @@ class TrainState(Stateful):
         self._owner = self._attach_optimizers()
         # Saved world size for the next load_state_dict (set by prepare_load); None = same as now.
         self._load_world: int | None = None
-        # Keys (in state_dict()) of the models' buffers, as of the last state_dict(): BatchNorm's running
-        # stats are each rank's own under DDP and FSDP, so they are no replicas to compare.
-        self.buffer_keys: frozenset[str] = frozenset()
 
     def _attach_optimizers(self) -> dict[str, list]:
         owner: dict[str, list] = {name: [] for name in self.models}
@@ -110,25 +114,28 @@ class TrainState(Stateful):
             owner[matches[0]].append(opt)
         return owner
 
+    def buffer_keys(self) -> frozenset[str]:
+        """Keys (in :meth:`state_dict`, model name first) of the models' buffers: BatchNorm's running stats
+        are each rank's own under DDP (buffers are broadcast at the start of forward, then updated from the
+        local batch) and FSDP (buffers are not sharded), so a save does not compare them as replicas. By
+        name: a parameter is never among them, whatever memory it shares."""
+        return frozenset(f"{name}.{key}" for name, model in self.models.items()
+                         for bname, _ in model.named_buffers() for key in _state_dict_names(model, bname))
+
     # -- Stateful ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         rank, world = rank_and_world()
         sd: dict[str, Any] = {}
-        buffer_keys = set()
         for name, model in self.models.items():
             opts = self._owner[name]
             msd, osd = get_state_dict(model, opts, options=self.options)
             sd[name] = msd
-            buffers = {_storage_ptr(b) for b in model.buffers()}
-            buffer_keys |= {f"{name}.{k}" for k, v in msd.items()
-                            if isinstance(v, torch.Tensor) and v.numel() and _storage_ptr(v) in buffers}
             if opts:
                 sd[f"{name}.optim"] = osd
         for name, sched in self.schedulers.items():
             sd[name] = sched.state_dict()
         if self.scaler is not None:
             sd["scaler"] = self.scaler.state_dict()
-        self.buffer_keys = frozenset(buffer_keys)
         sd["progress"] = {"step": int(self.step), "epoch": int(self.epoch), "world_size": world}
         # One JSON value, not a nested dict: DCP only loads keys the target already has, and a fresh
         # TrainState's extra is empty.

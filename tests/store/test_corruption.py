@@ -495,3 +495,38 @@ def test_a_chunk_found_damaged_is_written_again_by_the_next_save_not_reused(loca
     for name in ("c1", "c2"):
         np.testing.assert_array_equal(store.load(name)["frozen"], frozen)
     assert verify_store(store, level=2).ok
+
+
+def test_a_damaged_base_marks_its_own_pack_and_the_next_save_writes_it_again(local_store, rng):
+    store = local_store
+    a = random_array(rng, "float32", (store.config.chunk_size_bytes // 4,))  # one chunk
+    x = a.copy()
+    x[::50] += np.float32(1e-3)  # close to a: stored as a delta on it
+    store.save("c1", {"t": a})
+    store.save("c2", {"t": x})
+    _ref, base = _entry_of(store, "c1", "t", 0)
+    _ref, delta = _entry_of(store, "c2", "t", 0)
+    assert delta.base_id == base.chunk_id and delta.pack != base.pack
+    flip_bit(store.backend, pack_key(base.pack), base.offset + HEADER_SIZE + base.stored_len // 2, 3)
+    with pytest.raises(CorruptChunkError):
+        store.load("c2")
+    assert store.index.damaged_packs() == {base.pack}  # the base's pack, not the delta's
+    store.save("c3", {"t": a})  # the run resumes from c1's state
+    np.testing.assert_array_equal(Store.open(store.backend.root).load("c3")["t"], a)
+
+
+def test_a_mark_made_by_another_process_reaches_a_running_writer(local_store, rng):
+    from deltackpt.store.verify import verify_store
+
+    store = local_store  # a trainer's store, open for the whole run
+    frozen = random_array(rng, "float32", (5000,))
+    store.save("c1", {"frozen": frozen, "w": random_array(rng, "float32", (800,))})
+    assert store.index.damaged_packs() == frozenset()  # read (and cached) before the mark
+    _ref, victim = _entry_of(store, "c1", "frozen", 0)
+    flip_bit(store.backend, pack_key(victim.pack), victim.offset + HEADER_SIZE + victim.stored_len // 2, 3)
+    cron = Store.open(store.backend.root)  # a scheduled verify: another Store, the same cache
+    assert not verify_store(cron, level=1).ok
+    Store.open(store.backend.root).index.mark_damaged(["00" * 16])  # and another mark, from elsewhere
+    store.save("c2", {"frozen": frozen, "w": random_array(rng, "float32", (800,))})
+    np.testing.assert_array_equal(Store.open(store.backend.root).load("c2")["frozen"], frozen)
+    assert Store.open(store.backend.root).index.damaged_packs() >= {"00" * 16}  # neither mark lost the other

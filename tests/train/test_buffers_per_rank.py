@@ -39,6 +39,9 @@ def _ddp_bn_save(rank, world_size, path, corrupt):
             mgr.save(1)
     except SilentDataCorruptionError as e:
         return str(e)
+    import deltackpt
+
+    deltackpt.save({"train": state}, path, "direct")  # a TrainState through the plain API: the same rule
     return "saved"
 
 
@@ -46,6 +49,22 @@ def test_buffers_differ_across_ranks_without_stopping_the_save(tmp_path):
     from deltackpt.store import Store
 
     assert run_ranks(_ddp_bn_save, 2, str(tmp_path / "ok"), False, timeout=240) == ["saved", "saved"]
-    assert [i.name for i in Store.open(tmp_path / "ok").list_checkpoints()] == ["step-00000001"]
+    assert [i.name for i in Store.open(tmp_path / "ok").list_checkpoints()] == ["step-00000001", "direct"]
     out = run_ranks(_ddp_bn_save, 2, str(tmp_path / "bad"), True, timeout=240)
     assert all("0.weight" in o and "running" not in o for o in out), out
+
+
+def test_buffer_keys_are_found_by_name_through_wrappers_and_never_name_a_parameter():
+    from deltackpt import TrainState
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.bn = nn.BatchNorm1d(3)
+            self.register_buffer("w_t", self.lin.weight.detach())  # shares the parameter's memory
+
+    state = TrainState(model={"net": torch.compile(Net(), backend="eager")})  # keys without "_orig_mod."
+    keys = state.buffer_keys()
+    assert keys == {"net.w_t", "net.bn.running_mean", "net.bn.running_var", "net.bn.num_batches_tracked"}
+    assert set(state.state_dict()["net"]) >= {k.split(".", 1)[1] for k in keys}  # the keys the state dict has

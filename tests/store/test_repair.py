@@ -111,12 +111,17 @@ def _pack_of(store, name="step-0"):
     return store.index.lookup(item.chunks[0].id).pack
 
 
-def test_damaged_pack_table_is_rebuilt(populated):
-    root, _cfg, saved = populated
+def _victim_pack(root):
+    """(store, the pack holding w's first chunk, its path, its bytes as a bytearray to damage)."""
     store = Store.open(root)
     victim = _pack_of(store)
     path = root / pack_key(victim)
-    data = bytearray(path.read_bytes())
+    return store, victim, path, bytearray(path.read_bytes())
+
+
+def test_damaged_pack_table_is_rebuilt(populated):
+    root, _cfg, saved = populated
+    _store, victim, path, data = _victim_pack(root)
     table_offset = struct.unpack_from("<Q", data, len(data) - FOOTER_SIZE)[0]
     data[table_offset + 3] ^= 0x40  # a byte of the table's first row
     path.write_bytes(bytes(data))
@@ -165,10 +170,7 @@ def test_damaged_entry_is_dropped_and_reported(populated):
 
 def test_entries_past_a_damaged_header_are_recovered_and_the_loss_reported(populated):
     root, _cfg, _saved = populated
-    store = Store.open(root)
-    victim = _pack_of(store)
-    path = root / pack_key(victim)
-    data = bytearray(path.read_bytes())
+    store, victim, path, data = _victim_pack(root)
     entries = sorted(read_pack_entries(store.backend, victim), key=lambda e: e.offset)
     assert len(entries) >= 3
     data[-FOOTER_SIZE] ^= 1  # the table is unreadable

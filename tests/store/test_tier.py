@@ -28,6 +28,20 @@ def _names(store_or_path) -> list[str]:
     return [i.name for i in store.list_checkpoints()]
 
 
+def _copies_failing(monkeypatch, fails, error) -> list[list[str]]:
+    """Make the uploader's copies raise ``error`` when ``fails(names, calls so far)``; returns the calls."""
+    real, calls = tier.copy_checkpoints, []
+
+    def copy(src, dst, names, **kw):
+        calls.append(list(names))
+        if fails(names, calls):
+            raise error
+        return real(src, dst, names, **kw)
+
+    monkeypatch.setattr(tier, "copy_checkpoints", copy)
+    return calls
+
+
 @pytest.mark.parametrize("keep_local, keep_remote", [(2, 2), (1, 1), (2, 1), (1, 3)])
 def test_local_retention_counts_what_the_remote_retention_already_forgot(tmp_path, rng, keep_local, keep_remote):
     local = Store.init(tmp_path / "hot", **SMALL)
@@ -47,15 +61,7 @@ def test_local_retention_counts_what_the_remote_retention_already_forgot(tmp_pat
 def test_a_failed_upload_is_sent_again_with_the_next_submit(tmp_path, rng, monkeypatch):
     local = Store.init(tmp_path / "hot", **SMALL)
     up = Uploader(local, str(tmp_path / "cold"), keep_local_last=1)
-    real, calls = tier.copy_checkpoints, []
-
-    def flaky(src, dst, names, **kw):
-        calls.append(list(names))
-        if len(calls) == 1:
-            raise OSError("network down")
-        return real(src, dst, names, **kw)
-
-    monkeypatch.setattr(tier, "copy_checkpoints", flaky)
+    calls = _copies_failing(monkeypatch, lambda names, calls: len(calls) == 1, OSError("network down"))
     _save(local, rng, "a")
     up.submit("a")
     with pytest.raises(DeltackptError, match="background upload of checkpoint 'a'"):
@@ -71,16 +77,7 @@ def test_a_failed_upload_is_sent_again_with_the_next_submit(tmp_path, rng, monke
 def test_an_error_is_raised_by_submit_after_its_checkpoint_is_queued(tmp_path, rng, monkeypatch):
     local = Store.init(tmp_path / "hot", **SMALL)
     up = Uploader(local, str(tmp_path / "cold"))
-    real = tier.copy_checkpoints
-    failed = []
-
-    def once(src, dst, names, **kw):
-        if not failed:
-            failed.append(names)
-            raise OSError("network down")
-        return real(src, dst, names, **kw)
-
-    monkeypatch.setattr(tier, "copy_checkpoints", once)
+    _copies_failing(monkeypatch, lambda names, calls: len(calls) == 1, OSError("network down"))
     _save(local, rng, "a")
     up.submit("a")
     up._queue.join()
@@ -162,15 +159,8 @@ def test_a_permanent_upload_error_is_raised_once_not_retried(tmp_path, rng, monk
 
     local = Store.init(tmp_path / "hot", **SMALL)
     up = Uploader(local, str(tmp_path / "cold"))
-    real, calls = tier.copy_checkpoints, []
-
-    def damaged(src, dst, names, **kw):
-        calls.append(list(names))
-        if names == ["bad"]:
-            raise CorruptChunkError("chunk bytes do not match their hash")
-        return real(src, dst, names, **kw)
-
-    monkeypatch.setattr(tier, "copy_checkpoints", damaged)
+    calls = _copies_failing(monkeypatch, lambda names, _calls: names == ["bad"],
+                            CorruptChunkError("chunk bytes do not match their hash"))
     _save(local, rng, "bad")
     up.submit("bad")
     with pytest.raises(DeltackptError, match="'bad'"):
@@ -187,13 +177,7 @@ def test_a_failed_catch_up_is_logged_not_raised(tmp_path, rng, monkeypatch, capl
     local = Store.init(tmp_path / "hot", **SMALL)
     _save(local, rng, "s1")  # committed, never uploaded
     real = tier.copy_checkpoints
-
-    def down(src, dst, names, **kw):
-        if names == ["s1"]:
-            raise OSError("network down")
-        return real(src, dst, names, **kw)
-
-    monkeypatch.setattr(tier, "copy_checkpoints", down)
+    _copies_failing(monkeypatch, lambda names, _calls: names == ["s1"], OSError("network down"))
     up = Uploader(local, str(tmp_path / "cold"))
     up.wait()  # the catch-up failed: logged, and sent again with the next submit
     assert "upload of checkpoint 's1' failed" in caplog.text

@@ -40,7 +40,7 @@ from .pack import PackEntry, is_pack_name, pack_key
 from .reconcile import Reconciling
 from .records import (RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, locate_walk,
                       malformed, records_in)
-from .reindex import Reindexing
+from .reindex import DAMAGED_PACKS_KEY, Reindexing
 
 log = logging.getLogger("deltackpt.store")
 
@@ -50,7 +50,6 @@ _CHECK_RECORDS = 256  # records checked at once by check_records (~50 KiB of obj
 
 # Written by gc before it deletes packs; a cache that saw another epoch is refreshed before it is trusted.
 GC_EPOCH_KEY = "gc-epoch"
-DAMAGED_PACKS_KEY = b"damaged_packs"  # meta: 16-byte names of packs a read found a damaged chunk in
 LAST_COMMIT_KEY = b"last_commit"  # meta: the checkpoint whose commit this cache indexed last (Store.index_as_of)
 LAST_COMMIT_NS_KEY = b"last_commit_ns"  # meta: that commit's created_ns (decimal), empty when not known
 _envs, _close_env = lmdbenv._envs, close_env  # the registry, under the names the tests close it by

@@ -22,6 +22,8 @@ from .pack import PackEntry, PackTable, entries_from_rows, list_packs, pack_key,
 from .progress import Progress, phase
 from .threads import ordered_map, table_read_threads
 
+DAMAGED_PACKS_KEY = b"damaged_packs"  # meta: 16-byte names of packs a read found a damaged chunk in
+
 _BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, bounded memory
 LOGGED_TABLES_ABOVE = 64  # pack tables to read past which the commit log's copies are read first (remote)
 LOG_READ_THREADS = 4  # commit records read at once (a record holds up to 192 MiB of tables)
@@ -96,6 +98,8 @@ class Reindexing:
                 txn.drop(packs_db, delete=False)
                 txn.drop(meta, delete=False)
                 txn.drop(self._db[b"ckpts"], delete=False)
+                if damaged:  # in the same transaction: a crash mid-rebuild must not forget them
+                    txn.put(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(damaged)), db=meta)
             with phase(progress, "index rebuild", len(present), "pack") as bar:
                 newest_first = sorted(present, key=lambda n: (-present[n][1], n))
                 logged = self._index_packs([(n, present[n][0]) for n in newest_first], bar, every=from_log)
@@ -105,8 +109,7 @@ class Reindexing:
                 with self.env.begin(write=True, db=meta) as txn:
                     for key, value in self.commit_meta(last_commit).items():
                         txn.put(key, value)
-            self._damaged = frozenset()
-            self.mark_damaged(damaged)
+            self._damaged = frozenset(damaged)
             self._trusted = not logged  # tables the commit log gave are not the packs' word: a wrong read rebuilds
             self._gen += 1
             return len(present), max(0, before - len(present))

@@ -478,3 +478,20 @@ def test_a_read_after_another_hosts_gc_finds_the_moved_chunks(tmp_path, rng):
     a.save("c3", data["c3"])  # sees the gc's epoch: host a's cache is rebuilt from the packs (trusted)
     assert plan_gc(Store.open(root, cache_dir=tmp_path / "host-b"), grace_s=0).execute().merged_packs > 0
     assert_items_equal(data["c3"], a.load("c3"))  # host a's cache locates the merged packs' chunks again
+
+
+def test_damaged_pack_marks_survive_a_rebuild_that_dies_half_way(tmp_path, rng, monkeypatch):
+    store = Store.init(tmp_path / "s", **SMALL)
+    store.save("c1", {"w": random_array(rng, "float32", (3000,))})
+    pack = next(iter(store.index.lookup_many({r.id for it in store.read_manifest("c1").items
+                                              for r in it.chunks}).values())).pack
+    store.index.mark_damaged([pack])
+
+    def crash(*_a, **_k):
+        raise KeyboardInterrupt  # the process dies between the cache's drop and its refill
+
+    monkeypatch.setattr(type(store.index), "_index_packs", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.index.rebuild()
+    monkeypatch.undo()
+    assert Store.open(tmp_path / "s").index.damaged_packs(refresh=True) == {pack}

@@ -44,3 +44,14 @@ def restorable(cid: bytes, found: dict[bytes, PackEntry], limit: int) -> bool:
             return True
         entry = found.get(entry.base_id)
     return False
+
+
+def chain_packs(cid: bytes, found: dict[bytes, PackEntry], limit: int) -> set[str]:
+    """The packs of chunk ``cid`` and the bases down its chain in ``found`` (at most ``limit`` deltas)."""
+    packs, entry = set(), found.get(cid)
+    for _ in range(limit + 1):
+        if entry is None:
+            break
+        packs.add(entry.pack)
+        entry = found.get(entry.base_id) if entry.base_id is not None else None
+    return packs

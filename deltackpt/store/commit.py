@@ -17,7 +17,7 @@ import time
 from typing import Any, Iterable, Mapping
 
 from ..errors import MissingChunkError
-from .chains import chain_entries, needed_ids, restorable
+from .chains import chain_entries, chain_packs, needed_ids, restorable
 from .config import chain_limit
 from .crashpoints import crash_point
 from .manifest import Item, Manifest, Stats
@@ -111,17 +111,7 @@ def _index_rewritten_chunks(store, entries: list[PackEntry]) -> None:
     found = chain_entries(index, {e.chunk_id for e in others}, limit)
     damaged = index.damaged_packs()  # a chain through a pack a read found damaged is no whole chain either
     own = [e for e in others if not restorable(e.chunk_id, found, limit)
-           or (damaged and _chain_packs(e.chunk_id, found, limit) & damaged)]
+           or (damaged and chain_packs(e.chunk_id, found, limit) & damaged)]
     if own:
         index.relocate(own, {})
 
-
-def _chain_packs(cid: bytes, found: dict[bytes, PackEntry], limit: int) -> set[str]:
-    """The packs of the entries down chunk ``cid``'s chain in ``found``."""
-    packs, entry = set(), found.get(cid)
-    for _ in range(limit + 1):
-        if entry is None:
-            break
-        packs.add(entry.pack)
-        entry = found.get(entry.base_id) if entry.base_id is not None else None
-    return packs

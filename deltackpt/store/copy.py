@@ -20,7 +20,7 @@ from typing import Iterable
 
 import msgspec
 
-from .chains import chain_entries, needed_ids
+from .chains import chain_entries, chain_packs, needed_ids
 from .config import CHAINS_FEATURE, MAX_CHAIN, chain_limit, data_features
 from ..errors import CheckpointExistsError, CorruptChunkError, DeltackptError, MissingChunkError
 from .lock import SHARED
@@ -146,6 +146,10 @@ def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int],
     Raises _PackGone when a source pack is not there."""
     needed = _needed_entries(src, manifest)
     have = dst.index.lookup_many(needed.keys())
+    damaged = dst.index.damaged_packs(refresh=True)
+    if damaged and have:  # a copy a read found damaged there is no copy: the source's is sent instead
+        held = chain_entries(dst.index, have.keys(), chain_limit(dst.config))
+        have = {cid: e for cid, e in have.items() if not chain_packs(cid, held, MAX_CHAIN) & damaged}
     sent = {e.chunk_id for e in entries}
     send = {cid: e for cid, e in needed.items() if cid not in have and cid not in sent}
     _fit_chains(dst, send, needed, entries, name)

@@ -40,7 +40,7 @@ from .pack import PackEntry, is_pack_name, pack_key
 from .reconcile import Reconciling
 from .records import (RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, locate_walk,
                       malformed, records_in)
-from .reindex import DAMAGED_PACKS_KEY, Reindexing
+from .reindex import DAMAGED_PACKS_KEY, Reindexing, pack_names
 
 log = logging.getLogger("deltackpt.store")
 
@@ -294,8 +294,8 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
                 txn.put(b"store_id", self.store_id, db=meta)
                 txn.put(b"version", INDEX_VERSION, db=meta)
             kept = [e for e in entries if not txn.put(e.chunk_id, encode_record(e), db=chunks, overwrite=False)]
-            if kept:
-                damaged = self.damaged_packs()
+            if kept:  # the marks as stored now: another process may have marked a pack since this one read
+                damaged = pack_names(txn.get(DAMAGED_PACKS_KEY, db=meta))
                 kept = [e for e in kept if not _take_if_better(txn, chunks, e, rank, damaged)]
             for name, size in packs.items():
                 txn.put(bytes.fromhex(name), struct.pack("<Q", size), db=packs_db)
@@ -366,7 +366,7 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
         (a writer does, at its start: a ``verify`` in another process may have marked one since)."""
         cached = getattr(self, "_damaged", None)
         if cached is None or refresh:
-            cached = self._damaged = _pack_names(self.get_meta(DAMAGED_PACKS_KEY))
+            cached = self._damaged = pack_names(self.get_meta(DAMAGED_PACKS_KEY))
         return cached
 
     def mark_damaged(self, packs) -> None:
@@ -386,7 +386,7 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
         """Read, change and write the stored set in one write transaction (another process may mark too)."""
         _, _, meta = self._dbs()
         with self.env.begin(write=True, db=meta) as txn:
-            now = _pack_names(txn.get(DAMAGED_PACKS_KEY))
+            now = pack_names(txn.get(DAMAGED_PACKS_KEY))
             new = frozenset(change(now))
             if new != now:
                 txn.put(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(new)))
@@ -447,11 +447,6 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
 
 
 _WALK_ABOVE = 1 << 17  # ids past which locating most of the cache walks it (fewer: a look-up each)
-
-
-def _pack_names(raw) -> frozenset[str]:
-    raw = bytes(raw or b"")
-    return frozenset(raw[k:k + 16].hex() for k in range(0, len(raw) - 15, 16))
 
 
 def _take_if_better(txn, db, entry: PackEntry, rank: dict[str, int] | None, damaged=frozenset()) -> bool:

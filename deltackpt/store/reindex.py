@@ -24,6 +24,12 @@ from .threads import ordered_map, table_read_threads
 
 DAMAGED_PACKS_KEY = b"damaged_packs"  # meta: 16-byte names of packs a read found a damaged chunk in
 
+
+def pack_names(raw) -> frozenset[str]:
+    """The pack names of a DAMAGED_PACKS_KEY value (16 bytes each)."""
+    raw = bytes(raw or b"")
+    return frozenset(raw[k:k + 16].hex() for k in range(0, len(raw) - 15, 16))
+
 _BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, bounded memory
 LOGGED_TABLES_ABOVE = 64  # pack tables to read past which the commit log's copies are read first (remote)
 LOG_READ_THREADS = 4  # commit records read at once (a record holds up to 192 MiB of tables)
@@ -92,8 +98,9 @@ class Reindexing:
             # A cache refilled from every pack still holds what the commit it recorded indexed (not so another
             # store's): a failed commit's refresh must not make the next save list every pack again.
             last_commit = self._last_commit()
-            damaged = self.damaged_packs() & present.keys()  # kept: a rebuild must not trust them again
             with self.env.begin(write=True) as txn:
+                # Kept: a rebuild must not trust them again (read here: another process may have marked one).
+                damaged = pack_names(txn.get(DAMAGED_PACKS_KEY, db=meta)) & present.keys()
                 txn.drop(chunks, delete=False)
                 txn.drop(packs_db, delete=False)
                 txn.drop(meta, delete=False)

@@ -222,9 +222,15 @@ class CheckpointManager:
                     self._staging.close()
                 if self._uploader is not None:
                     self._uploader.close()
-                if self._own_group is not None and dist.is_initialized():
-                    dist.destroy_process_group(self._own_group)
-                    self._own_group = None
+                self._destroy_own_group()
+
+    def _destroy_own_group(self) -> None:
+        group, self._own_group = self._own_group, None
+        if group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:
+                pass  # gone already: the default group was destroyed (and made again) meanwhile
 
     def _log_saved(self, name: str, started: float) -> None:
         """One line per save, on the coordinator: its name, seconds, and bytes new / logical (from the

@@ -120,7 +120,8 @@ class TrainState(Stateful):
         local batch) and FSDP (buffers are not sharded), so a save does not compare them as replicas. By
         name: a parameter is never among them, whatever memory it shares."""
         return frozenset(f"{name}.{key}" for name, model in self.models.items()
-                         for bname, _ in model.named_buffers() for key in _state_dict_names(model, bname))
+                         for bname, _ in model.named_buffers(remove_duplicate=False)  # shared modules: each path
+                         for key in _state_dict_names(model, bname))
 
     # -- Stateful ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -256,3 +256,23 @@ def test_a_damaged_manifest_is_an_error_when_named_and_reported_when_copying_all
     dst = Store.open(tmp_path / "dst2")
     for name in report.copied:
         assert_items_equal(saved[name], dst.load(name))
+
+
+def test_a_chunk_the_destination_found_damaged_is_sent_from_the_source(tmp_path, rng):
+    from deltackpt.errors import CorruptChunkError
+    from deltackpt.store.pack import HEADER_SIZE, pack_key
+    from store_helpers import flip_bit
+
+    shared = rng.standard_normal(SMALL["chunk_size_bytes"] // 4).astype(np.float32)
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    dst.save("old", {"w": shared})
+    e = dst.index.lookup(dst.read_manifest("old").items[0].chunks[0].id)
+    flip_bit(dst.backend, pack_key(e.pack), e.offset + HEADER_SIZE + e.stored_len // 2, 3)
+    with pytest.raises(CorruptChunkError):
+        dst.load("old")  # marks the pack
+    src = Store.init(tmp_path / "src", **SMALL)
+    src.save("new", {"w": shared, "v": np.ones(10, np.float32)})
+    report = copy(src, dst, ["new"])
+    assert report.chunks_skipped == 0  # the destination's copy was not taken for one
+    np.testing.assert_array_equal(Store.open(tmp_path / "dst").load("new")["w"], shared)
+    np.testing.assert_array_equal(Store.open(tmp_path / "dst").load("old")["w"], shared)  # healed too

@@ -495,3 +495,14 @@ def test_damaged_pack_marks_survive_a_rebuild_that_dies_half_way(tmp_path, rng, 
         store.index.rebuild()
     monkeypatch.undo()
     assert Store.open(tmp_path / "s").index.damaged_packs(refresh=True) == {pack}
+
+
+def test_a_rebuild_keeps_a_mark_another_store_object_made(tmp_path, rng):
+    store = Store.init(tmp_path / "s", **SMALL)
+    store.save("c1", {"w": random_array(rng, "float32", (3000,))})
+    assert store.index.damaged_packs() == frozenset()  # read, and cached, before the mark
+    pack = next(iter(store.index.lookup_many({r.id for it in store.read_manifest("c1").items
+                                              for r in it.chunks}).values())).pack
+    Store.open(tmp_path / "s").index.mark_damaged([pack])  # a verify in another process, on this cache
+    store.index.rebuild()
+    assert Store.open(tmp_path / "s").index.damaged_packs(refresh=True) == {pack}

@@ -42,7 +42,7 @@ from .names import LAYER_KEY, checkpoint_name
 from .planner import DeltaSavePlanner
 from .reader import DeltaStorageReader
 from .staging import StagingBuffers
-from .writer import DeltaStorageWriter, open_store
+from .writer import DeltaStorageWriter, check_replica_mode, open_store
 
 __all__ = [
     "LAYER_KEY",
@@ -51,6 +51,7 @@ __all__ = [
     "DeltaStorageWriter",
     "StagingBuffers",
     "async_save",
+    "check_replica_mode",
     "checkpoint_name",
     "default_planner",
     "load",

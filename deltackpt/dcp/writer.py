@@ -56,6 +56,15 @@ def open_store(store, storage_options: dict | None = None) -> Store:
     return Store.open_or_init(store, storage_options=storage_options)
 
 
+REPLICA_CHECKS = ("raise", "warn", "off")
+
+
+def check_replica_mode(mode: str) -> None:
+    """ValueError unless ``mode`` is one of REPLICA_CHECKS (what a save does when replicas differ)."""
+    if mode not in REPLICA_CHECKS:
+        raise ValueError(f"replica_check must be 'raise', 'warn' or 'off', got {mode!r}")
+
+
 class DeltaStorageWriter(StorageWriter, AsyncStager):
     """Save DCP checkpoints into a deltackpt store; each ``checkpoint_id`` becomes one named checkpoint.
 
@@ -78,8 +87,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
                  metadata: dict[str, Any] | None = None, num_threads: int | None = None,
                  replica_check: str = "raise", storage_options: dict | None = None,
                  staging: StagingBuffers | None = None) -> None:
-        if replica_check not in ("raise", "warn", "off"):
-            raise ValueError(f"replica_check must be 'raise', 'warn' or 'off', got {replica_check!r}")
+        check_replica_mode(replica_check)
         super().__init__()
         self._store_spec = store
         self._storage_options = storage_options

@@ -148,8 +148,9 @@ def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int],
     have = dst.index.lookup_many(needed.keys())
     damaged = dst.index.damaged_packs(refresh=True)
     if damaged and have:  # a copy a read found damaged there is no copy: the source's is sent instead
-        held = chain_entries(dst.index, have.keys(), chain_limit(dst.config))
-        have = {cid: e for cid, e in have.items() if not chain_packs(cid, held, MAX_CHAIN) & damaged}
+        limit = chain_limit(dst.config)
+        held = chain_entries(dst.index, have.keys(), limit)
+        have = {cid: e for cid, e in have.items() if not chain_packs(cid, held, limit) & damaged}
     sent = {e.chunk_id for e in entries}
     send = {cid: e for cid, e in needed.items() if cid not in have and cid not in sent}
     _fit_chains(dst, send, needed, entries, name)

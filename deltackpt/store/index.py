@@ -40,7 +40,7 @@ from .pack import PackEntry, is_pack_name, pack_key
 from .reconcile import Reconciling
 from .records import (RECORD_DTYPE, RECORD_SIZE, Located, decode_record, encode_record, locate_in, locate_walk,
                       malformed, records_in)
-from .reindex import DAMAGED_PACKS_KEY, Reindexing, pack_names
+from .reindex import DAMAGED_PACKS_KEY, Reindexing, pack_names, pack_names_bytes
 
 log = logging.getLogger("deltackpt.store")
 
@@ -389,7 +389,7 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
             now = pack_names(txn.get(DAMAGED_PACKS_KEY))
             new = frozenset(change(now))
             if new != now:
-                txn.put(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(new)))
+                txn.put(DAMAGED_PACKS_KEY, pack_names_bytes(new))
         self._damaged = new
 
     @guarded(best_effort=True)

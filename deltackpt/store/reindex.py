@@ -30,6 +30,11 @@ def pack_names(raw) -> frozenset[str]:
     raw = bytes(raw or b"")
     return frozenset(raw[k:k + 16].hex() for k in range(0, len(raw) - 15, 16))
 
+
+def pack_names_bytes(names) -> bytes:
+    """A DAMAGED_PACKS_KEY value: ``names``' 16 bytes each, sorted."""
+    return b"".join(bytes.fromhex(p) for p in sorted(names))
+
 _BATCH_ENTRIES = 1 << 16  # entries indexed per LMDB transaction: few commits, bounded memory
 LOGGED_TABLES_ABOVE = 64  # pack tables to read past which the commit log's copies are read first (remote)
 LOG_READ_THREADS = 4  # commit records read at once (a record holds up to 192 MiB of tables)
@@ -106,7 +111,7 @@ class Reindexing:
                 txn.drop(meta, delete=False)
                 txn.drop(self._db[b"ckpts"], delete=False)
                 if damaged:  # in the same transaction: a crash mid-rebuild must not forget them
-                    txn.put(DAMAGED_PACKS_KEY, b"".join(bytes.fromhex(p) for p in sorted(damaged)), db=meta)
+                    txn.put(DAMAGED_PACKS_KEY, pack_names_bytes(damaged), db=meta)
             with phase(progress, "index rebuild", len(present), "pack") as bar:
                 newest_first = sorted(present, key=lambda n: (-present[n][1], n))
                 logged = self._index_packs([(n, present[n][0]) for n in newest_first], bar, every=from_log)

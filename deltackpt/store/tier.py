@@ -74,6 +74,12 @@ def tier_states(local, remote) -> dict[str, str]:
     return out
 
 
+def _created(store) -> dict[str, int]:
+    """name -> created_ns of ``store``'s checkpoints, oldest first (a copy keeps created_ns: it tells a
+    checkpoint from a later one saved under its name)."""
+    return {i.name: i.created_ns for i in store.list_checkpoints()}
+
+
 class Uploader:
     """Copies committed checkpoints of ``local`` to ``remote`` in a background thread, oldest first.
 
@@ -104,8 +110,7 @@ class Uploader:
         # uploader or an earlier one to this remote (which may have forgotten them since, by its retention),
         # or that its retention would forget as soon as they arrived. The created_ns tells a checkpoint from
         # a later one saved under its name.
-        local_ns = {i.name: i.created_ns for i in local.list_checkpoints()}  # oldest first
-        remote_ns = {i.name: i.created_ns for i in self.remote.list_checkpoints()}
+        local_ns, remote_ns = _created(local), _created(self.remote)
         record = read_tier(local)
         sent = record["uploaded"] if record is not None and record["remote"] == self.remote_url else {}
         pinned = read_all_tags(local)
@@ -203,12 +208,12 @@ class Uploader:
     def _drop_local(self) -> None:
         """Forget local checkpoints beyond the newest ``keep_local_last`` that were uploaded (the remote holds
         them, or held them until its retention forgot them), the very checkpoint: same created_ns."""
-        local_ns = {i.name: i.created_ns for i in self.local.list_checkpoints()}  # oldest first
+        local_ns = _created(self.local)
         names = list(local_ns)
         old = names[:-self.keep_local_last] if len(names) > self.keep_local_last else []
         if old:
             pinned = read_all_tags(self.local)
-            remote_ns = {i.name: i.created_ns for i in self.remote.list_checkpoints()}
+            remote_ns = _created(self.remote)
             confirmed = [n for n in old if n not in pinned
                          and local_ns[n] in (self._uploaded.get(n), remote_ns.get(n))]
             if confirmed:

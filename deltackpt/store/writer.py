@@ -35,6 +35,7 @@ from .manifest import ChunkRef, Item, Manifest
 from .pack import PackEntry
 from .packsink import PackSink
 from .parentmap import Extent, ParentMap
+from .reindex import pack_names_bytes
 from .source import ChunkSource
 from .threads import InlineExecutor, default_write_threads
 
@@ -101,8 +102,8 @@ class ChunkWriter:
         # if gone.
         # A pack a read found damaged: nothing in it is reused or built upon (ChunkIndex.damaged_packs).
         self._damaged = store.index.damaged_packs(refresh=True)  # a verify elsewhere may have marked one
-        self._parent_packs = parent_packs if self.parent and parent_packs and not (parent_packs & self._damaged) \
-            and store.index.indexes_packs(parent_packs) else None
+        trusted = self.parent and parent_packs and not parent_packs & self._damaged
+        self._parent_packs = parent_packs if trusted and store.index.indexes_packs(parent_packs) else None
         self._failed: BaseException | None = None  # the first coding job's (or upload's) error: stop queueing
         self._sink = PackSink(store, on_error=self._note_failure)
         self._inflight = 0
@@ -354,7 +355,7 @@ class ChunkWriter:
             pending, bases = pending[more], bases[more]
         ok[pending] = False  # a chain longer than the store allows: not restorable here
         if self._damaged:  # a copy (or a base) in a pack found damaged: written again, not reused
-            bad = np.frombuffer(b"".join(bytes.fromhex(p) for p in self._damaged), dtype="<u8").reshape(-1, 2)
+            bad = np.frombuffer(pack_names_bytes(self._damaged), dtype="<u8").reshape(-1, 2)
             for level, owner in zip(packs, owners):
                 halves = np.ascontiguousarray(level).view("<u8").reshape(-1, 2)
                 hit = np.zeros(len(halves), bool)

@@ -32,6 +32,7 @@ from ..dcp import (
     DeltaStorageReader,
     DeltaStorageWriter,
     StagingBuffers,
+    check_replica_mode,
     default_planner,
     open_store,
     quiet_single_process,
@@ -93,8 +94,7 @@ class CheckpointManager:
             raise ValueError("keep_last must be >= 1 (or None to keep every checkpoint)")
         if async_mode not in (None, *_ASYNC_TYPES):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
-        if replica_check not in ("raise", "warn", "off"):
-            raise ValueError(f"replica_check must be 'raise', 'warn' or 'off', got {replica_check!r}")
+        check_replica_mode(replica_check)  # here, not at the first save
         self.replica_check = replica_check
         self._own_group = None
         if async_mode == "thread" and process_group is None and rank_and_world()[1] > 1:

@@ -27,13 +27,15 @@ from .writer import DeltaStorageWriter
 T = TypeVar("T")
 
 
-
-def default_planner(state_dict) -> DeltaSavePlanner:
-    """The planner a save uses unless given one: replicas compared, but not the buffers of a top-level
-    ``TrainState`` (anything with ``buffer_keys()``: BatchNorm's running stats are each rank's own)."""
+def default_planner(state_dict, replica_check: str = "raise") -> DeltaSavePlanner:
+    """The planner a save uses unless given one: replicas compared (unless ``replica_check`` is "off"), but not
+    the buffers of a top-level ``TrainState`` (anything with ``buffer_keys()``: BatchNorm's running stats are
+    each rank's own)."""
     return DeltaSavePlanner(unchecked=[f"{key}.{name}" for key, value in state_dict.items()
                                        if callable(getattr(value, "buffer_keys", None))
-                                       for name in value.buffer_keys()])
+                                       for name in value.buffer_keys()],
+                            digests=replica_check != "off")
+
 
 def unwrap(exc: BaseException) -> BaseException:
     """The typed error behind DCP's ``CheckpointException``; any other exception is returned as is.
@@ -97,11 +99,12 @@ def typed_future(fut: Future) -> Future:
 
 def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group=None, planner=None,
          overwrite: bool = False, metadata: dict[str, Any] | None = None, no_dist: bool = False,
-         storage_options: dict | None = None):
-    """``dcp.save`` into checkpoint ``checkpoint_id`` of ``store`` (a path, URL or Store); returns DCP's Metadata."""
+         storage_options: dict | None = None, replica_check: str = "raise"):
+    """``dcp.save`` into checkpoint ``checkpoint_id`` of ``store`` (a path, URL or Store); returns DCP's Metadata.
+    ``replica_check``: what the save does when replicas of a tensor differ across ranks (DeltaStorageWriter)."""
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
-                                storage_options=storage_options)
-    planner = planner or default_planner(state_dict)
+                                storage_options=storage_options, replica_check=replica_check)
+    planner = planner or default_planner(state_dict, replica_check)
     with quiet_single_process():
         return typed_call(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
                                            process_group=process_group, no_dist=no_dist))
@@ -125,17 +128,17 @@ def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
                async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
                process_group=None, planner=None, overwrite: bool = False,
                metadata: dict[str, Any] | None = None, storage_options: dict | None = None,
-               staging: StagingBuffers | None = None) -> Future:
+               staging: StagingBuffers | None = None, replica_check: str = "raise") -> Future:
     """``dcp.async_save`` into ``store``; returns a future whose error is the typed one. The state is copied
     before this returns.
 
     ``staging``: pass the same :class:`StagingBuffers` to every call to copy into one set of buffers instead of
     allocating a new copy each time (a call first waits for the previous save that uses them); ``close()`` it
-    after the last save.
+    after the last save. ``replica_check`` as for :func:`save`.
     """
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
-                                storage_options=storage_options, staging=staging)
-    planner = planner or default_planner(state_dict)
+                                storage_options=storage_options, staging=staging, replica_check=replica_check)
+    planner = planner or default_planner(state_dict, replica_check)
     with quiet_single_process():
         fut = typed_call(lambda: dcp.async_save(state_dict, storage_writer=writer, planner=planner,
                                                 process_group=process_group,

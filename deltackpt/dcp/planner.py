@@ -33,15 +33,18 @@ class DeltaSavePlanner(DefaultSavePlanner):
 
     ``unchecked``: keys (DCP's flattened fqns) of plain tensors each rank holds its own of, not replicas
     (BatchNorm's running stats under DDP or FSDP: ``TrainState.buffer_keys``). Their digests are not compared.
+    ``digests=False``: no digest at all (a save with ``replica_check="off"``: hashing every replica would cost
+    a pass over the state for nothing).
     """
 
-    def __init__(self, *args, unchecked: Iterable[str] = (), **kwargs) -> None:
+    def __init__(self, *args, unchecked: Iterable[str] = (), digests: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.unchecked = frozenset(unchecked)  # a set, not a callable: process-mode async saves pickle the planner
+        self.digests = digests
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not (self.digests and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return plan
         unchecked = self.unchecked
         digests = {}

@@ -45,6 +45,9 @@ class ObjectInfo:
     key: str
     size_bytes: int
     mtime_s: float = 0.0  # when the object was written (seconds since the epoch)
+    # What tells this write of the object from another write under the same key and size where ``mtime_s`` may
+    # not (S3's LastModified has 1 s resolution): an S3 ETag, a local file's inode and mtime in ns; "" if none.
+    version: str = ""
 
 
 def check_key(key: str) -> str:
@@ -173,7 +176,8 @@ class MemoryBackend(Backend):
 
     def __init__(self) -> None:
         self._objects: dict[str, bytes] = {}
-        self._mtimes: dict[str, float] = {}
+        self._mtimes: dict[str, int] = {}  # when each object was written, ns: strictly increasing (its version)
+        self._last = 0
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -183,13 +187,19 @@ class MemoryBackend(Backend):
     def __setstate__(self, state):
         self._objects = state["_objects"]
         self._mtimes = state.get("_mtimes", {})
+        self._last = max(self._mtimes.values(), default=0)
         self._lock = threading.Lock()
+
+    def _stamp(self) -> int:
+        """Now, in ns, later than any write before (under the lock)."""
+        self._last = max(time.time_ns(), self._last + 1)
+        return self._last
 
     def put(self, key, data):
         check_key(key)
         with self._lock:
             self._objects[key] = bytes(data)
-            self._mtimes[key] = time.time()
+            self._mtimes[key] = self._stamp()
 
     def put_new(self, key, data):
         check_key(key)
@@ -197,7 +207,7 @@ class MemoryBackend(Backend):
             if key in self._objects:
                 raise FileExistsError(key)
             self._objects[key] = bytes(data)
-            self._mtimes[key] = time.time()
+            self._mtimes[key] = self._stamp()
 
     def get(self, key):
         check_key(key)
@@ -215,9 +225,9 @@ class MemoryBackend(Backend):
 
     def list(self, prefix=""):
         with self._lock:
-            items = sorted((k, len(v), self._mtimes.get(k, 0.0)) for k, v in self._objects.items()
+            items = sorted((k, len(v), self._mtimes.get(k, 0)) for k, v in self._objects.items()
                            if k.startswith(prefix))
-        return iter([ObjectInfo(k, n, t) for k, n, t in items])
+        return iter([ObjectInfo(k, n, t / 1e9, str(t)) for k, n, t in items])
 
     def delete(self, key):
         check_key(key)

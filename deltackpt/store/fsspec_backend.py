@@ -208,7 +208,7 @@ class FsspecBackend(Backend):
             key = name[skip:]
             if info.get("type", "file") != "file" or not key.startswith(prefix):
                 continue
-            out.append(ObjectInfo(key, int(info.get("size", 0)), _mtime(info)))
+            out.append(ObjectInfo(key, int(info.get("size", 0)), _mtime(info), _version(info)))
         return iter(sorted(out, key=lambda i: i.key))
 
     def delete(self, key):
@@ -256,6 +256,15 @@ def _shared_filesystem(fs, options: dict):
     key = (os.getpid(), type(fs).__name__, json.dumps(options, sort_keys=True, default=repr))
     with _FILESYSTEMS_LOCK:
         return _FILESYSTEMS.setdefault(key, fs)
+
+
+def _version(info: dict) -> str:
+    """What tells one write of an object from another (ObjectInfo.version): its ETag (S3, GCS, Azure) or hash."""
+    for field in ("ETag", "etag", "md5Hash", "VersionId"):
+        value = info.get(field)
+        if value:
+            return str(value)
+    return ""
 
 
 def _mtime(info: dict) -> float:

@@ -95,7 +95,7 @@ class GcPlan:
     merge: set[str] = field(default_factory=set)  # those of ``repack`` planned only because they are small
     # What the plan was made from, to re-check it under the exclusive lock.
     live: np.ndarray | None = field(default=None, repr=False)
-    manifests: dict[str, tuple[int, float]] = field(default_factory=dict, repr=False)  # name -> (size, mtime)
+    manifests: dict[str, tuple] = field(default_factory=dict, repr=False)  # name -> (size, mtime, version)
     pack_entries: dict[str, PackTable] = field(default_factory=dict, repr=False)  # planned packs' tables
     packs: set[str] = field(default_factory=set, repr=False)  # every pack listed
     epoch: bytes = field(default=b"", repr=False)  # the gc epoch when the store was listed
@@ -258,13 +258,14 @@ def _drop_orphan_records(store, present: set[str]) -> None:
             store.backend.delete(key)
 
 
-def _list_manifests(store) -> dict[str, tuple[int, float]]:
-    """Checkpoint name -> (manifest size, mtime): what tells a manifest written since apart."""
+def _list_manifests(store) -> dict[str, tuple[int, float, str]]:
+    """Checkpoint name -> (manifest size, mtime, version): what tells a manifest written since apart, also one
+    written again under its name within the mtime's resolution (S3: a second) with the same size."""
     out = {}
     for info in store.backend.list("manifests/"):
         name = info.key[len("manifests/"):]
         if "/" not in name:
-            out[name] = (info.size_bytes, info.mtime_s)
+            out[name] = (info.size_bytes, info.mtime_s, info.version)
     return out
 
 

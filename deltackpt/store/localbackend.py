@@ -254,7 +254,7 @@ class LocalBackend(Backend, LocalFiles):
                     st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:
                     continue
-                out.append(ObjectInfo(key, st.st_size, st.st_mtime))
+                out.append(ObjectInfo(key, st.st_size, st.st_mtime, f"{st.st_ino}-{st.st_mtime_ns}"))
         return iter(sorted(out, key=lambda i: i.key))
 
     def list_temp(self) -> list[tuple[str, float]]:

@@ -103,27 +103,33 @@ class CheckpointManager:
             # rank makes the manager (a collective: before anything that may fail on one rank only), so
             # every rank makes this group, in the same order; close() destroys it.
             process_group = self._own_group = dist.new_group(backend="gloo")
-        self.store: Store = open_store(store, storage_options)
-        self.store.base_cache.limit(base_cache_bytes)
-        self.remote = remote
-        self._remote_storage_options = remote_storage_options
-        self._remote: Store | None = None  # opened when a rank restores from it
-        # The coordinator uploads (every rank's packs are in the one local store it commits to).
         self._uploader: Uploader | None = None
-        if remote is not None and rank_and_world()[0] == 0:
-            self._uploader = Uploader(self.store, remote, storage_options=remote_storage_options,
-                                      keep_local_last=keep_local_last if keep_local_last is not None else keep_last,
-                                      keep_remote_last=keep_last)
-        self.state = state
-        self.every_n_steps = every_n_steps
-        self.keep_last = keep_last
-        self.async_mode = async_mode
-        self.process_group = process_group
-        self.name_format = name_format
-        self._pending: tuple[Future, str] | None = None
-        self._staging = StagingBuffers(share_memory=async_mode == "process") if async_mode else None
-        self._closed = False
-        self._saved_step: int | None = None  # the step last saved or restored: saving it again changes nothing
+        try:
+            self.store: Store = open_store(store, storage_options)
+            self.store.base_cache.limit(base_cache_bytes)
+            self.remote = remote
+            self._remote_storage_options = remote_storage_options
+            self._remote: Store | None = None  # opened when a rank restores from it
+            # The coordinator uploads (every rank's packs are in the one local store it commits to).
+            if remote is not None and rank_and_world()[0] == 0:
+                local_last = keep_local_last if keep_local_last is not None else keep_last
+                self._uploader = Uploader(self.store, remote, storage_options=remote_storage_options,
+                                          keep_local_last=local_last, keep_remote_last=keep_last)
+            self.state = state
+            self.every_n_steps = every_n_steps
+            self.keep_last = keep_last
+            self.async_mode = async_mode
+            self.process_group = process_group
+            self.name_format = name_format
+            self._pending: tuple[Future, str] | None = None
+            self._staging = StagingBuffers(share_memory=async_mode == "process") if async_mode else None
+            self._closed = False
+            self._saved_step: int | None = None  # last saved or restored: saving it again changes nothing
+        except BaseException:  # a manager never made is never closed: let go of what it took
+            if self._uploader is not None:
+                self._uploader.close()
+            self._destroy_own_group()
+            raise
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -165,7 +171,7 @@ class CheckpointManager:
         writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta, staging=self._staging,
                                     replica_check=self.replica_check)
         payload = {STATE_KEY: self.state}
-        planner = default_planner(payload)
+        planner = default_planner(payload, self.replica_check)
         started = time.perf_counter()
         if self.async_mode is None:
             with quiet_single_process():

@@ -70,11 +70,25 @@ def _state_dict_names(model, name: str) -> set[str]:
     try:
         from torch.distributed.checkpoint.state_dict import _get_fqns
     except ImportError:  # (private in torch: the same rule by hand)
-        return {".".join(p for p in name.split(".") if p not in _WRAPPERS)}
+        return _unwrapped_name(model, name)
     return set(_get_fqns(model, name))
 
 
-_WRAPPERS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+def _unwrapped_name(model, name: str) -> set[str]:
+    """:func:`_state_dict_names` by hand: each wrapper's own attribute dropped from ``name`` (DDP's
+    ``module``, torch.compile's ``_orig_mod``, FSDP1's and activation checkpointing's wrapped module), a
+    user's attribute of the same name kept."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    kept, obj = [], model
+    for part in name.split("."):
+        wrapper = (part == "module" and isinstance(obj, DistributedDataParallel)
+                   or part == "_orig_mod" and type(obj).__name__ == "OptimizedModule"
+                   or part in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+        if not wrapper:
+            kept.append(part)
+        obj = getattr(obj, part, None)
+    return {".".join(kept)}
 
 
 class TrainState(Stateful):

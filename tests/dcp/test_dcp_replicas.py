@@ -66,3 +66,32 @@ def test_identical_replicas_pass(tmp_path):
     results = run_ranks(_replica_worker, 2, str(tmp_path / "s"), -1, "raise", timeout=180)
     for outcome, names in results:
         assert outcome == "saved" and names == ["good", "bad"]
+
+
+def _digest_count_worker(rank, world, store_dir, mode):
+    import deltackpt
+    from deltackpt.dcp import planner as planner_mod
+
+    calls = []
+    real = planner_mod.xxhash.xxh3_128_hexdigest
+
+    class Counting:  # the planner's xxhash, counting its digests
+        @staticmethod
+        def xxh3_128_hexdigest(data):
+            calls.append(1)
+            return real(data)
+
+    planner_mod.xxhash = Counting
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 16)).module
+    if rank == 1:
+        with torch.no_grad():
+            model.weight[0, 0] += 1.0  # replicas differ: "off" must save anyway
+    deltackpt.save({"model": model.state_dict()}, store_dir, f"c-{mode}", replica_check=mode)
+    return len(calls)
+
+
+@pytest.mark.parametrize("mode", ["off", "warn"])
+def test_replica_check_off_hashes_no_replica(tmp_path, mode):
+    counts = run_ranks(_digest_count_worker, 2, str(tmp_path / "s"), mode, timeout=180)
+    assert (counts == [0, 0]) == (mode == "off"), counts

@@ -18,15 +18,15 @@ import pytest
 import xxhash
 
 from deltackpt.errors import DeltackptError, StoreLockedError
-from deltackpt.store import Store, codec
+from deltackpt.store import MemoryBackend, Store, codec
 from deltackpt.store.gc import live_chunk_ids, plan_gc
 from deltackpt.store.lock import EXCLUSIVE, SHARED, STALE_AFTER_S, list_locks
 from deltackpt.store.manifest import manifest_key
 from deltackpt.store.pack import pack_key
 from deltackpt.store.verify import verify_store
 
-from store_helpers import (assert_items_equal, count_index_writes, mutate_object, pack_names, packs_of_checkpoint,
-                           random_array)
+from store_helpers import (SMALL, assert_items_equal, count_index_writes, mutate_object, pack_names,
+                           packs_of_checkpoint, random_array)
 
 
 def _arr(rng, n: int) -> np.ndarray:
@@ -620,3 +620,23 @@ def test_forget_of_many_checkpoints_is_one_index_transaction(local_store, rng):
 
 def _count_index_writes(store, fn) -> int:
     return count_index_writes(store.index, fn)
+
+
+class _CoarseClock(MemoryBackend):
+    """Listings whose mtimes have S3's resolution and then some: every object written at the same second."""
+
+    def list(self, prefix=""):
+        return iter([dataclasses.replace(i, mtime_s=0.0) for i in super().list(prefix)])
+
+
+def test_a_manifest_written_again_between_plan_and_execute_keeps_its_chunks(tmp_path, rng):
+    store = Store.init(_CoarseClock(), cache_dir=tmp_path / "cache", **SMALL)
+    x, y = random_array(rng, "float32", (3000,)), random_array(rng, "float32", (3000,))
+    store.save("b", {"w": y})
+    store.save("a", {"w": x})
+    store.forget("a")  # x's chunks are dead
+    plan = plan_gc(store, grace_s=0)
+    assert plan.delete_packs
+    store.save("b", {"w": x}, overwrite=True)  # same size, same mtime: x's chunks are b's now
+    plan.execute()
+    assert_items_equal({"w": x}, store.load("b"))

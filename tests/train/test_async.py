@@ -189,3 +189,23 @@ def _thread_mode_fsdp(rank, world_size, path):
 def test_thread_mode_on_the_default_group_with_fsdp_saves_every_step(store_path):
     # On one group with training's all-gathers, the save thread's collectives aborted gloo or hung.
     assert run_ranks(_thread_mode_fsdp, 2, store_path, timeout=300) == [True, True]
+
+
+def _failed_manager_groups(rank, world_size, path):
+    from torch.distributed import distributed_c10d as c10d
+
+    state = _state()
+    before = len(c10d._world.pg_map)
+    with pytest.raises(Exception):
+        CheckpointManager(path, state, async_mode="thread")  # a file, not a store: fails after making its group
+    with CheckpointManager(path + "-ok", state, async_mode="thread") as mgr:  # a collective still lines up
+        made = len(c10d._world.pg_map)
+        assert mgr.process_group is not None
+    return before, len(c10d._world.pg_map), made
+
+
+def test_a_manager_that_fails_to_start_destroys_its_group(tmp_path):
+    path = tmp_path / "not-a-store"
+    path.write_text("a file")
+    for before, after, made in run_ranks(_failed_manager_groups, 2, str(path), timeout=180):
+        assert after == before and made == before + 1

@@ -70,3 +70,22 @@ def test_buffer_keys_are_found_by_name_through_wrappers_and_never_name_a_paramet
     stats = {"running_mean", "running_var", "num_batches_tracked"}
     assert keys == {"net.w_t"} | {f"net.{m}.{s}" for m in ("bn", "again") for s in stats}
     assert set(state.state_dict()["net"]) >= {k.split(".", 1)[1] for k in keys}  # the keys the state dict has
+
+
+def test_the_fallback_for_torch_without_get_fqns_names_buffers_as_torch_does():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    from deltackpt.train.state import _unwrapped_name
+
+    class Holder(nn.Module):  # a user's attribute named like DDP's wrapped module: kept in the keys
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+            self._orig_mod = nn.BatchNorm1d(2)
+
+    models = [Holder(), torch.compile(Holder(), backend="eager"),
+              nn.Sequential(checkpoint_wrapper(nn.BatchNorm1d(3)), nn.Linear(3, 3))]
+    for model in models:
+        names = [name for name, _ in model.named_buffers(remove_duplicate=False)]
+        assert names and all(_unwrapped_name(model, n) == set(_get_fqns(model, n)) for n in names), names

@@ -42,6 +42,7 @@ duplicate chunks or unindexed packs, which the index refresh and the next gc cle
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -70,6 +71,8 @@ from .pack import (
 )
 from .progress import Progress, phase
 from .repack import log_repacks, repack_packs
+
+log = logging.getLogger("deltackpt.store")
 
 DEFAULT_GRACE_S = 3600.0
 # Small packs (one per rank and save, say) are merged into packs of the target size once they hold this
@@ -148,6 +151,15 @@ class GcPlan:
             for name in sorted(old_repacked):
                 store.backend.delete(pack_key(name))
             gone = set(plan.delete_packs) | old_repacked
+            if epoch is not None:
+                # Another epoch once every pack is gone: a cache that caught up half way through (a read
+                # that found a pack gone) took the first one for seen, and would take a pack deleted after
+                # that for damage.
+                done = uuid.uuid4().hex.encode()
+                if _put_epoch(store, done, may_fail=True):
+                    epoch = done
+                else:
+                    log.warning("gc: the store's gc-epoch was not updated after the deletes (disk full)")
             store.index.remove_packs(gone, concat([plan.pack_entries[n].chunk_ids for n in gone]))
             if epoch is not None:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows

@@ -105,7 +105,13 @@ class ForgetPlan:
         return {"keep": [{"name": n, "reasons": r} for n, r in self.keep.items()], "forget": self.forget}
 
     def execute(self) -> list[str]:
-        """Remove the manifests (and tags) of the planned checkpoints; returns the names removed."""
+        """Remove the manifests (and tags) of the planned checkpoints; returns the names removed. A checkpoint
+        tagged since the plan was made (``deltackpt tag`` from another process) is kept instead."""
+        now_tagged = {i.key[len("tags/"):] for i in self.store.backend.list("tags/")}  # one listing
+        tagged = [n for n in self.forget if n in now_tagged]  # a pin set after the plan read the tags
+        for name in tagged:
+            self.forget.remove(name)
+            self.keep[name] = ["tagged since the plan"]
         removed = self.store.forget(self.forget)  # one index transaction for all, not one per checkpoint
         for name in self.forget:
             self.store.backend.delete(_tag_key(name))

@@ -150,3 +150,41 @@ def test_saves_and_gc_interleave_with_a_cache_per_process(tmp_path):
 @pytest.mark.timeout(600)
 def test_saves_and_gc_interleave_for_a_minute(tmp_path):
     check_saves_and_gc_interleave(tmp_path, duration_s=60)
+
+
+def test_a_reader_that_caught_up_half_way_through_a_gc_reads_after_it(tmp_path, rng):
+    # Two caches stand for two hosts. The reader's read of a forgotten checkpoint finds its pack gone while
+    # gc is between its deletes and catches up then; a pack gc deletes after that must not read as damage.
+    import numpy as np
+
+    from deltackpt.errors import DeltackptError
+    from deltackpt.store.gc import plan_gc
+    from store_helpers import SMALL
+
+    Store.init(tmp_path / "s", **{**SMALL, "pack_target_bytes": 1 << 20})
+    writer = Store.open(tmp_path / "s", cache_dir=tmp_path / "cache-writer")
+    shared = rng.standard_normal(16 * 1024).astype(np.float32)
+    data = {"c0": {"a": shared, "b": rng.standard_normal(16 * 1024).astype(np.float32)},  # one pack: a, b
+            "c1": {"a": shared, "b": rng.standard_normal(16 * 1024).astype(np.float32)},
+            "c2": {"x": rng.standard_normal(16 * 1024).astype(np.float32)}}
+    for name, items in data.items():
+        writer.save(name, items)
+    reader = Store.open(tmp_path / "s", cache_dir=tmp_path / "cache-reader")
+    for name in data:
+        reader.load(name)
+    reading = [reader.open_checkpoint("c2")]
+    writer.forget(["c0", "c2"])  # c2's pack is dead, c0's half dead (a lives on): repacked
+
+    gcs = Store.open(tmp_path / "s", cache_dir=tmp_path / "cache-gc")
+    delete = gcs.backend.delete
+
+    def delete_then_read(key, *args, **kwargs):
+        delete(key, *args, **kwargs)
+        if key.startswith("packs/") and reading:
+            with pytest.raises(DeltackptError):  # c2 is gone, rightly; the reader catches up mid-gc
+                reading.pop().read_many(data["c2"])
+
+    gcs.backend.delete = delete_then_read
+    result = plan_gc(gcs, grace_s=0).execute()
+    assert not reading and result.deleted_packs and result.repacked_packs
+    assert_items_equal(data["c1"], reader.load("c1"))

@@ -278,3 +278,14 @@ def test_a_damaged_tags_object_still_pins_is_reported_and_can_be_rewritten(six, 
     assert "s1" in report.problems[0].detail and report.damaged_checkpoints == []  # its data is intact
     assert set_tags(store, "s1", [*read_tags(store, "s1"), "new"]) == ["new"]  # rewritten, the marker dropped
     assert read_tags(store, "s1") == ["new"] and verify_store(store, level=0).ok
+
+
+def test_a_checkpoint_tagged_after_the_plan_is_kept(six):
+    # Another process tags s0 between forget's plan and its execution: the pin holds, with its tags.
+    store, saved, _ = six
+    plan = plan_forget(store, keep_last=2)
+    set_tags(store, "s0", ["best"])
+    removed = plan.execute()
+    assert removed == ["s1", "s2", "s3"] and plan.keep["s0"] == ["tagged since the plan"]
+    assert read_tags(store, "s0") == ["best"]
+    assert_items_equal(saved["s0"], store.load("s0"))

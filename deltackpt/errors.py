@@ -54,14 +54,15 @@ class CheckpointExistsError(DeltackptError, FileExistsError):
     DCP's wording keeps working.
     """
 
-    def __init__(self, name: str, where: str = ""):
+    def __init__(self, name: str, where: str = "", hint: str = "pass overwrite=True to replace it"):
         self.name = name
         self.where = where  # e.g. "in the destination, with other data"
+        self.hint = hint  # what the caller can do instead
         super().__init__(name)
 
     def __str__(self) -> str:
         where = f" {self.where}" if self.where else ""
-        return f"Checkpoint already exists: {self.name}{where}; pass overwrite=True to replace it"
+        return f"Checkpoint already exists: {self.name}{where}; {self.hint}"
 
 
 class InvalidNameError(DeltackptError, ValueError):

@@ -41,10 +41,12 @@ def _cli(*argv, shell_tail: str = "") -> subprocess.CompletedProcess:
     (["verify", "{store}", "--level", "7"], 2, "UsageError", "--level"),
     (["gc", "{store}", "--max-unused", "lots"], 2, "ValueError", "--max-unused"),
     (["frobnicate"], 2, "UsageError", "invalid choice"),
+    (["init", "{tmp}/a-file"], 3, "StoreExistsError", "is a file, not a directory"),
     ([], 2, "UsageError", "command"),
 ])
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_json_errors_are_a_json_object_on_stdout(store_path, tmp_path, capsys, argv, code, type_, needle, where):
+    (tmp_path / "a-file").write_text("not a store")
     argv = [a.format(tmp=tmp_path, store=store_path) for a in argv]
     argv = ["--json", *argv] if where == "before" or not argv else [*argv, "--json"]
     got, out, err = run(capsys, *argv)

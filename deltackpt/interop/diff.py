@@ -10,8 +10,9 @@ changed tensor the equal stretches of A are read too, for the norm that relative
 Tensors sharded differently in other ways are compared a slab of rows at a time (no chunk counts then).
 
 Per item: status (unchanged, changed, added, removed, shape, dtype), changed elements and their bytes, the
-chunks of B that hold a change, max |a-b| and ||b-a|| / ||a|| over finite values (floats, ints, bools,
-bfloat16, complex; None for dtypes without a numeric view, e.g. float8, whose bytes are still compared).
+chunks of B that hold a change, max |a-b| and ||b-a|| / ||a|| over finite values, both inf when a changed
+element's difference is not finite (a value that became inf or NaN: ranked first); for floats, ints, bools,
+bfloat16, complex; None for dtypes without a numeric view, e.g. float8, whose bytes are still compared.
 """
 
 from __future__ import annotations
@@ -250,7 +251,10 @@ class _TensorDiff:
             delta = int_distance(rows_a.reshape(-1), rows_b.reshape(-1), self.ta.dtype)
         else:
             delta = np.abs(vb[mask] - va[mask])
-        delta = delta[np.isfinite(delta)]
+        finite = np.isfinite(delta)
+        if not finite.all():  # an element that became (or stopped being) inf or NaN: the largest change
+            self.max_abs = self.diff_sq = math.inf
+        delta = delta[finite]
         if delta.size:
             self.max_abs = max(self.max_abs, float(delta.max()))
             self.diff_sq += float(np.dot(delta, delta))

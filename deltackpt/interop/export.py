@@ -50,7 +50,8 @@ def export(store, checkpoint: str, out, *, format: str = "dcp", only=None, dtype
     ``format``: ``dcp`` (a directory stock ``FileSystemReader`` loads, on any world size), ``torch`` (one
     ``torch.save`` file, the structure ``dcp_to_torch_save`` gives, loadable with ``weights_only=True``) or
     ``safetensors`` (tensors only, named by their flattened keys). ``only``: key prefixes to keep (e.g.
-    ``"model."``). ``dtype``: ``bf16`` or ``fp32`` casts every floating-point tensor.
+    ``"model."``). ``dtype``: ``bf16`` or ``fp32`` casts every float16, bfloat16, float32 and float64
+    tensor (float8 stays as it is).
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")

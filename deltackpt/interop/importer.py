@@ -63,7 +63,7 @@ def import_checkpoint(store, src, name: str | None = None, *, progress: Progress
     source = _read_source(src)  # every check on the source, before the store is touched
     store = open_store(store, storage_options)
     if store.exists(name):
-        raise CheckpointExistsError(name)
+        raise CheckpointExistsError(name, hint="import it under another name (--name, name=) or forget it first")
     return _import(store, source, name, {"imported_from": str(src)}, progress)
 
 

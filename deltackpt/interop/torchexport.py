@@ -151,12 +151,13 @@ def write_torch(tmp, store, layout: Layout, names: list[str], target: str | None
 
 
 def _cast_tree(obj, dst: torch.dtype) -> int:
-    """Cast the floating-point tensors of a nested state dict to ``dst`` in place; how many were cast."""
+    """Cast the float tensors of a nested state dict to ``dst`` in place, as the other formats do (``FLOATS``:
+    float16, bfloat16, float32, float64; quantised float8 stays as it is); how many were cast."""
     n = 0
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for key, value in list(items):
         if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and value.dtype != dst:
+            if str(value.dtype).removeprefix("torch.") in FLOATS and value.dtype != dst:
                 obj[key] = value.to(dst)
                 n += 1
         else:

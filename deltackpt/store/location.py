@@ -91,6 +91,9 @@ def read_store_config(backend: Backend) -> StoreConfig:
 def create_store_config(backend: Backend, exist_ok: bool, overrides: dict) -> StoreConfig | None:
     """Publish a new store's config (the defaults with ``overrides``) at ``backend``; None when a store is
     there already and ``exist_ok`` (the caller opens it), else StoreExistsError."""
+    local = local_root(backend)
+    if local is not None and local.exists() and not local.is_dir():
+        raise StoreExistsError(f"{local} is a file, not a directory: a store is a directory")
     if backend.exists(CONFIG_KEY):
         if exist_ok:
             return None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any, Mapping
 
 import torch
@@ -91,6 +92,25 @@ def _unwrapped_name(model, name: str) -> set[str]:
     return {".".join(kept)}
 
 
+# Keys of TrainState.state_dict besides the models' and schedulers' names (and "<model>.optim").
+_RESERVED = {"scaler", "progress", "extra", "meta"}
+
+
+def _check_names(names: list[str]) -> None:
+    """ValueError unless the models' and schedulers' names are distinct keys of the state dict: each its own,
+    none a key TrainState writes itself, and without "." (DCP joins nested keys with it: model "a" and model
+    "a.b" would both own "a.b.weight", and "<model>.optim" is an optimizer's state)."""
+    seen = set()
+    for name in names:
+        if not isinstance(name, str) or not name or "." in name or name in _RESERVED \
+                or re.fullmatch(r"rank\d+", name):
+            raise ValueError(f"TrainState: {name!r} cannot name a model or scheduler: names must be non-empty, "
+                             f"without '.', and none of {sorted(_RESERVED)} or rank<N> (the state's own keys)")
+        if name in seen:
+            raise ValueError(f"TrainState: {name!r} names two of the models and schedulers")
+        seen.add(name)
+
+
 class TrainState(Stateful):
     """The complete state of a training run. Pass it to ``dcp.save``/``dcp.load`` or a CheckpointManager.
 
@@ -106,6 +126,7 @@ class TrainState(Stateful):
             raise ValueError("TrainState needs at least one model")
         self.optimizers = _as_named(optimizer, "optim")
         self.schedulers = _as_named(scheduler, "scheduler")
+        _check_names([*self.models, *self.schedulers])
         self.dataloader = dataloader
         self.scaler = scaler
         self.extra = dict(extra or {})

@@ -98,3 +98,19 @@ def test_diff_of_big_endian_arrays_compares_values_and_64_bit_integers_exactly(t
     assert by["x"].status == "unchanged" and by["x"].rel_l2 == 0.0
     assert (by["seed"].changed_elements, by["seed"].max_abs_diff) == (2, 100.0)  # float64 saw 0 and 0
     assert (by["u"].changed_elements, by["u"].max_abs_diff) == (1, 1.0)
+
+
+def test_a_value_that_became_inf_or_nan_is_the_largest_change(tmp_path):
+    store = Store.init(tmp_path / "store", **SMALL_CONFIG)
+    ones = np.ones(1000, np.float32)
+    store.save("a", {"diverged": ones, "nan": ones, "nudged": ones})
+    diverged, nan, nudged = np.full(1000, np.inf, np.float32), ones.copy(), ones.copy()
+    nan[3] = np.nan
+    nudged[0] += np.float32(1e-6)
+    store.save("b", {"diverged": diverged, "nan": nan, "nudged": nudged})
+    report = deltackpt.diff(store, "a", "b")
+    by = {i.name: i for i in report.items}
+    for name in ("diverged", "nan"):
+        assert by[name].rel_l2 == by[name].max_abs_diff == float("inf"), name  # was 0.0: ranked last
+    assert 0 < by["nudged"].rel_l2 < 1e-6
+    assert [i.name for i in report.top(2)] == ["diverged", "nan"]

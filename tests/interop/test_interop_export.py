@@ -157,3 +157,13 @@ def test_safetensors_export_writes_little_endian_values_and_skips_the_reserved_n
     assert sorted(got) == ["big", "c"]
     np.testing.assert_array_equal(got["big"], big.astype("<f4"))
     np.testing.assert_array_equal(got["c"], np.array([1 + 2j], dtype=np.complex64))
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
+def test_every_format_casts_the_same_tensors(tmp_path, fmt):
+    # The torch format cast float8 too (torch's is_floating_point), the other formats left it as it was.
+    deltackpt.save({"w": torch.ones(4), "q": torch.ones(4).to(torch.float8_e4m3fn), "i": torch.arange(4)},
+                   tmp_path / "store", "c")
+    out = tmp_path / ("c.pt" if fmt == "torch" else "c.safetensors" if fmt == "safetensors" else "c")
+    report = deltackpt.export(tmp_path / "store", "c", out, format=fmt, dtype="bf16")
+    assert report.converted == 1  # w only

@@ -165,6 +165,7 @@ def test_bad_sources_are_refused_with_one_line_and_write_nothing(tmp_path, capsy
         deltackpt.import_checkpoint(store, tmp_path / "good", "taken")
     code, _out, err = run(capsys, "import", tmp_path / "store", tmp_path / "good", "--name", "taken")
     assert code == 3 and "already exists" in err and len(err.strip().splitlines()) == 1
+    assert "--name" in err and "overwrite" not in err  # import has no overwrite option to point to
     assert _listing(tmp_path / "store" / "packs") + _listing(tmp_path / "store" / "manifests") == before
 
 

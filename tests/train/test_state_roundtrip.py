@@ -90,3 +90,17 @@ def test_optimizer_must_belong_to_exactly_one_model():
         TrainState(model={"a": a, "b": b}, optimizer=both)
     with pytest.raises(ValueError, match="at least one model"):
         TrainState(model=None)
+
+
+@pytest.mark.parametrize("names", [{"model": {"meta": 0}}, {"model": {"extra": 0}}, {"model": {"a.b": 0}},
+                                   {"model": {"rank0": 0}}, {"model": {"m": 0}, "scheduler": {"m": 1}},
+                                   {"model": {"m": 0}, "scheduler": {"progress": 1}}])
+def test_names_that_would_overwrite_other_state_are_refused(names):
+    # Before, a model named "meta" was silently replaced in the saved state by TrainState's own "meta".
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    objs = [model, sched]
+    kwargs = {kind: {name: objs[i] for name, i in named.items()} for kind, named in names.items()}
+    with pytest.raises(ValueError, match="TrainState"):
+        TrainState(**kwargs)

@@ -136,16 +136,25 @@ class GcPlan:
             # it at its next save and refreshes, instead of deduplicating against a deleted pack.
             epoch = uuid.uuid4().hex.encode() if plan.delete_packs or plan.repack else None
             epoch_written = epoch is None or _put_epoch(store, epoch, may_fail=bool(plan.delete_packs))
+            later = _bases_of_repacked(plan)
             with phase(progress, "gc", len(plan.delete_packs) + len(plan.repack), "pack") as bar:
                 # Dead packs first: on a full disk their space is what lets the epoch and the repacks be written.
-                for name in sorted(plan.delete_packs):
+                # But not one holding a base of a delta in a pack still to be repacked: a gc cut short there
+                # would leave that (dead) delta without its base, a copy that no longer decodes.
+                for name in sorted(set(plan.delete_packs) - later):
                     crash_point("gc:before-delete")
                     store.backend.delete(pack_key(name))
+                    crash_point("gc:after-delete")
                     bar.advance(1)
                 if not epoch_written:
                     _put_epoch(store, epoch, may_fail=False)
                 written: dict[str, tuple[int, list[PackEntry]]] = {}
                 moved, published = repack_packs(store, plan.repack, bar, written)
+                for name in sorted(later):
+                    crash_point("gc:before-delete")
+                    store.backend.delete(pack_key(name))
+                    crash_point("gc:after-delete")
+                    bar.advance(1)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
@@ -410,6 +419,18 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
     if fixed:
         index.relocate(list(fixed.values()), {})
     return keep
+
+def _bases_of_repacked(plan: "GcPlan") -> set[str]:
+    """The dead packs of ``plan`` that hold a delta base of some entry of a pack it repacks."""
+    if not plan.repack or not plan.delete_packs:
+        return set()
+    bases = idset.unique(concat([plan.pack_entries[n].base_ids[plan.pack_entries[n].has_base]
+                                 for n in plan.repack if n in plan.pack_entries]))
+    if not bases.size:
+        return set()
+    return {n for n in plan.delete_packs
+            if n in plan.pack_entries and idset.isin(bases, plan.pack_entries[n].chunk_ids).any()}
+
 
 def _put_epoch(store, epoch: bytes, *, may_fail: bool) -> bool:
     """Publish gc's epoch; on a full disk with dead packs still to delete, report False (write it after)."""

@@ -206,9 +206,27 @@ def _decode_chunks(source, table: PackTable, found: Findings, report) -> None:
             # Decode this pack's copy, as its table describes it, not whatever the cache points at.
             source.decode_entry(e)
         except (CorruptChunkError, MissingChunkError, ManifestFormatError) as err:
-            if e.chunk_id not in found.bad:
+            located = _other_good_copy(source, e)
+            if located is not None:
+                found.stray.append(Problem(
+                    ProblemKind.BAD_CHUNK, f"{err}; a stray copy: reads use the copy in pack {located}, which "
+                    "decodes (the next gc drops this one)", pack=name, chunk_id=e.chunk_id.hex()))
+            elif e.chunk_id not in found.bad:
                 found.bad[e.chunk_id] = Problem(ProblemKind.BAD_CHUNK, str(err), pack=name,
                                                 chunk_id=e.chunk_id.hex())
+
+
+def _other_good_copy(source, entry) -> str | None:
+    """The pack of the copy of ``entry``'s chunk that the index locates, when that is another copy and it
+    decodes; else None."""
+    located = source.store.index.lookup(entry.chunk_id)
+    if located is None or (located.pack, located.offset) == (entry.pack, entry.offset):
+        return None
+    try:
+        source.decode_entry(located)
+    except (CorruptChunkError, MissingChunkError, ManifestFormatError):
+        return None
+    return located.pack
 
 
 def _attribute(store, found: Findings, report: VerifyReport) -> None:
@@ -226,6 +244,7 @@ def _attribute(store, found: Findings, report: VerifyReport) -> None:
     for cid, problem in bad.items():
         _set_dependents(problem, dependents.get(cid, set()))
         report.problems.append(problem)
+    report.problems.extend(found.stray)
     report.problems.sort(key=lambda p: (p.kind.value, p.pack or "", p.chunk_id or ""))
 
 

@@ -40,6 +40,9 @@ class Findings:
     node_ok: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=bool))
     node_base: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     bad: dict[bytes, Problem] = field(default_factory=dict)  # the first problem found with each chunk
+    # Copies that do not decode of chunks whose located copy does (a gc cut short left a delta without its
+    # base; a save wrote the chunk again): reported, but no checkpoint reads them.
+    stray: list[Problem] = field(default_factory=list)
     live_packs: set[str] = field(default_factory=set)  # packs holding a needed chunk, or unreadable
     chunks_in: dict[str, int] = field(default_factory=dict)  # pack -> needed chunks it holds
     # Packs whose hash or table is bad: their problem, and the entries found in them.

@@ -15,8 +15,8 @@ import msgspec
 
 from ..errors import CheckpointNotFoundError, CorruptManifestError, InvalidNameError
 from . import idset
-from .manifest import (LATEST, Manifest, ManifestRefs, manifest_body, manifest_from_body, manifest_key,
-                       refs_from_body, validate_name)
+from .manifest import (LATEST, Manifest, ManifestRefs, is_checkpoint_name, manifest_body, manifest_from_body,
+                       manifest_key, refs_from_body, validate_name)
 from .refstream import stream_manifest_ids
 from .summary import CheckpointInfo, damaged_info, summarize_manifest
 
@@ -29,7 +29,7 @@ class Catalog:
         names = []
         for info in self.backend.list("manifests/"):
             name = info.key[len("manifests/"):]
-            if "/" not in name:
+            if is_checkpoint_name(name):
                 names.append(name)
         return names
 
@@ -39,7 +39,8 @@ class Catalog:
         A checkpoint whose manifest cannot be read is left out, or with ``include_damaged`` listed with
         ``damage`` set, placed by its manifest's modification time.
         """
-        listed = {info.key[len("manifests/"):]: info for info in self.backend.list("manifests/")}
+        listed = {info.key[len("manifests/"):]: info for info in self.backend.list("manifests/")
+                  if is_checkpoint_name(info.key[len("manifests/"):])}
         cached = self._cache_index().get_summaries()
         out, fresh = [], {}
         for name, obj in listed.items():

@@ -69,6 +69,7 @@ from .pack import (
     pack_key,
     pack_stamps,
 )
+from .manifest import is_checkpoint_name
 from .progress import Progress, phase
 from .repack import log_repacks, repack_packs
 
@@ -285,7 +286,7 @@ def _list_manifests(store) -> dict[str, tuple[int, float, str]]:
     out = {}
     for info in store.backend.list("manifests/"):
         name = info.key[len("manifests/"):]
-        if "/" not in name:
+        if is_checkpoint_name(name):  # another file there is no checkpoint
             out[name] = (info.size_bytes, info.mtime_s, info.version)
     return out
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -59,7 +60,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_stale(info: dict, now: float, stale_after_s: float) -> bool:
-    if now - float(info.get("time", 0)) > stale_after_s:
+    # Either way: a time further ahead than a refresh interval's worth of clock skew is a damaged or forged
+    # time, and would otherwise hold the store forever (clocks are assumed within stale_after_s both ways).
+    if abs(now - float(info.get("time", 0))) > stale_after_s:
         return True
     return info.get("host") == socket.gethostname() and not _pid_alive(int(info.get("pid", -1)))
 
@@ -73,7 +76,7 @@ def _parse(data: bytes) -> dict | None:
     if not isinstance(info, dict) or info.get("kind") not in (SHARED, EXCLUSIVE):
         return None
     pid, when = info.get("pid"), info.get("time")
-    if type(pid) is not int or not (0 < pid < 2**31) or type(when) not in (int, float) or when != when:
+    if type(pid) is not int or not (0 < pid < 2**31) or type(when) not in (int, float) or not math.isfinite(when):
         return None
     if not isinstance(info.get("host"), str):
         return None

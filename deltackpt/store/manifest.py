@@ -33,7 +33,7 @@ MANIFEST_MAGIC = b"DCMF"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 31
 LATEST = "latest"
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,127}")
+_NAME_RE = re.compile(r"(?!.*\.tmp-)[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,127}")  # ".tmp-" marks temp files
 
 
 class ChunkRef(msgspec.Struct, array_like=True, frozen=True):
@@ -93,9 +93,15 @@ def validate_name(name: str) -> str:
     if not _NAME_RE.fullmatch(name):
         raise InvalidNameError(
             f"invalid checkpoint name {name!r}: use 1-128 letters, digits and . _ + = @ -, "
-            "starting with a letter, digit or _ (no '/' or '..')"
+            "starting with a letter, digit or _ (no '/' or '..', no '.tmp-')"
         )
     return name
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` (of an object under ``manifests/``) can be a checkpoint's: other files there (an
+    editor's backup, ``.DS_Store``) are no checkpoints, and every listing leaves them out."""
+    return name != LATEST and _NAME_RE.fullmatch(name) is not None
 
 
 def manifest_key(name: str) -> str:
@@ -187,12 +193,13 @@ def manifest_body(data: bytes, where: str = "manifest", *, checkpoint: str | Non
     corrupt = _corrupt(where, checkpoint)
     if len(data) < 13 or data[:4] != MANIFEST_MAGIC:
         raise corrupt("not a deltackpt manifest (bad magic)")
-    # The version comes first: a newer format may lay out the rest (checksum included) differently.
-    if data[4] > MANIFEST_VERSION:
-        raise UnsupportedFormatError(f"{where}: manifest version {data[4]} is newer than supported")
+    # A newer manifest layout comes with a newer store format (the config's gate refuses the store first), so
+    # a version byte above ours whose checksum fails is damage (one flipped bit), not a newer manifest.
     (digest,) = struct.unpack("<Q", data[-8:])
     if xxhash.xxh3_64_intdigest(data[:-8]) != digest:
         raise corrupt("checksum mismatch (damaged or truncated)")
+    if data[4] > MANIFEST_VERSION:
+        raise UnsupportedFormatError(f"{where}: manifest version {data[4]} is newer than supported")
     if data[4] < 1:
         raise corrupt(f"invalid manifest version {data[4]}")
     frame = data[5:-8]

@@ -130,7 +130,9 @@ class RecordSnapshot:
 
     def locate(self, ids: np.ndarray) -> Located:
         """As ``ChunkIndex.locate``: the pack and delta base of each of ``ids``, as the index had them."""
-        pos = idset.find(self.ids, ids, self._buckets) if self.ids.size else np.full(ids.size, -1, dtype=np.int64)
+        if not self.ids.size:  # nothing indexed (no pack left): every chunk is a miss
+            return self._fallback(np.ascontiguousarray(ids))
+        pos = idset.find(self.ids, ids, self._buckets)
         hit = pos >= 0
         names, pack_of = _block_packs(np.where(hit, self._pack_of[np.maximum(pos, 0)], -1), self._packs)
         delta_at = np.flatnonzero(hit & self._delta[np.maximum(pos, 0)]).astype(np.int32)

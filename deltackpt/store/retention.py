@@ -74,8 +74,8 @@ def _decode_tags(name: str, data: bytes) -> list[str]:
         tags = json.loads(data)
     except ValueError:
         return [DAMAGED_TAGS]
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        return [DAMAGED_TAGS]
+    if not isinstance(tags, list) or not all(isinstance(t, str) and _TAG_RE.fullmatch(t) for t in tags):
+        return [DAMAGED_TAGS]  # also a tag no writer makes (a flipped bit): it still pins, and verify says so
     return tags
 
 

@@ -203,14 +203,6 @@ class TrainState(Stateful):
         extra = state_dict.get("extra", "{}")
         self.extra = json.loads(extra) if isinstance(extra, str) else dict(extra)
         self._load_world = None
-        rng = state_dict.get(f"rank{rank}.rng")
-        if rng is not None:
-            restore_rng(rng)
-        else:
-            log.warning("rank %d did not exist when the checkpoint was saved (world size %d -> %d): seeding its "
-                        "generators from (step, rank) and starting its dataloader at the epoch start",
-                        rank, saved_world, world)
-            seed_all(derived_seed("deltackpt", self.step, rank))
         if rank == 0 and world < saved_world:
             log.warning("world size shrank %d -> %d: the RNG and dataloader state of ranks %d..%d are dropped",
                         saved_world, world, world, saved_world - 1)
@@ -227,6 +219,16 @@ class TrainState(Stateful):
                 self.dataloader.state_dict()
             for g, s in zip(gens, data["generators"]):
                 g.set_state(s)
+        # The RNGs last: building the dataloader's iterator above draws its base seed from torch's global RNG
+        # when the loader has no generator of its own (restored first, the next torch.rand was one draw off).
+        rng = state_dict.get(f"rank{rank}.rng")
+        if rng is not None:
+            restore_rng(rng)
+        else:
+            log.warning("rank %d did not exist when the checkpoint was saved (world size %d -> %d): seeding its "
+                        "generators from (step, rank) and starting its dataloader at the epoch start",
+                        rank, saved_world, world)
+            seed_all(derived_seed("deltackpt", self.step, rank))
 
     # -- restore across world sizes ----------------------------------------------------------------------------
     def prepare_load(self, saved_world_size: int | None) -> None:

@@ -17,7 +17,7 @@ from deltackpt.store import LATEST, Store, validate_name
 from store_helpers import assert_items_equal, random_array
 
 INVALID_NAMES = ["", "a/b", "../x", "..", ".", ".hidden", "-flag", "latest", "x" * 200, "x" * 129, "a b",
-                 "a\nb", "tab\t", "ü", "a\\b", "name/", "/abs"]
+                 "a\nb", "tab\t", "ü", "a\\b", "name/", "/abs", "run.tmp-1"]
 VALID_NAMES = ["a", "step-100", "step_100.final", "A+B=C@d", "_x", "0", "x" * 128, "v1.2.3-rc.1"]
 
 

@@ -15,6 +15,7 @@ import zstandard
 
 from deltackpt.errors import (
     CorruptChunkError,
+    CorruptManifestError,
     DeltackptError,
     ManifestFormatError,
     MissingChunkError,
@@ -225,9 +226,13 @@ def test_manifest_with_wrong_name_or_bad_refs(manifest_store):
             decode_manifest(encode_manifest(bad))
 
 
-def test_newer_manifest_version_is_unsupported_whatever_its_layout():
-    with pytest.raises(UnsupportedFormatError):
-        decode_manifest(MANIFEST_MAGIC + bytes([9]) + b"some future layout" + bytes(64))
+def test_newer_manifest_version_is_unsupported_and_a_flipped_version_bit_is_damage():
+    future = MANIFEST_MAGIC + bytes([9]) + b"some future layout" + bytes(64)
+    with pytest.raises(UnsupportedFormatError):  # whole, as a newer writer made it
+        decode_manifest(future + struct.pack("<Q", xxhash.xxh3_64_intdigest(future)))
+    # One flipped bit in the version byte (0x01 -> 0x81) is damage: it blocked ls, gc and resume as "newer".
+    with pytest.raises(CorruptManifestError):
+        decode_manifest(future + bytes(8))
 
 
 def test_every_manifest_bit_flip_is_detected(manifest_store):

@@ -640,3 +640,17 @@ def test_a_manifest_written_again_between_plan_and_execute_keeps_its_chunks(tmp_
     store.save("b", {"w": x}, overwrite=True)  # same size, same mtime: x's chunks are b's now
     plan.execute()
     assert_items_equal({"w": x}, store.load("b"))
+
+
+def test_other_files_under_manifests_are_no_checkpoints(make_store, rng):
+    # A Finder or editor file there stopped gc ("invalid checkpoint name") and verify called it damaged.
+    store = make_store("local")
+    items = {"w": random_array(rng, "float32", (3000,))}
+    store.save("c", items)
+    for stray in ("manifests/.DS_Store", "manifests/c~", "manifests/latest"):
+        store.backend.put(stray, b"not a manifest")
+    assert store.checkpoint_names() == ["c"]
+    assert [i.name for i in store.list_checkpoints(include_damaged=True)] == ["c"]
+    plan_gc(store, grace_s=0).execute()
+    assert verify_store(store, level=2).ok
+    assert_items_equal(items, store.load("c"))

@@ -144,14 +144,25 @@ def test_list_locks_flags_stale_ones(mem_store):
         assert locks[lock.key]["stale"] is False
 
 
+def test_a_lock_dated_far_in_the_future_is_stale(mem_store):
+    # A damaged digit (or a clock a year ahead) held every save and gc off the store for good.
+    be = mem_store.backend
+    ahead = {"kind": "exclusive", "host": "elsewhere", "pid": 1, "time": time.time() + 365 * 86400, "id": "f"}
+    be.put("locks/exclusive-f", json.dumps(ahead).encode())
+    assert {d["key"]: d["stale"] for d in list_locks(be)} == {"locks/exclusive-f": True}
+    with StoreLock(be, SHARED, refresh=False, wait_s=0):
+        assert not be.exists("locks/exclusive-f")
+
+
 def test_held_lock_cannot_be_pickled(mem_store):
     with StoreLock(mem_store.backend, SHARED, refresh=False) as lock:
         with pytest.raises(TypeError):
             pickle.dumps(lock)
 
 
-@pytest.mark.parametrize("fields", [{"pid": "abc"}, {"time": "soon"}, {"time": None}, {"pid": 10**30}],
-                         ids=["pid-str", "time-str", "time-null", "pid-huge"])
+@pytest.mark.parametrize("fields", [{"pid": "abc"}, {"time": "soon"}, {"time": None}, {"pid": 10**30},
+                                    {"time": float("inf")}],
+                         ids=["pid-str", "time-str", "time-null", "pid-huge", "time-inf"])
 def test_malformed_lock_object_is_treated_as_garbage(mem_store, fields):
     be = mem_store.backend
     info = {"kind": "shared", "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "id": "m"}

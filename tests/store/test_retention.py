@@ -260,7 +260,7 @@ def test_execute_tolerates_an_already_forgotten_checkpoint(six):
     assert sorted(store.checkpoint_names()) == ["s2", "s3", "s4", "s5"]
 
 
-@pytest.mark.parametrize("damage", [b'{"x', b'{"a": 1}', b"[1, 2]"])
+@pytest.mark.parametrize("damage", [b'{"x', b'{"a": 1}', b"[1, 2]", b'["k%ep"]'])  # the last: one flipped bit
 def test_a_damaged_tags_object_still_pins_is_reported_and_can_be_rewritten(six, damage):
     from deltackpt.store.retention import DAMAGED_TAGS
     from deltackpt.store.verify import verify_store

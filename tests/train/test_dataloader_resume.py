@@ -94,3 +94,33 @@ def _check_resume(k, reference, tmp_path, num_workers):
     assert state2.epoch == ((k - 1) // BATCHES_PER_EPOCH if k else 0)
     assert not _run(state2, loader2, seen)
     assert seen == reference, f"resumed after {k} batches: {seen[k:]} != {reference[k:]}"
+
+
+def test_a_loader_without_a_generator_leaves_the_restored_torch_rng_as_saved(tmp_path):
+    # Restored before the loader's iterator was built, the global RNG was one draw off (the iterator draws
+    # its base seed from it when the loader has no generator): dropout diverged from the first step.
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), StatefulDataLoader(
+            list(torch.randn(20, 4)), batch_size=4, shuffle=True)
+
+    model, opt, loader = make()
+    state = TrainState(model=model, optimizer=opt, dataloader=loader)
+    it = iter(loader)
+    with CheckpointManager(tmp_path / "s", state, every_n_steps=1) as mgr:
+        for step in (1, 2):
+            model(next(it)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.maybe_save(step)
+    saved = torch.get_rng_state().clone()
+    after = [torch.rand(3), next(it)]
+    model, opt, loader = make()
+    torch.manual_seed(123)
+    state = TrainState(model=model, optimizer=opt, dataloader=loader)
+    with CheckpointManager(tmp_path / "s", state) as mgr:
+        assert mgr.restore_latest() == 2
+    assert torch.equal(torch.get_rng_state(), saved)
+    got = [torch.rand(3), next(iter(loader))]
+    assert torch.equal(got[0], after[0]) and torch.equal(got[1], after[1])

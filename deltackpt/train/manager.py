@@ -173,17 +173,23 @@ class CheckpointManager:
         payload = {STATE_KEY: self.state}
         planner = default_planner(payload, self.replica_check)
         started = time.perf_counter()
+        self.state.prepare_save(True)  # DCP takes the state dict in this call, also for an async save
+        try:
+            if self.async_mode is None:
+                with quiet_single_process():
+                    typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=planner,
+                                                process_group=self.process_group))
+            else:
+                with quiet_single_process():
+                    fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=planner,
+                                                            process_group=self.process_group,
+                                                            async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
+        finally:
+            self.state.prepare_save(False)
         if self.async_mode is None:
-            with quiet_single_process():
-                typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=planner,
-                                            process_group=self.process_group))
             self._log_saved(name, started)
             self._after_save(name)
         else:
-            with quiet_single_process():
-                fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=planner,
-                                                        process_group=self.process_group,
-                                                        async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
             self._staging.hold_until(fut)
             # Logged as the background save completes (before the typed future settles, so before wait()
             # returns), not when the next call collects it.
@@ -346,7 +352,9 @@ class CheckpointManager:
             raise CheckpointMismatchError(f"checkpoint {name!r} was saved with optimizers {saved_opts}, "
                                           f"restoring into {now}")
         metadata = reader.read_metadata()
-        self.state.prepare_load(saved_world)
+        prefix = STATE_KEY + "."
+        self.state.prepare_load(saved_world, [k[len(prefix):] for k in metadata.state_dict_metadata
+                                              if k.startswith(prefix)])
         try:
             target = self.state.state_dict()
             self._check_compatible(name, target, metadata)

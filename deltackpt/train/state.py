@@ -22,6 +22,7 @@ the resumed run then differs from an uninterrupted run's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -92,6 +93,15 @@ def _unwrapped_name(model, name: str) -> set[str]:
     return {".".join(kept)}
 
 
+def _keep_saved_state(osd: dict, prefix: str, saved_keys: frozenset[str]) -> None:
+    """Drop from optimizer state dict ``osd`` the parameters whose state the checkpoint lacks (its keys
+    ``saved_keys``; a parameter's are ``prefix + fqn + "." + state name``)."""
+    have = {k[len(prefix):].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}
+    state = osd.get("state", {})
+    for fqn in [f for f in state if f not in have]:
+        del state[fqn]
+
+
 # Keys of TrainState.state_dict besides the models' and schedulers' names (and "<model>.optim").
 _RESERVED = {"scaler", "progress", "extra", "meta"}
 
@@ -137,6 +147,9 @@ class TrainState(Stateful):
         self._owner = self._attach_optimizers()
         # Saved world size for the next load_state_dict (set by prepare_load); None = same as now.
         self._load_world: int | None = None
+        # Keys (relative to this state) the checkpoint the next load reads holds (set by prepare_load).
+        self._saved_keys: frozenset[str] | None = None
+        self._saving = False  # set by CheckpointManager around its saves (prepare_save)
 
     def _attach_optimizers(self) -> dict[str, list]:
         owner: dict[str, list] = {name: [] for name in self.models}
@@ -164,9 +177,22 @@ class TrainState(Stateful):
         sd: dict[str, Any] = {}
         for name, model in self.models.items():
             opts = self._owner[name]
+            had = {id(p) for o in opts for p in o.state}
             msd, osd = get_state_dict(model, opts, options=self.options)
             sd[name] = msd
             if opts:
+                # get_state_dict gives an optimizer without state some (a step with lr 0): the live one keeps
+                # none, or a save before the first step would shift Adam's bias correction by one step.
+                for o in opts:
+                    for p in [p for p in o.state if id(p) not in had]:
+                        del o.state[p]
+                if self._saving:  # the checkpoint holds no state for a parameter that had none
+                    stateless = {fqn for pname, p in model.named_parameters() if id(p) not in had
+                                 for fqn in _state_dict_names(model, pname)}
+                    for fqn in stateless & set(osd.get("state", {})):
+                        del osd["state"][fqn]
+                if self._saved_keys is not None:  # a load's target: the state the checkpoint holds, no more
+                    _keep_saved_state(osd, f"{name}.optim.state.", self._saved_keys)
                 sd[f"{name}.optim"] = osd
         for name, sched in self.schedulers.items():
             sd[name] = sched.state_dict()
@@ -189,10 +215,15 @@ class TrainState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         rank, world = rank_and_world()
+        options = self.options
+        if self._saved_keys is not None:
+            # A parameter the checkpoint holds no optimizer state for gets none (the manager checked the
+            # model's keys and shapes against the checkpoint before the load).
+            options = dataclasses.replace(options or StateDictOptions(), strict=False)
         for name, model in self.models.items():
             opts = self._owner[name]
             set_state_dict(model, opts, model_state_dict=state_dict[name],
-                           optim_state_dict=state_dict.get(f"{name}.optim", {}), options=self.options)
+                           optim_state_dict=state_dict.get(f"{name}.optim", {}), options=options)
         for name, sched in self.schedulers.items():
             sched.load_state_dict(state_dict[name])
         if self.scaler is not None:
@@ -231,9 +262,18 @@ class TrainState(Stateful):
             seed_all(derived_seed("deltackpt", self.step, rank))
 
     # -- restore across world sizes ----------------------------------------------------------------------------
-    def prepare_load(self, saved_world_size: int | None) -> None:
-        """Tell the next ``state_dict()`` which per-rank entries the checkpoint holds (resharding).
+    def prepare_save(self, saving: bool) -> None:
+        """Tell the next ``state_dict()`` calls (until ``prepare_save(False)``) that they make a checkpoint:
+        an optimizer's parameters without state are saved without (an optimizer before its first step gets
+        state from ``get_state_dict``: a step with lr 0, which a resume would take for a real one)."""
+        self._saving = bool(saving)
+
+    def prepare_load(self, saved_world_size: int | None, saved_keys=None) -> None:
+        """Tell the next ``state_dict()`` which per-rank entries the checkpoint holds (resharding) and, with
+        ``saved_keys`` (its keys, relative to this state), which parameters have optimizer state in it:
+        a parameter without (unused so far: an MoE expert not routed to) gets none from the load.
 
         Needed before ``dcp.load`` when the world size changed since the save; None resets it.
         """
         self._load_world = None if saved_world_size is None else int(saved_world_size)
+        self._saved_keys = None if saved_keys is None else frozenset(saved_keys)

@@ -171,6 +171,12 @@ class TrainState(Stateful):
                          for bname, _ in model.named_buffers(remove_duplicate=False)  # shared modules: each path
                          for key in _state_dict_names(model, bname))
 
+    def _own_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's buffers by :meth:`buffer_keys` key (each path of a shared module)."""
+        return {f"{name}.{key}": buf for name, model in self.models.items()
+                for bname, buf in model.named_buffers(remove_duplicate=False)
+                for key in _state_dict_names(model, bname)}
+
     # -- Stateful ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         rank, world = rank_and_world()
@@ -204,6 +210,14 @@ class TrainState(Stateful):
         sd["extra"] = json.dumps(self.extra, sort_keys=True)
         sd["meta"] = {"optimizers": {n: type(o).__name__ for n, o in self.optimizers.items()}}
         load_world = self._load_world if self._load_world is not None else world
+        own = f"rank{rank}.buffers"
+        if world > 1 and (self._saving or self._saved_keys is not None
+                          and any(k.startswith(own + ".") for k in self._saved_keys)):
+            # Buffers (BatchNorm's running stats) are each rank's own under DDP and FSDP; the model's keys hold
+            # one rank's copy. A manager's checkpoint holds every rank's too, and each rank gets its own back.
+            # Copies: a load fills the model's keys and these in place, in no set order (the same tensors
+            # would end up holding whichever came last).
+            sd[own] = {key: buf.detach().clone() for key, buf in self._own_buffers().items()}
         if rank < load_world:
             sd[f"rank{rank}.rng"] = capture_rng()
             if self.dataloader is not None:
@@ -228,6 +242,9 @@ class TrainState(Stateful):
             sched.load_state_dict(state_dict[name])
         if self.scaler is not None:
             self.scaler.load_state_dict(state_dict["scaler"])
+        for key, value in state_dict.get(f"rank{rank}.buffers", {}).items():
+            with torch.no_grad():
+                self._own_buffers()[key].copy_(value)
         progress = state_dict["progress"]
         self.step, self.epoch = int(progress["step"]), int(progress["epoch"])
         saved_world = int(progress["world_size"])

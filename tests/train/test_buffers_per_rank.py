@@ -89,3 +89,37 @@ def test_the_fallback_for_torch_without_get_fqns_names_buffers_as_torch_does():
     for model in models:
         names = [name for name, _ in model.named_buffers(remove_duplicate=False)]
         assert names and all(_unwrapped_name(model, n) == set(_get_fqns(model, n)) for n in names), names
+
+
+def _bn_resume(rank, world_size, path, mode):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from deltackpt import CheckpointManager, TrainState
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        model = (nn.parallel.DistributedDataParallel(net) if mode == "ddp"
+                 else fully_shard(net, mesh=init_device_mesh("cpu", (world_size,))))
+        return net, model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    net, model, opt = build()
+    torch.manual_seed(100 + rank)  # each rank its own batches: its own running stats
+    with CheckpointManager(path, TrainState(model=model, optimizer=opt), every_n_steps=1) as mgr:
+        for step in (1, 2):
+            model(torch.randn(16, 4) + rank).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.maybe_save(step)
+    saved = {k: v.clone() for k, v in net[1].named_buffers()}
+    net, model, opt = build()
+    with CheckpointManager(path, TrainState(model=model, optimizer=opt)) as mgr:
+        assert mgr.restore_latest() == 2
+    return all(torch.equal(saved[k], v) for k, v in net[1].named_buffers())
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_each_rank_resumes_with_its_own_running_stats(tmp_path, mode):
+    # The checkpoint held one rank's copy under the model's keys: every rank resumed with it.
+    assert run_ranks(_bn_resume, 2, str(tmp_path / "s"), mode, timeout=240) == [True, True]

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from .. import settings
-from ..errors import CheckpointExistsError, ManifestFormatError, StoreNotFoundError
+from ..errors import CheckpointExistsError, CorruptManifestError, ManifestFormatError, StoreNotFoundError
 from .backend import Backend
 from .basecache import BaseCache
 from .cachedir import default_cache_dir, user_cache_dirs
@@ -356,9 +356,16 @@ class Store(Catalog):
                     out[key] = buf.tobytes()
                 else:
                     try:
-                        out[key] = buf.view(np.dtype(item.dtype)).reshape(item.shape)
+                        dtype = np.dtype(item.dtype)
                     except TypeError:
                         out[key] = buf  # a dtype numpy does not know (e.g. bfloat16): raw bytes
+                        continue
+                    try:
+                        out[key] = buf.view(dtype).reshape(item.shape)
+                    except ValueError as e:  # a shape or dtype that does not fit the item's bytes
+                        raise CorruptManifestError(f"item {key!r}: its bytes are not an array of shape "
+                                                   f"{item.shape} and dtype {item.dtype} ({e})",
+                                                   checkpoint=r.name) from None
         return out
 
     # -- accounting ------------------------------------------------------------------------------------------

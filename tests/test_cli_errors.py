@@ -221,3 +221,14 @@ def test_partial_verify_with_problems_exits_1(store_path, capsys):
     code, out, _ = run(capsys, "verify", store_path, "--max-duration", "0s")
     assert code == 1 and "partial: checked 0 of" in out and "damaged: s1" in out
     assert "no problems found" not in out
+
+
+def test_ctrl_c_exits_130_and_says_interrupted(store_path, capsys, monkeypatch):
+    from deltackpt.cli import listing
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(listing, "cmd_ls", interrupted)
+    code, out, err = run(capsys, "ls", store_path)
+    assert code == 130 and out == "" and err.strip() == "deltackpt: error: interrupted"  # was "KeyboardInterrupt"

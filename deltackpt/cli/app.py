@@ -68,7 +68,7 @@ def _version_text() -> str:
 
 
 def _report_error(exc: BaseException, code: int, as_json: bool) -> None:
-    msg = str(exc) or type(exc).__name__
+    msg = "interrupted" if isinstance(exc, KeyboardInterrupt) and not str(exc) else str(exc) or type(exc).__name__
     if isinstance(exc, KeyError) and msg.startswith("'"):
         msg = msg.strip("'")
     if as_json:

@@ -40,7 +40,7 @@ def raise_if_disk_full(err: OSError, path, needed_bytes: int | None = None) -> N
     raise DiskFullError(os.fspath(path), needed_bytes, free, err.errno) from err
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a listing of a million packs holds a million of them
 class ObjectInfo:
     key: str
     size_bytes: int
@@ -176,8 +176,8 @@ class MemoryBackend(Backend):
 
     def __init__(self) -> None:
         self._objects: dict[str, bytes] = {}
-        self._mtimes: dict[str, int] = {}  # when each object was written, ns: strictly increasing (its version)
-        self._last = 0
+        self._mtimes: dict[str, float] = {}  # when each object was written: strictly increasing
+        self._last = 0.0
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -187,12 +187,12 @@ class MemoryBackend(Backend):
     def __setstate__(self, state):
         self._objects = state["_objects"]
         self._mtimes = state.get("_mtimes", {})
-        self._last = max(self._mtimes.values(), default=0)
+        self._last = max(self._mtimes.values(), default=0.0)
         self._lock = threading.Lock()
 
-    def _stamp(self) -> int:
-        """Now, in ns, later than any write before (under the lock)."""
-        self._last = max(time.time_ns(), self._last + 1)
+    def _stamp(self) -> float:
+        """Now, later than any write before (under the lock)."""
+        self._last = max(time.time(), self._last + 1e-6)  # 1 us apart: distinct as floats
         return self._last
 
     def put(self, key, data):
@@ -225,9 +225,9 @@ class MemoryBackend(Backend):
 
     def list(self, prefix=""):
         with self._lock:
-            items = sorted((k, len(v), self._mtimes.get(k, 0)) for k, v in self._objects.items()
+            items = sorted((k, len(v), self._mtimes.get(k, 0.0)) for k, v in self._objects.items()
                            if k.startswith(prefix))
-        return iter([ObjectInfo(k, n, t / 1e9, str(t)) for k, n, t in items])
+        return iter([ObjectInfo(k, n, t) for k, n, t in items])  # distinct mtimes: no version needed
 
     def delete(self, key):
         check_key(key)

@@ -52,6 +52,7 @@ from .state import TrainState, rank_and_world
 log = logging.getLogger("deltackpt.train")
 
 STATE_KEY = "train"
+STATELESS_KEY = "stateless_optimizers"  # manifest metadata: optimizers that had no state when saved
 _DAMAGE = (CorruptChunkError, MissingChunkError, ManifestFormatError)
 _ASYNC_TYPES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 
@@ -168,6 +169,12 @@ class CheckpointManager:
         name = self.name_for(step)
         meta = {"step": step, "world_size": world,
                 "optimizers": {n: type(o).__name__ for n, o in self.state.optimizers.items()}, **(metadata or {})}
+        # An optimizer before its first step is saved with the state torch's get_state_dict gives it (a step
+        # with lr 0: what a plain dcp.load expects); a restore clears it again, or Adam's bias correction
+        # would be a step off.
+        stateless = sorted(n for n, o in self.state.optimizers.items() if not o.state)
+        if stateless:
+            meta[STATELESS_KEY] = stateless
         writer = DeltaStorageWriter(self.store, name, overwrite=True, metadata=meta, staging=self._staging,
                                     replica_check=self.replica_check)
         payload = {STATE_KEY: self.state}
@@ -364,6 +371,9 @@ class CheckpointManager:
                                             process_group=self.process_group))
         finally:
             self.state.prepare_load(None)
+        for opt_name in manifest.metadata.get(STATELESS_KEY, []):
+            if opt_name in self.state.optimizers:
+                self.state.optimizers[opt_name].state.clear()
         log.info("restored checkpoint %r (step %d)", reader.checkpoint_id, self.state.step)
         self._saved_step = self.state.step
         return self.state.step

@@ -76,6 +76,13 @@ def _state_dict_names(model, name: str) -> set[str]:
     return set(_get_fqns(model, name))
 
 
+def _persistent(model, name: str) -> bool:
+    """Whether buffer ``name`` (a path of ``model.named_buffers()``) is in the state dict."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return leaf not in getattr(module, "_non_persistent_buffers_set", ())
+
+
 def _unwrapped_name(model, name: str) -> set[str]:
     """:func:`_state_dict_names` by hand: each wrapper's own attribute dropped from ``name`` (DDP's
     ``module``, torch.compile's ``_orig_mod``, FSDP1's and activation checkpointing's wrapped module), a
@@ -149,7 +156,7 @@ class TrainState(Stateful):
         self._load_world: int | None = None
         # Keys (relative to this state) the checkpoint the next load reads holds (set by prepare_load).
         self._saved_keys: frozenset[str] | None = None
-        self._saving = False  # set by CheckpointManager around its saves (prepare_save)
+        self._saving = False  # set by CheckpointManager around its saves (prepare_save): per-rank buffers
 
     def _attach_optimizers(self) -> dict[str, list]:
         owner: dict[str, list] = {name: [] for name in self.models}
@@ -167,14 +174,14 @@ class TrainState(Stateful):
         are each rank's own under DDP (buffers are broadcast at the start of forward, then updated from the
         local batch) and FSDP (buffers are not sharded), so a save does not compare them as replicas. By
         name: a parameter is never among them, whatever memory it shares."""
-        return frozenset(f"{name}.{key}" for name, model in self.models.items()
-                         for bname, _ in model.named_buffers(remove_duplicate=False)  # shared modules: each path
-                         for key in _state_dict_names(model, bname))
+        return frozenset(self._own_buffers())
 
     def _own_buffers(self) -> dict[str, torch.Tensor]:
-        """This rank's buffers by :meth:`buffer_keys` key (each path of a shared module)."""
+        """This rank's persistent buffers (those of the state dict; a non-persistent one, a cache or a mask,
+        is no state) by :meth:`buffer_keys` key, each path of a shared module."""
         return {f"{name}.{key}": buf for name, model in self.models.items()
-                for bname, buf in model.named_buffers(remove_duplicate=False)
+                for bname, buf in model.named_buffers(remove_duplicate=False)  # shared modules: each path
+                if _persistent(model, bname)
                 for key in _state_dict_names(model, bname)}
 
     # -- Stateful ------------------------------------------------------------------------------------------
@@ -192,11 +199,6 @@ class TrainState(Stateful):
                 for o in opts:
                     for p in [p for p in o.state if id(p) not in had]:
                         del o.state[p]
-                if self._saving:  # the checkpoint holds no state for a parameter that had none
-                    stateless = {fqn for pname, p in model.named_parameters() if id(p) not in had
-                                 for fqn in _state_dict_names(model, pname)}
-                    for fqn in stateless & set(osd.get("state", {})):
-                        del osd["state"][fqn]
                 if self._saved_keys is not None:  # a load's target: the state the checkpoint holds, no more
                     _keep_saved_state(osd, f"{name}.optim.state.", self._saved_keys)
                 sd[f"{name}.optim"] = osd
@@ -211,8 +213,8 @@ class TrainState(Stateful):
         sd["meta"] = {"optimizers": {n: type(o).__name__ for n, o in self.optimizers.items()}}
         load_world = self._load_world if self._load_world is not None else world
         own = f"rank{rank}.buffers"
-        if world > 1 and (self._saving or self._saved_keys is not None
-                          and any(k.startswith(own + ".") for k in self._saved_keys)):
+        if (self._saving and world > 1 or self._saved_keys is not None
+                and any(k.startswith(own + ".") for k in self._saved_keys)):
             # Buffers (BatchNorm's running stats) are each rank's own under DDP and FSDP; the model's keys hold
             # one rank's copy. A manager's checkpoint holds every rank's too, and each rank gets its own back.
             # Copies: a load fills the model's keys and these in place, in no set order (the same tensors
@@ -242,9 +244,11 @@ class TrainState(Stateful):
             sched.load_state_dict(state_dict[name])
         if self.scaler is not None:
             self.scaler.load_state_dict(state_dict["scaler"])
-        for key, value in state_dict.get(f"rank{rank}.buffers", {}).items():
-            with torch.no_grad():
-                self._own_buffers()[key].copy_(value)
+        saved_buffers = state_dict.get(f"rank{rank}.buffers", {})
+        own = self._own_buffers() if saved_buffers else {}
+        with torch.no_grad():
+            for key, value in saved_buffers.items():
+                own[key].copy_(value)
         progress = state_dict["progress"]
         self.step, self.epoch = int(progress["step"]), int(progress["epoch"])
         saved_world = int(progress["world_size"])
@@ -280,9 +284,8 @@ class TrainState(Stateful):
 
     # -- restore across world sizes ----------------------------------------------------------------------------
     def prepare_save(self, saving: bool) -> None:
-        """Tell the next ``state_dict()`` calls (until ``prepare_save(False)``) that they make a checkpoint:
-        an optimizer's parameters without state are saved without (an optimizer before its first step gets
-        state from ``get_state_dict``: a step with lr 0, which a resume would take for a real one)."""
+        """Tell the next ``state_dict()`` calls (until ``prepare_save(False)``) that they make a manager's
+        checkpoint, which holds every rank's buffers too (``rank<N>.buffers``)."""
         self._saving = bool(saving)
 
     def prepare_load(self, saved_world_size: int | None, saved_keys=None) -> None:

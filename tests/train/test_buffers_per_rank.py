@@ -116,10 +116,29 @@ def _bn_resume(rank, world_size, path, mode):
     net, model, opt = build()
     with CheckpointManager(path, TrainState(model=model, optimizer=opt)) as mgr:
         assert mgr.restore_latest() == 2
-    return all(torch.equal(saved[k], v) for k, v in net[1].named_buffers())
+    return all(torch.equal(saved[k], v) for k, v in net[1].named_buffers()), {k: v.tolist() for k, v in saved.items()}
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_each_rank_resumes_with_its_own_running_stats(tmp_path, mode):
     # The checkpoint held one rank's copy under the model's keys: every rank resumed with it.
-    assert run_ranks(_bn_resume, 2, str(tmp_path / "s"), mode, timeout=240) == [True, True]
+    results = run_ranks(_bn_resume, 2, str(tmp_path / "s"), mode, timeout=240)
+    assert [ok for ok, _ in results] == [True, True]
+    # On one process (2 -> 1), rank 0 gets its own too, not the copy DCP chose to write under the model's keys.
+    from deltackpt import CheckpointManager, TrainState
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    state = TrainState(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    with CheckpointManager(tmp_path / "s", state) as mgr:
+        assert mgr.restore_latest() == 2
+    assert {k: v.tolist() for k, v in net[1].named_buffers()} == results[0][1]
+
+
+def test_non_persistent_buffers_are_no_state():
+    from deltackpt import TrainState
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    net[0].register_buffer("cache", torch.zeros(8), persistent=False)  # a RoPE table, a mask: rebuilt, not saved
+    assert TrainState(model=net).buffer_keys() == {f"model.1.{s}" for s in
+                                                   ("running_mean", "running_var", "num_batches_tracked")}

@@ -56,6 +56,7 @@ from ..errors import DeltackptError, DiskFullError, ManifestFormatError
 from . import commitlog, idset
 from .crashpoints import crash_point
 from .index import GC_EPOCH_KEY, read_gc_epoch
+from .manifest import is_checkpoint_name
 from .mark import concat, delta_bases, live_chunk_ids, manifest_ids, mark_live, read_tables, with_chain_bases
 from .pack import (
     FOOTER_SIZE,
@@ -69,7 +70,6 @@ from .pack import (
     pack_key,
     pack_stamps,
 )
-from .manifest import is_checkpoint_name
 from .progress import Progress, phase
 from .repack import log_repacks, repack_packs
 
@@ -139,23 +139,22 @@ class GcPlan:
             epoch_written = epoch is None or _put_epoch(store, epoch, may_fail=bool(plan.delete_packs))
             later = _bases_of_repacked(plan)
             with phase(progress, "gc", len(plan.delete_packs) + len(plan.repack), "pack") as bar:
+                def delete_dead(names) -> None:
+                    for name in sorted(names):
+                        crash_point("gc:before-delete")
+                        store.backend.delete(pack_key(name))
+                        crash_point("gc:after-delete")
+                        bar.advance(1)
+
                 # Dead packs first: on a full disk their space is what lets the epoch and the repacks be written.
                 # But not one holding a base of a delta in a pack still to be repacked: a gc cut short there
                 # would leave that (dead) delta without its base, a copy that no longer decodes.
-                for name in sorted(set(plan.delete_packs) - later):
-                    crash_point("gc:before-delete")
-                    store.backend.delete(pack_key(name))
-                    crash_point("gc:after-delete")
-                    bar.advance(1)
+                delete_dead(set(plan.delete_packs) - later)
                 if not epoch_written:
                     _put_epoch(store, epoch, may_fail=False)
                 written: dict[str, tuple[int, list[PackEntry]]] = {}
                 moved, published = repack_packs(store, plan.repack, bar, written)
-                for name in sorted(later):
-                    crash_point("gc:before-delete")
-                    store.backend.delete(pack_key(name))
-                    crash_point("gc:after-delete")
-                    bar.advance(1)
+                delete_dead(later)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published
             for name in sorted(old_repacked):
@@ -420,6 +419,7 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
     if fixed:
         index.relocate(list(fixed.values()), {})
     return keep
+
 
 def _bases_of_repacked(plan: "GcPlan") -> set[str]:
     """The dead packs of ``plan`` that hold a delta base of some entry of a pack it repacks."""

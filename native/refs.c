@@ -12,6 +12,8 @@
 #include <string.h>
 
 #define DC_MIN_REF_BYTES 20 /* fixarray + bin8 header (2) + 16 id bytes + a 1-byte length */
+/* A ref's length and skip at most (manifest.MAX_REF_BYTES, a chunk's bytes): past it the general reader refuses. */
+#define DC_MAX_REF_BYTES ((uint64_t)1 << 30)
 
 /* Big-endian unsigned integer of n bytes. */
 static uint64_t be(const uint8_t *p, size_t n)
@@ -97,7 +99,7 @@ int64_t dc_chunk_refs(const uint8_t *buf, size_t len, uint8_t *ids, size_t cap, 
         pos += 19;
         if (!read_uint(buf, len, &pos, &length) || (fields == 3 && !read_uint(buf, len, &pos, &skip)))
             return -1;
-        if (sum + length < sum)
+        if (length > DC_MAX_REF_BYTES || (fields == 3 && skip > DC_MAX_REF_BYTES) || sum + length < sum)
             return -1;
         sum += length;
     }
@@ -291,7 +293,7 @@ int dc_walk(dc_walker *w, const uint8_t *buf, size_t len, size_t *consumed)
                 rc = DC_WALK_NEED_INPUT;
                 break;
             }
-            if (w->item_total + length < w->item_total)
+            if (length > DC_MAX_REF_BYTES || skip > DC_MAX_REF_BYTES || w->item_total + length < w->item_total)
                 return DC_WALK_FAIL(w);
             memcpy(w->ids + 16 * w->ids_at, buf + pos + 3, 16);
             w->ids_at++;

@@ -27,11 +27,15 @@ from .. import kernels
 from ..errors import CorruptManifestError, InvalidNameError, UnsupportedFormatError
 from . import idset
 from .codec import VALID_ELEM_SIZES
+from .pack import MAX_CHUNK_BYTES
 from .pausegc import paused_gc
 
 MANIFEST_MAGIC = b"DCMF"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 31
+# A reference's length and skip at most, a chunk's bytes: a forged length fails as the manifest decodes (a load
+# allocated 1 TiB for one). native/refs.c (DC_MAX_REF_BYTES) refuses the same, so every reader agrees.
+MAX_REF_BYTES = MAX_CHUNK_BYTES
 LATEST = "latest"
 _NAME_RE = re.compile(r"(?!.*\.tmp-)[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,127}")  # ".tmp-" marks temp files
 
@@ -39,8 +43,8 @@ _NAME_RE = re.compile(r"(?!.*\.tmp-)[A-Za-z0-9_][A-Za-z0-9._+=@-]{0,127}")  # ".
 class ChunkRef(msgspec.Struct, array_like=True, frozen=True):
     # Checked as a manifest decodes (in msgspec's C code: a loop over a 160k-chunk manifest's refs took 40 ms).
     id: Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
-    length: Annotated[int, msgspec.Meta(ge=0)]
-    skip: Annotated[int, msgspec.Meta(ge=0)] = 0
+    length: Annotated[int, msgspec.Meta(ge=0, le=MAX_REF_BYTES)]
+    skip: Annotated[int, msgspec.Meta(ge=0, le=MAX_REF_BYTES)] = 0
 
 
 _LENGTH = attrgetter("length")

@@ -221,7 +221,12 @@ def test_manifest_with_wrong_name_or_bad_refs(manifest_store):
         ChunkRef(ref.id, ref.length, -1), *m.items[0].chunks[1:]])])
     long_id = msgspec.structs.replace(m, items=[msgspec.structs.replace(m.items[0], chunks=[
         ChunkRef(ref.id + b"x", ref.length), *m.items[0].chunks[1:]])])
-    for bad in (bad_len, bad_id, neg, bad_es, neg_ref, neg_skip, long_id):
+    # A length past any chunk's (a load allocated 1 TiB for it) and a skip past one.
+    huge = msgspec.structs.replace(m, items=[msgspec.structs.replace(m.items[0], nbytes=2**40, chunks=[
+        ChunkRef(ref.id, 2**40)])])
+    huge_skip = msgspec.structs.replace(m, items=[msgspec.structs.replace(m.items[0], chunks=[
+        ChunkRef(ref.id, ref.length, 2**40), *m.items[0].chunks[1:]])])
+    for bad in (bad_len, bad_id, neg, bad_es, neg_ref, neg_skip, long_id, huge, huge_skip):
         with pytest.raises(ManifestFormatError):
             decode_manifest(encode_manifest(bad))
     # A shape that does not fit the item's bytes (a manifest with a valid checksum, forged or from a buggy

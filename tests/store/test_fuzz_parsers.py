@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import xxhash
 import zstandard
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deltackpt.errors import ManifestFormatError
@@ -228,6 +228,11 @@ def test_manifest_refs_mutated_body_resealed(ops):
 @given(st.lists(st.tuples(st.binary(min_size=14, max_size=18), st.integers(-2, 2**64 - 1),
                           st.integers(-2, 2**64 - 1), st.booleans()), max_size=6),
        st.integers(0, 2**64 - 1))
+@example([(bytes(16), 2**30, 0, True)], 0)  # lengths and skips up to a chunk's size (MAX_REF_BYTES) pass,
+@example([(bytes(16), 2**30 + 1, 0, True)], 0)  # one byte more does not, in every reader
+@example([(bytes(16), 5, 2**30, False)], 0)
+@example([(bytes(16), 5, 2**30 + 1, False)], 0)
+@example([(bytes(16), 2**30 + 1, 0, False), (bytes(16), 2**30 + 1, 0, True)], 0)
 def test_manifest_refs_forms_resealed(refs, nbytes):
     """Refs in every msgpack form (2 or 3 fields, ids of the wrong length, negative or huge integers)."""
     d = _builtins()

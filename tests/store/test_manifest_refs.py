@@ -32,11 +32,17 @@ def _ids(n: int, seed: int = 0) -> list[bytes]:
 
 @native
 def test_native_reads_the_canonical_form():
-    refs = [ChunkRef(cid, length, skip) for cid, length, skip in zip(_ids(300), [0, 5, 127, 128, 70_000, 2**40] * 50,
-                                                                     [0, 1, 2**33] * 100)]
+    refs = [ChunkRef(cid, length, skip) for cid, length, skip in zip(_ids(300), [0, 5, 127, 128, 70_000, 2**30] * 50,
+                                                                     [0, 1, 2**30] * 100)]
     out = np.zeros(301, dtype=idset.ID)
     assert kernels.chunk_refs(msgspec.msgpack.encode(refs), out, 16) == (300, sum(r.length for r in refs))
     assert out[1:].tobytes() == b"".join(r.id for r in refs) and out[0] == np.zeros(1, dtype=idset.ID)[0]
+    ref = b"\x92\xc4\x10" + bytes(16)
+    wide = b"\x91" + ref + b"\xcf" + (1000).to_bytes(8, "big")  # any unsigned width: a uint64 of a small length
+    assert kernels.chunk_refs(wide, out, 16) == (1, 1000)
+    for past in (2**30 + 1, 2**40):  # past a chunk's size: left to the schema, which refuses it
+        assert kernels.chunk_refs(b"\x91" + ref + b"\xcf" + past.to_bytes(8, "big"), out, 16) is None
+        assert kernels.chunk_refs(b"\x91\x93" + ref[1:] + b"\x01\xcf" + past.to_bytes(8, "big"), out, 16) is None
 
 
 @native

@@ -55,19 +55,23 @@ class Reindexing:
         number = None
         if listed is None:  # a listing of our own, from now: it covers every pack published before this
             number = self._refreshes_begun = self._refreshes_begun + 1
-        known = self._known_packs()
-        present = self._listed() if listed is None else listed
-        gone = known - present.keys()
-        if gone and listed is not None:  # listed before known: a pack indexed since looks gone; list again
-            present = self._listed()
+        # Under the repair lock: a rebuild (another read thread's distrust) drops the tables before it refills
+        # them, and a refresh in between would see no pack known, take the commit log's tables, and leave their
+        # rows in a cache the rebuild then marks trusted (a lying row is then reported as damage).
+        with self._repair_lock:
+            known = self._known_packs()
+            present = self._listed() if listed is None else listed
             gone = known - present.keys()
-        if gone or self._is_foreign():
-            out = self._rebuild(present, from_log=True)
-        else:
-            new = [n for n in present if n not in known]
-            if self._index_packs([(n, present[n][0]) for n in new], every=not known):
-                self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
-            out = len(new), 0
+            if gone and listed is not None:  # listed before known: a pack indexed since looks gone; list again
+                present = self._listed()
+                gone = known - present.keys()
+            if gone or self._is_foreign():
+                out = self._rebuild(present, from_log=True)
+            else:
+                new = [n for n in present if n not in known]
+                if self._index_packs([(n, present[n][0]) for n in new], every=not known):
+                    self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
+                out = len(new), 0
         if number is not None:
             self._refreshed_upto = max(self._refreshed_upto, number)
         return out
@@ -132,10 +136,11 @@ class Reindexing:
         cache has not, from the table rows in ``tables`` where given and they check out (else from the packs'
         tables); a pack gone is skipped, as a listing would not show it. Returns how many were new."""
         _, known, _ = self._dbs()
-        with self.env.begin(db=known) as txn:
-            new = [(p, size) for p, size in packs.items() if txn.get(bytes.fromhex(p)) is None]
-        if self._index_packs(new, given=tables or {}):
-            self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
+        with self._repair_lock:  # not into a rebuild's dropped tables (see refresh)
+            with self.env.begin(db=known) as txn:
+                new = [(p, size) for p, size in packs.items() if txn.get(bytes.fromhex(p)) is None]
+            if self._index_packs(new, given=tables or {}):
+                self._trusted = False  # tables from the commit log: a wrong read rebuilds from the packs
         return len(new)
 
     def _index_packs(self, packs: list[tuple[str, int]], bar=None, given: dict[str, bytes] | None = None,

@@ -15,6 +15,7 @@ from deltackpt.store import MemoryBackend, Store, commitlog
 from deltackpt.store.commitlog import (CommitRecord, commit_record_key, decode_commit_record,
                                       encode_commit_record, read_commit_record)
 from deltackpt.store import reindex as reindex_mod
+from deltackpt.store import source as source_mod
 from deltackpt.store.index import ChunkIndex
 from deltackpt.store.copy import copy_checkpoints
 from deltackpt.store.gc import plan_gc
@@ -519,6 +520,82 @@ def test_a_rebuild_that_took_tables_from_the_log_still_rebuilds_from_the_packs_a
     plan_gc(store, grace_s=0).execute()  # s0's packs go
     spare.index.refresh()  # a pack it knew is gone: a rebuild, from the log again
     assert_items_equal({"x": x}, spare.load("s1"))
+
+
+class _SignalingLock:
+    """An RLock that sets ``waiting`` when a thread has to wait for it."""
+
+    def __init__(self, waiting: threading.Event) -> None:
+        self._lock, self.waiting = threading.RLock(), waiting
+
+    def __enter__(self):
+        if not self._lock.acquire(blocking=False):
+            self.waiting.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def test_a_refresh_waits_for_another_threads_rebuild_instead_of_filling_its_emptied_tables(
+        tmp_path, rng, monkeypatch):
+    """One read thread finds a wrong location and rebuilds the cache (its tables dropped, then refilled from the
+    packs); another, whose chunk the emptied cache then lacks, refreshed it in between: from the commit log's
+    (lying) tables, whose rows the rebuild kept and then trusted, so the first thread reported the pack as
+    damaged. The interleaving is forced; the refresh must wait for the rebuild (it failed 2-9 % of the runs of
+    the test above on a loaded machine)."""
+    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 1)
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", **SMALL)
+    x, y = _arrays(rng, 2)
+    store.save("s0", {"y": y})
+    store.save("s1", {"x": x})
+    record = read_commit_record(store.backend, "s1", store.config.store_id)
+    pack = max(record.tables, key=lambda p: len(record.tables[p]))
+    lone = {t[:16] for t in record.tables.values() if len(t) == 64}  # a pack of one chunk: a read job of its own
+    assert lone and len(record.tables[pack]) >= 2 * 64
+    rows = bytearray(record.tables[pack])
+    rows[0:16], rows[64:80] = rows[64:80], rows[0:16]
+    store.backend.put(commit_record_key("s1"), encode_commit_record(
+        msgspec.structs.replace(record, tables={**record.tables, pack: bytes(rows)})))
+    spare = Store.open(store.backend, cache_dir=tmp_path / "spare")
+    spare.index.num_chunks()  # filled from the log: not trusted
+    store.forget(["s0"])
+    plan_gc(store, grace_s=0).execute()
+    spare.index.refresh()
+
+    dropped, lone_done, waiting, rebuilding = threading.Event(), threading.Event(), threading.Event(), set()
+    spare.index._repair_lock = _SignalingLock(waiting)
+    real_rebuild, real_index_packs = ChunkIndex.rebuild, reindex_mod.Reindexing._index_packs
+    real_entry = source_mod.ChunkSource.entry
+
+    def rebuild(self, *a, **k):
+        rebuilding.add(threading.get_ident())
+        try:
+            return real_rebuild(self, *a, **k)
+        finally:
+            rebuilding.discard(threading.get_ident())
+
+    def index_packs(self, *a, **k):
+        if threading.get_ident() in rebuilding:  # the tables are dropped: let the other thread look its chunk up
+            dropped.set()
+            assert any(e.wait(0.01) for _ in range(1000) for e in (lone_done, waiting))
+        return real_index_packs(self, *a, **k)
+
+    def entry(self, cid, **k):
+        if cid in lone and threading.get_ident() not in rebuilding:
+            dropped.wait(10)
+            try:
+                return real_entry(self, cid, **k)
+            finally:
+                lone_done.set()
+        return real_entry(self, cid, **k)
+
+    monkeypatch.setattr(ChunkIndex, "rebuild", rebuild)
+    monkeypatch.setattr(reindex_mod.Reindexing, "_index_packs", index_packs)
+    monkeypatch.setattr(source_mod.ChunkSource, "entry", entry)
+    assert_items_equal({"x": x}, spare.load("s1"))
+    assert dropped.is_set() and waiting.is_set()  # the interleaving happened, and the refresh waited
 
 
 def test_a_cache_that_caught_up_through_a_lying_record_rebuilds_from_the_packs_on_a_wrong_read(two_hosts, rng):

@@ -291,6 +291,9 @@ class CheckpointManager:
         for info in infos:
             name = info.name
             if info.damaged:
+                step = self._restore_from_remote(name, info.damage)
+                if step is not None:
+                    return step
                 log.warning("checkpoint %r has a damaged manifest (%s); falling back to the previous one", name,
                             info.damage)
                 failures.append(f"{name}: {info.damage}")
@@ -334,16 +337,25 @@ class CheckpointManager:
         return self._remote
 
     def _fetch_newer_remote(self) -> None:
-        """On the coordinator: copy the remote's newest checkpoint here if it is newer than every local one."""
+        """On the coordinator: copy the remote's newest intact checkpoint here if it is newer than every local
+        one (a damaged one is skipped for the one before it, as a local one would be)."""
         if self._uploader is not None:
             remote = self._uploader.remote
-            remote_infos = remote.list_checkpoints()
             local_infos = self.store.list_checkpoints()
-            newest = remote_infos[-1] if remote_infos else None
-            if newest is not None and (not local_infos or newest.created_ns > local_infos[-1].created_ns) \
-                    and not self.store.exists(newest.name):
-                report = copy_checkpoints(remote, self.store, [newest.name])
-                log.info("fetched checkpoint %r from %s (%d bytes)", newest.name, self.remote, report.bytes_sent)
+            newest_local = local_infos[-1].created_ns if local_infos else None
+            for info in reversed(remote.list_checkpoints()):
+                if newest_local is not None and info.created_ns <= newest_local:
+                    break
+                if self.store.exists(info.name):  # damaged here (else it would be listed): restored from remote
+                    break
+                try:
+                    report = copy_checkpoints(remote, self.store, [info.name])
+                except _DAMAGE as e:
+                    log.warning("checkpoint %r is damaged in %s (%s); fetching the one before it", info.name,
+                                self.remote, e)
+                    continue
+                log.info("fetched checkpoint %r from %s (%d bytes)", info.name, self.remote, report.bytes_sent)
+                break
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=self.process_group)  # every rank then sees what the coordinator fetched
 

@@ -121,6 +121,49 @@ def test_a_damaged_local_copy_is_restored_from_the_remote(tmp_path, s3_server, s
     assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[4])
 
 
+@pytest.mark.parametrize("keep_local_last", [1, 2])
+def test_a_damaged_local_manifest_is_restored_from_the_remote(tmp_path, s3_server, s3_url, keep_local_last):
+    """Not an error ("no intact checkpoint", with one kept locally) and not a silent step back (with two)."""
+    opts = s3_server.storage_options
+    state, refs = _state(), {}
+    local = tmp_path / "l"
+    with CheckpointManager(str(local), state, every_n_steps=2, remote=s3_url, remote_storage_options=opts,
+                           keep_local_last=keep_local_last) as mgr:
+        _train(state, mgr, 0, 4, refs)
+    manifest = local / "manifests" / "step-00000004"
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    manifest.write_bytes(bytes(data))
+    fresh = _state(seed=5)
+    with CheckpointManager(str(local), fresh, every_n_steps=2, remote=s3_url, remote_storage_options=opts) as mgr:
+        assert mgr.restore_latest() == 4
+    assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[4])
+
+
+def test_a_replaced_node_skips_a_damaged_newest_remote_checkpoint(tmp_path, s3_server, s3_url):
+    import s3fs
+
+    opts = s3_server.storage_options
+    state, refs = _state(), {}
+    with CheckpointManager(str(tmp_path / "node-a"), state, every_n_steps=2, remote=s3_url,
+                           remote_storage_options=opts) as mgr:
+        _train(state, mgr, 0, 4, refs)
+    remote = Store.open(s3_url, storage_options=opts)
+    older = {e.pack for c in remote.read_manifest("step-00000002").items for e in
+             map(remote.index.lookup, (r.id for r in c.chunks))}
+    only_newest = {e.pack for c in remote.read_manifest("step-00000004").items for e in
+                   map(remote.index.lookup, (r.id for r in c.chunks))} - older
+    assert only_newest
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+    for pack in only_newest:
+        fs.rm_file(f"{s3_url[5:]}/packs/{pack[:2]}/{pack}")  # lost on the remote
+    fresh = _state(seed=5)
+    with CheckpointManager(str(tmp_path / "node-b"), fresh, every_n_steps=2, remote=s3_url,
+                           remote_storage_options=opts) as mgr:
+        assert mgr.restore_latest() == 2
+    assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[2])
+
+
 def test_keep_last_bounds_the_local_store_too_unless_keep_local_last_says_otherwise(tmp_path):
     state = _state()
     with CheckpointManager(str(tmp_path / "hot"), state, every_n_steps=1, keep_last=2,

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import msgspec
+import numpy as np
 
+from . import codec
 from .chains import chain_entries, chain_packs, needed_ids
 from .config import CHAINS_FEATURE, MAX_CHAIN, chain_limit, data_features
 from ..errors import CheckpointExistsError, CorruptChunkError, DeltackptError, MissingChunkError
@@ -28,6 +30,7 @@ from .manifest import Manifest, Stats, encode_manifest
 from .pack import HEADER_SIZE, PackBuilder, PackEntry, pack_bytes_ok, pack_key, read_pack_entries
 from .progress import Progress, phase
 from .retention import DAMAGED_TAGS, read_tags, set_tags
+from .source import ChunkSource
 
 MAX_COALESCE_GAP = 64 * 1024  # entries closer than this are read with one ranged GET
 
@@ -158,6 +161,7 @@ def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int],
     for e in send.values():
         by_pack.setdefault(e.pack, []).append(e)
     builder = _Repacker(dst)
+    check = _PayloadCheck(src, name)
     with phase(progress, f"copy {name}", sum(e.span for e in send.values()), "B") as bar:
         for pack, wanted in sorted(by_pack.items()):
             try:
@@ -176,7 +180,8 @@ def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int],
                 report.packs_sent += 1
                 report.bytes_sent += len(data)
             else:
-                for e, payload in _source_reads(pack, _read_payloads(src.backend, pack, wanted)):
+                for e, head, payload in _source_reads(pack, _read_payloads(src.backend, pack, wanted)):
+                    check(e, head, payload)
                     sealed = builder.add(e, payload)
                     if sealed is not None:
                         _account(sealed, packs, entries, report)
@@ -258,8 +263,30 @@ def _account(sealed, packs, entries, report) -> None:
     report.bytes_sent += size
 
 
+class _PayloadCheck:
+    """Checks a chunk sent without its whole pack as a read of it would (header against the source's index,
+    decoded, hashed; a delta against its base read from the source): a pack sent whole is checked by its
+    name, and a copy must not carry damage a load would refuse into a store that then calls it good."""
+
+    def __init__(self, src, name: str) -> None:
+        self.source = ChunkSource(src)
+        self.name = name
+        self.scratch = np.empty(0, dtype=np.uint8)
+
+    def __call__(self, e: PackEntry, head, payload) -> None:
+        if self.scratch.size < e.raw_len:
+            self.scratch = np.empty(e.raw_len, dtype=np.uint8)
+        out = self.scratch[:e.raw_len]
+        if e.codec == codec.RAW:  # checked where it is (decode_read's convention for a raw chunk)
+            if len(payload) == e.raw_len:
+                out[:] = np.frombuffer(payload, dtype=np.uint8)
+            payload = out
+        self.source.decode_read(e, head, payload, HEADER_SIZE + e.stored_len, out, checkpoint=self.name)
+
+
 def _read_payloads(backend, pack: str, wanted: list[PackEntry]):
-    """(entry, stored payload) for ``wanted`` entries of one pack, adjacent ones fetched by one ranged read."""
+    """(entry, header, stored payload) for ``wanted`` entries of one pack, adjacent ones fetched by one ranged
+    read."""
     key = pack_key(pack)
     wanted = sorted(wanted, key=lambda e: e.offset)
     i = 0
@@ -274,7 +301,7 @@ def _read_payloads(backend, pack: str, wanted: list[PackEntry]):
             payload = data[at:at + e.stored_len]
             if len(payload) != e.stored_len:
                 raise CorruptChunkError(f"pack {pack} of the source is truncated", pack=pack)
-            yield e, payload
+            yield e, data[at - HEADER_SIZE:at], payload
         i = j
 
 

@@ -276,3 +276,32 @@ def test_a_chunk_the_destination_found_damaged_is_sent_from_the_source(tmp_path,
     assert report.chunks_skipped == 0  # the destination's copy was not taken for one
     np.testing.assert_array_equal(Store.open(tmp_path / "dst").load("new")["w"], shared)
     np.testing.assert_array_equal(Store.open(tmp_path / "dst").load("old")["w"], shared)  # healed too
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_damaged_chunk_of_a_pack_copied_in_part_is_refused(tmp_path, rng, delta):
+    """A pack sent whole is checked by its name; a chunk sent without the rest of its pack (repacked) is
+    decoded and hashed as a load would: a damaged one fails the copy, which commits nothing."""
+    from deltackpt.errors import CorruptChunkError
+    from deltackpt.store.pack import HEADER_SIZE, pack_key
+
+    src = Store.init(tmp_path / "src", chunk_size_bytes=4096, pack_target_bytes=1 << 20, delta=delta)
+    state = {k: rng.standard_normal(8192).astype(np.float32) for k in ("frozen", "w", "other")}
+    src.save("c1", state)  # one pack
+    state["w"] = state["w"] + np.float32(1e-3)  # with deltas: coded against c1's w, which is needed too
+    state["other"] = rng.standard_normal(8192).astype(np.float32)
+    src.save("c2", state)  # needs c1's pack but its first "other": sent in part
+    clean = copy(src, tmp_path / "clean", ["c2"])
+    assert clean.packs_repacked and clean.copied == ["c2"]  # the partial path
+    assert_items_equal(state, Store.open(tmp_path / "clean").load("c2"))
+    manifest = src.read_manifest("c2")
+    frozen = next(i for i in manifest.items if i.key == "frozen").chunks[0].id
+    e = src.index.lookup(frozen)
+    path = tmp_path / "src" / pack_key(e.pack)
+    data = bytearray(path.read_bytes())
+    data[e.offset + HEADER_SIZE + e.stored_len // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptChunkError) as ei:
+        copy(src, tmp_path / "dst", ["c2"])
+    assert ei.value.pack == e.pack and ei.value.checkpoint == "c2"
+    assert not Store.open(tmp_path / "dst").exists("c2")

@@ -111,6 +111,12 @@ class FsspecBackend(Backend):
             except PermissionError as e:
                 raise BackendError(f"{op} {self.url}/{key}: access denied ({e}); check the credentials "
                                    "(environment, ~/.aws or storage options)", key=key, operation=op) from None
+            except TypeError as e:
+                if not self.storage_options:
+                    raise
+                # The filesystem's client refused an option it was given (a mistyped storage option).
+                raise BackendError(f"{op} {self.url}: {e}; check the storage options "
+                                   f"({', '.join(sorted(self.storage_options))})", key=key, operation=op) from None
             except _NOT_RETRIED:
                 raise
             except Exception as e:  # noqa: BLE001 - throttling, 5xx, timeouts, resets: transient

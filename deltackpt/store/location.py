@@ -49,6 +49,10 @@ def open_backend(location, storage_options: dict | None = None) -> Backend:
     if scheme == "file":
         return LocalBackend(location[len("file://"):])
     _check_scheme(scheme, location)
+    if "//" in location[len(scheme) + 3:].rstrip("/"):
+        # s3fs lists "bucket//run" as no keys at all while it reads and writes them: saves that vanish.
+        raise BackendError(f"{location}: an empty path segment ('//') in a store URL; object stores do not "
+                           "agree on what it names, so remove it")
     from .fsspec_backend import FsspecBackend
     return FsspecBackend(location, storage_options)
 

@@ -38,3 +38,21 @@ def test_a_scheme_whose_package_is_missing_names_it():
 def test_storage_options_need_a_url(tmp_path):
     with pytest.raises(ValueError, match="URL"):
         open_backend(str(tmp_path / "s"), {"key": "x"})
+
+
+@pytest.mark.parametrize("url", ["s3://bucket//run", "s3://bucket/a//b", "memory://x//y/"])
+def test_an_empty_path_segment_is_refused(url):
+    """s3fs reads and writes "bucket//run/..." but lists nothing under it: saves that then seem gone."""
+    with pytest.raises(BackendError, match="empty path segment"):
+        open_backend(url)
+    assert isinstance(open_backend("s3://bucket/run/"), FsspecBackend)  # a trailing slash is fine
+
+
+def test_a_storage_option_the_client_refuses_is_a_backend_error(s3_server, s3_url):
+    from deltackpt import cli
+
+    with pytest.raises(BackendError, match="check the storage options.*region_nam"):
+        Store.open(s3_url, storage_options={**s3_server.storage_options, "region_nam": "x"})
+    args = ["ls", s3_url] + [f"--storage-option={k}={v}" for k, v in (
+        ("endpoint_url", s3_server.storage_options["endpoint_url"]), ("profile_nme", "x"))]
+    assert cli.main(args) == 3  # a one-line error, not a traceback

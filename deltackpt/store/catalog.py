@@ -45,14 +45,16 @@ class Catalog:
         out, fresh = [], {}
         for name, obj in listed.items():
             info = None
-            stamp = (obj.size_bytes, obj.mtime_s)  # rewriting a manifest changes its mtime, maybe its size
+            # Rewriting a manifest changes its version (an S3 ETag; a local file's inode and mtime in ns), its
+            # mtime unless within a second on S3, maybe its size.
+            stamp = (obj.size_bytes, obj.mtime_s, obj.version or "")
             raw = cached.get(name)
             if raw is not None:
                 try:
                     info = msgspec.msgpack.decode(raw, type=CheckpointInfo)
                 except (msgspec.ValidationError, msgspec.DecodeError):
                     info = None
-                if info is not None and (info.manifest_bytes, info.manifest_mtime_s) != stamp:
+                if info is not None and (info.manifest_bytes, info.manifest_mtime_s, info.manifest_version) != stamp:
                     info = None
             if info is None:
                 try:
@@ -63,7 +65,7 @@ class Catalog:
                     continue
                 except (CheckpointNotFoundError, InvalidNameError):
                     continue  # stray files and manifests forgotten meanwhile are not checkpoints
-                info = summarize_manifest(m, obj.size_bytes, obj.mtime_s)
+                info = summarize_manifest(m, obj.size_bytes, obj.mtime_s, obj.version)
                 fresh[name] = msgspec.msgpack.encode(info)
             out.append(info)
         stale = [n for n in cached if n not in listed]
@@ -75,7 +77,9 @@ class Catalog:
     def summarize(self, manifest: Manifest) -> CheckpointInfo:
         """The ``list_checkpoints`` entry of a manifest already read."""
         obj = self._manifest_object(manifest.name)
-        return summarize_manifest(manifest, obj.size_bytes if obj else 0, obj.mtime_s if obj else 0.0)
+        if obj is None:
+            return summarize_manifest(manifest, 0, 0.0)
+        return summarize_manifest(manifest, obj.size_bytes, obj.mtime_s, obj.version)
 
     def _manifest_object(self, name: str):
         """The ObjectInfo (size, mtime) of checkpoint ``name``'s manifest, or None."""

@@ -63,7 +63,7 @@ class Store(Catalog):
         self.base_cache = BaseCache.from_settings()  # keyframes this object's saves keep for its next save
         # (name, created_ns, manifest size, mtime, packs) of this object's last commit: the packs that held
         # all its chunks, for its next save when that checkpoint is still the newest (ChunkWriter parent_packs).
-        self._last_commit: tuple[str, int, int, float, frozenset[str]] | None = None
+        self._last_commit: tuple[str, int, int, float, str, frozenset[str]] | None = None
 
     def __repr__(self) -> str:
         return f"Store({self.backend!r}, store_id={self.config.store_id[:8]})"
@@ -262,11 +262,12 @@ class Store(Catalog):
         # Its record in the commit log: how other caches catch up without a listing (a hint: never raises).
         record_commit(self.backend, self._cache_index(), self.config.store_id, manifest, packs, entries)
         obj = self._manifest_object(name)
-        mtime_s = obj.mtime_s if obj else 0.0
+        mtime_s, version = (obj.mtime_s, obj.version or "") if obj else (0.0, "")
         if holding is not None and obj is not None:
-            self._last_commit = (name, manifest.created_ns, len(data), mtime_s, frozenset(holding))
+            self._last_commit = (name, manifest.created_ns, len(data), mtime_s, version, frozenset(holding))
         # The last commit: this cache holds every pack up to this commit.
-        self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s))},
+        self.index.put_summaries({name: msgspec.msgpack.encode(summarize_manifest(manifest, len(data), mtime_s,
+                                                                                  version))},
                                  meta=ChunkIndex.commit_meta(Commit(name, manifest.created_ns)))
         return manifest
 
@@ -315,13 +316,14 @@ class Store(Catalog):
 
     def _own_packs(self, newest: tuple[CheckpointInfo, Manifest] | None) -> frozenset[str] | None:
         """The packs that held every chunk of the newest checkpoint when this object committed it, if it is
-        that checkpoint still (same name, creation time, manifest size and mtime: not rewritten since)."""
+        that checkpoint still (same name, creation time, manifest size, mtime and version: not rewritten
+        since)."""
         last = self._last_commit
         if newest is None or last is None:
             return None
         info, m = newest
-        same = (m.name, m.created_ns, info.manifest_bytes, info.manifest_mtime_s) == last[:4]
-        return last[4] if same else None
+        same = (m.name, m.created_ns, info.manifest_bytes, info.manifest_mtime_s, info.manifest_version) == last[:5]
+        return last[5] if same else None
 
     def lock(self, kind: str = SHARED, **kwargs) -> StoreLock:
         """A store lock to use as a context manager: SHARED for saves, EXCLUSIVE for gc."""

@@ -23,7 +23,8 @@ class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_items: int
     metadata: dict[str, Any]
     manifest_bytes: int
-    manifest_mtime_s: float = 0.0  # with manifest_bytes: a cached summary is stale when either differs
+    manifest_mtime_s: float = 0.0  # with manifest_bytes and _version: a cached summary is stale when one differs
+    manifest_version: str = ""  # the backend's version of the manifest object (an S3 ETag): mtimes are seconds
     damage: str | None = None  # why the manifest cannot be read; None for an intact checkpoint
 
     @property
@@ -55,7 +56,8 @@ class StoreUsage:
         return self.logical_bytes / self.physical_bytes if self.physical_bytes else 0.0
 
 
-def summarize_manifest(m: Manifest, manifest_bytes: int, manifest_mtime_s: float) -> CheckpointInfo:
+def summarize_manifest(m: Manifest, manifest_bytes: int, manifest_mtime_s: float,
+                       manifest_version: str | None = None) -> CheckpointInfo:
     return CheckpointInfo(
         name=m.name,
         created_ns=m.created_ns,
@@ -68,6 +70,7 @@ def summarize_manifest(m: Manifest, manifest_bytes: int, manifest_mtime_s: float
         metadata=m.metadata,
         manifest_bytes=manifest_bytes,
         manifest_mtime_s=manifest_mtime_s,
+        manifest_version=manifest_version or "",
     )
 
 
@@ -75,4 +78,5 @@ def damaged_info(name: str, obj, damage: str) -> CheckpointInfo:
     """A listing entry for an unreadable manifest, placed in time by when it was written."""
     return CheckpointInfo(name=name, created_ns=int(obj.mtime_s * 1e9), parent=None, logical_bytes=0,
                           stored_bytes=0, num_chunks=0, new_chunks=0, num_items=0, metadata={},
-                          manifest_bytes=obj.size_bytes, manifest_mtime_s=obj.mtime_s, damage=damage)
+                          manifest_bytes=obj.size_bytes, manifest_mtime_s=obj.mtime_s,
+                          manifest_version=obj.version or "", damage=damage)

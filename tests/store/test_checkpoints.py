@@ -181,3 +181,30 @@ def test_metadata_roundtrip(mem_store):
     assert mem_store.read_manifest("m").metadata == meta
     assert mem_store.list_checkpoints()[0].metadata == meta
     assert np.isclose(mem_store.read_manifest("m").metadata["loss"], 0.25)
+
+
+def test_a_manifest_rewritten_within_a_second_is_summarized_again(tmp_path, rng):
+    """S3's modification times are whole seconds: a checkpoint replaced (same name, same manifest size) within
+    one must not be listed with the summary of the one it replaced; the object's version (ETag) tells."""
+    import hashlib
+
+    from deltackpt.store import MemoryBackend
+    from deltackpt.store.backend import ObjectInfo
+
+    class SecondsBackend(MemoryBackend):  # what S3 lists: whole-second times, a version per write
+        def list(self, prefix=""):
+            return iter([ObjectInfo(i.key, i.size_bytes, float(int(i.mtime_s)),
+                                    hashlib.md5(self.get(i.key)).hexdigest()) for i in super().list(prefix)])
+
+    store = Store.init(SecondsBackend(), cache_dir=tmp_path / "cache")
+    x = random_array(rng, "float32", (1000,))
+    store.save("c", {"x": x}, metadata={"run": "a", "pad": "p" * 32})
+    assert store.list_checkpoints()[0].metadata["run"] == "a"
+    size = store.backend.size("manifests/c")
+    other = Store.open(store.backend, cache_dir=tmp_path / "other")  # another host replaces it
+    for pad in range(64):  # with a manifest of the same size
+        other.save("c", {"x": x + 1}, metadata={"run": "b", "pad": "p" * pad}, overwrite=True)
+        if store.backend.size("manifests/c") == size:
+            break
+    assert store.backend.size("manifests/c") == size
+    assert [i.metadata["run"] for i in store.list_checkpoints()] == ["b"]

@@ -58,3 +58,31 @@ def test_missing_bucket_and_unknown_scheme_are_one_line_errors(tmp_path, s3_serv
     r = subprocess.run([sys.executable, "-m", "deltackpt", "init", "s3://no-such-bucket-here/run"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 3 and "bucket" in r.stderr, r.stderr
+
+
+def test_copy_between_two_object_stores_takes_options_per_side(tmp_path, s3_server, capsys):
+    """A run moved between two clusters' object stores, each with its own endpoint and credentials: copy's
+    --src-storage-option / --dst-storage-option replace --storage-option for their side."""
+    from deltackpt import cli
+
+    opts = s3_server.storage_options
+    src_url, dst_url = (f"s3://{s3_server.new_bucket()}/run" for _ in range(2))
+    src = Store.init(src_url, storage_options=opts, chunk_size_bytes=4096)
+    w = np.random.default_rng(0).standard_normal(10_000).astype(np.float32)
+    src.save("step-1", {"w": w})
+
+    def side(flag):
+        return [f"{flag}=endpoint_url={opts['endpoint_url']}", f"{flag}=key=testing", f"{flag}=secret=testing"]
+
+    # The shared options name an option no client knows: used on either side, the copy would fail.
+    args = ["copy", src_url, dst_url, "--all", "--json", f"--storage-option=endpoint_url={opts['endpoint_url']}",
+            "--storage-option=profile_nme=x",
+            *side("--src-storage-option"), *side("--dst-storage-option")]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["copied"] == ["step-1"]
+    np.testing.assert_array_equal(Store.open(dst_url, storage_options=opts).load("step-1")["w"], w)
+    assert cli.main(args[:7] + side("--dst-storage-option")) == 3  # the source then takes the shared ones
+    assert "profile_nme" in capsys.readouterr().out
+    assert cli.main(["copy", src_url, str(tmp_path / "local"), "--all", *side("--src-storage-option"),
+                     "--dst-storage-option=key=x"]) == 2  # a local destination takes no options
+    assert "--dst-storage-option applies to a URL" in capsys.readouterr().err

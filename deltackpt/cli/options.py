@@ -42,12 +42,18 @@ def parse_pairs(pairs, option: str) -> dict:
     return out
 
 
-def options_for(args, location: str) -> dict | None:
-    """The ``--storage-option`` pairs for a URL; None for a local path (they would mean nothing there)."""
+def options_for(args, location: str, side: str | None = None) -> dict | None:
+    """The ``--storage-option`` pairs for a URL; None for a local path (they would mean nothing there). With
+    ``side`` (copy's "src" or "dst"), that side's ``--src-storage-option`` pairs where given instead."""
     from ..store.location import scheme_of
 
+    own = getattr(args, f"{side}_storage_option", None) if side else None
     if scheme_of(location) in (None, "file"):
+        if own:
+            raise UsageError(f"--{side}-storage-option applies to a URL, not to the local path {location!r}")
         return None
+    if own:
+        return parse_pairs(own, f"--{side}-storage-option")
     return parse_pairs(getattr(args, "storage_option", None), "--storage-option") or None
 
 

@@ -16,6 +16,11 @@ def register(add) -> None:
     sp.add_argument("--all", action="store_true", help="copy every checkpoint")
     sp.add_argument("--verify", action="store_true", help="read every copied checkpoint back and re-hash it")
     sp.add_argument("--overwrite", action="store_true", help="replace same-named checkpoints that differ")
+    for side in ("src", "dst"):
+        sp.add_argument(f"--{side}-storage-option", action="append", metavar="KEY=VALUE",
+                        help=f"fsspec option for the {'source' if side == 'src' else 'destination'} URL only, in "
+                             "place of --storage-option (two object stores with their own endpoints or "
+                             "credentials; repeatable)")
 
 
 def cmd_copy(args) -> int:
@@ -25,8 +30,8 @@ def cmd_copy(args) -> int:
         raise UsageError("name the checkpoints to copy, or pass --all")
     with ProgressBar(args) as progress:
         report = copy(args.src, args.dst, None if args.all else args.checkpoints, verify=args.verify,
-                      overwrite=args.overwrite, src_storage_options=options_for(args, args.src),
-                      dst_storage_options=options_for(args, args.dst), progress=progress)
+                      overwrite=args.overwrite, src_storage_options=options_for(args, args.src, "src"),
+                      dst_storage_options=options_for(args, args.dst, "dst"), progress=progress)
     data = {"src": args.src, "dst": args.dst, "checkpoints": len(report.copied) + len(report.skipped),
             **report.as_dict()}
 

@@ -45,6 +45,9 @@ _NOT_RETRIED = (FileNotFoundError, FileExistsError, PermissionError, IsADirector
                 ValueError, TypeError, NotImplementedError, KeyError)
 
 
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
+
+
 class FsspecBackend(Backend):
     """Objects under ``url`` (``s3://bucket/prefix``, ``memory://name``, ...) through fsspec.
 
@@ -120,6 +123,9 @@ class FsspecBackend(Backend):
             except _NOT_RETRIED:
                 raise
             except Exception as e:  # noqa: BLE001 - throttling, 5xx, timeouts, resets: transient
+                if type(e).__name__ in _NO_CREDENTIALS:  # botocore's: no retry finds credentials
+                    raise BackendError(f"{op} {self.url}: {e}; set them in the environment, ~/.aws or the storage "
+                                       "options", key=key, operation=op) from None
                 if attempt == self.max_attempts:
                     detail = " ".join(f"{type(e).__name__}: {e}".split())  # HTTP client messages span lines
                     raise BackendError(f"{op} {self.url}/{key} failed after {attempt} attempt"

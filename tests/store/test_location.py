@@ -56,3 +56,14 @@ def test_a_storage_option_the_client_refuses_is_a_backend_error(s3_server, s3_ur
     args = ["ls", s3_url] + [f"--storage-option={k}={v}" for k, v in (
         ("endpoint_url", s3_server.storage_options["endpoint_url"]), ("profile_nme", "x"))]
     assert cli.main(args) == 3  # a one-line error, not a traceback
+
+
+def test_missing_credentials_fail_at_once(s3_server, s3_url, monkeypatch, tmp_path):
+    """Not retried six times with backoff: no attempt finds credentials that are not there."""
+    for var in [v for v in __import__("os").environ if v.startswith("AWS_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance metadata look-up off this machine
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws
+    with pytest.raises(BackendError, match="credentials") as ei:
+        Store.open(s3_url, storage_options={"endpoint_url": s3_server.endpoint})
+    assert "attempts" not in str(ei.value)

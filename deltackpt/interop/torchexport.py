@@ -19,6 +19,7 @@ import pickle
 import uuid
 
 import torch
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -35,6 +36,7 @@ from ..dcp import LAYER_KEY, DeltaStorageReader, quiet_single_process, typed_cal
 from ..dcp.metadata_schema import decode_metadata
 from ..errors import ManifestFormatError, UnsafeSourceError
 from ..store import Progress, phase
+from .importer import _first_line
 from .layout import Layout, read_rows, slabs
 from .numeric import FLOATS
 
@@ -117,6 +119,19 @@ class _SelectedKeys(_EmptyStateDictLoadPlanner):
 
     def _should_include_key(self, key: str, metadata: Metadata) -> bool:
         return key in self.keys
+
+    def load_bytes(self, read_item, value) -> None:
+        # DCP's own planner unpickles a value with weights_only=False: any code a checkpoint (an imported one,
+        # another cluster's) holds would run here. Plain data only, as the exported file is checked for.
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeSourceError(f"value {read_item.dest_index.fqn!r} needs unpickling beyond plain data "
+                                    f"({_first_line(e)}); export it as dcp instead") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def write_torch(tmp, store, layout: Layout, names: list[str], target: str | None, report,

@@ -91,6 +91,33 @@ class Opaque:
         self.x = x
 
 
+RAN: list = []
+
+
+def _side_effect():
+    RAN.append(1)
+    return 0
+
+
+class Payload:
+    """A value whose unpickling runs code (what a hostile checkpoint, imported or copied in, could hold)."""
+
+    def __reduce__(self):
+        return (_side_effect, ())
+
+
+def test_export_to_torch_never_unpickles_code(tmp_path):
+    deltackpt.save({"w": torch.ones(4), "p": Payload(), "plain": {"lr": 0.1, "steps": [1, 2]}}, tmp_path / "store",
+                   "c")
+    RAN.clear()
+    with pytest.raises(UnsafeSourceError, match="'p' needs unpickling beyond plain data"):
+        deltackpt.export(tmp_path / "store", "c", tmp_path / "out.pt", format="torch")
+    assert RAN == [] and not (tmp_path / "out.pt").exists()
+    deltackpt.export(tmp_path / "store", "c", tmp_path / "ok.pt", format="torch", only=["w", "plain"])
+    out = torch.load(tmp_path / "ok.pt", weights_only=True)
+    assert out["plain"] == {"lr": 0.1, "steps": [1, 2]} and torch.equal(out["w"], torch.ones(4)) and RAN == []
+
+
 def test_a_failed_export_leaves_nothing(tmp_path, capsys):
     deltackpt.save({"w": torch.ones(4), "obj": Opaque()}, tmp_path / "store", "c")
     with pytest.raises(UnsafeSourceError, match="export it as dcp"):

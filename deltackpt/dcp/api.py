@@ -105,7 +105,7 @@ def save(state_dict: dict[str, Any], store, checkpoint_id: str, *, process_group
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
                                 storage_options=storage_options, replica_check=replica_check)
     planner = planner or default_planner(state_dict, replica_check)
-    with quiet_single_process():
+    with quiet_single_process(), aborted_on_failure(writer):
         return typed_call(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
                                            process_group=process_group, no_dist=no_dist))
 
@@ -139,13 +139,30 @@ def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
     writer = DeltaStorageWriter(store, checkpoint_id, overwrite=overwrite, metadata=metadata,
                                 storage_options=storage_options, staging=staging, replica_check=replica_check)
     planner = planner or default_planner(state_dict, replica_check)
-    with quiet_single_process():
+    with quiet_single_process(), aborted_on_failure(writer):
         fut = typed_call(lambda: dcp.async_save(state_dict, storage_writer=writer, planner=planner,
                                                 process_group=process_group,
                                                 async_checkpointer_type=async_checkpointer_type))
+    abort_on_failure(writer, fut)
     if staging is not None:
         staging.hold_until(fut)
     return typed_future(fut)
+
+
+@contextmanager
+def aborted_on_failure(writer: DeltaStorageWriter):
+    """Release ``writer``'s store lock when the save in this block fails (DCP tells the writer nothing when
+    another rank's write fails)."""
+    try:
+        yield
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def abort_on_failure(writer: DeltaStorageWriter, fut: Future) -> None:
+    """aborted_on_failure for an async save's future."""
+    fut.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and writer.abort())
 
 
 @contextmanager

@@ -145,9 +145,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         self._parent_name = None
         self._parent_map = None
         self._local_summary = None
-        if self._lock is not None:  # a previous save that never reached its commit
-            self._lock.release()
-            self._lock = None
+        self.abort()  # a previous save that never reached its commit
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -181,6 +179,13 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         # between a rank's dedup and the commit could otherwise sweep a chunk the checkpoint references.
         store = self.store
         self._acquire_lock(store)
+        try:
+            return self._global_plan(store, plans, t0)
+        except BaseException:
+            self.abort()  # e.g. replicas that differ: nothing is saved, so nothing may hold off a gc
+            raise
+
+    def _global_plan(self, store: Store, plans: list[SavePlan], t0: float) -> list[SavePlan]:
         if self.replica_check != "off":
             check_replicas([p.storage_data.get("replica_digests", {}) for p in plans], self.replica_check)
         hosts = Counter(p.storage_data.get("host") for p in plans)
@@ -230,10 +235,18 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
                       time.perf_counter() - t0, len(plan.items))
             return fut
         except BaseException:
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+            self.abort()
             raise
+
+    def abort(self) -> None:
+        """Release the store lock of a save that failed before its commit. DCP calls no storage writer method
+        when another rank's write fails: the coordinator's lock would stay (refreshed) until this writer is
+        collected, and hold off every gc, which in turn holds off new saves. deltackpt's save functions and
+        CheckpointManager call this on failure; a caller of ``dcp.save`` itself may too (harmless after a
+        commit)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def _acquire_lock(self, store: Store) -> None:
         """The coordinator's shared store lock, held until the commit; released if this writer is dropped

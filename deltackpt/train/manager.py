@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
+from ..dcp.api import abort_on_failure, aborted_on_failure
 from ..dcp import (
     DeltaStorageReader,
     DeltaStorageWriter,
@@ -183,14 +184,15 @@ class CheckpointManager:
         self.state.prepare_save(True)  # DCP takes the state dict in this call, also for an async save
         try:
             if self.async_mode is None:
-                with quiet_single_process():
+                with quiet_single_process(), aborted_on_failure(writer):
                     typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=planner,
                                                 process_group=self.process_group))
             else:
-                with quiet_single_process():
+                with quiet_single_process(), aborted_on_failure(writer):
                     fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=planner,
                                                             process_group=self.process_group,
                                                             async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
+                abort_on_failure(writer, fut)
         finally:
             self.state.prepare_save(False)
         if self.async_mode is None:

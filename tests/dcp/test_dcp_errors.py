@@ -175,3 +175,43 @@ def test_two_ranks_lowest_rank_deltackpt_error_with_all_ranks_attached(store_pat
         kind, msg, ranks = out["exists"]
         assert kind == "CheckpointExistsError" and msg.startswith("Checkpoint already exists: dup")
         assert ranks == [0, 1]
+
+
+def _failed_save_worker(rank: int, world: int, store_path: str, how: str):
+    import os
+
+    from deltackpt.dcp.writer import DeltaStorageWriter
+    from deltackpt.store.gc import plan_gc
+
+    if how == "replicas":
+        state = {"w": torch.ones(100) + (rank == 1)}  # replicas that differ: nothing is saved
+    else:
+        state = {f"w{rank}": torch.randn(64, 64), "shared": torch.ones(100)}
+        real = DeltaStorageWriter._write_data
+
+        def failing(self, *args):
+            if self.rank == 1:
+                raise OSError(28, "No space left on device (test)")
+            return real(self, *args)
+
+        DeltaStorageWriter._write_data = failing  # the coordinator's own write succeeds; DCP skips finish
+    try:
+        deltackpt.save(state, store_path, "s1")
+    except (DeltackptError, OSError) as e:
+        error = type(e).__name__
+    dist.barrier()
+    out = {"error": error, "locks": sorted(os.listdir(os.path.join(store_path, "locks")))}
+    if rank == 0:  # with the failed save's exception and its traceback's frames gone, not collected
+        plan_gc(Store.open(store_path), grace_s=0).execute(wait_s=5)
+        out["gc"] = "ran"
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("how", ["replicas", "write"])
+def test_a_failed_save_releases_the_store_lock(store_path, how):
+    """DCP calls no writer method when another rank's write fails, and a replica check fails inside planning:
+    either way the coordinator's shared lock must go with the save, or it holds off gc (and gc new saves)."""
+    results = run_ranks(_failed_save_worker, 2, store_path, how, timeout=150)
+    assert all(r["error"] and r["locks"] == [] for r in results), results
+    assert results[0]["gc"] == "ran"

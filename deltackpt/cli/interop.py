@@ -18,10 +18,10 @@ def register(add) -> None:
                     help="keep only keys starting with one of these (e.g. model.)")
     sp.add_argument("--dtype", choices=["bf16", "fp32"],
                     help="cast every float16/bfloat16/float32/float64 tensor to this dtype (float8 stays)")
-    sp = add("import", cmd_import, "import a DCP checkpoint directory (stock FileSystemWriter) or a torch.save "
-                                   "file (weights_only) as a checkpoint, stored incrementally")
+    sp = add("import", cmd_import, "import a DCP checkpoint directory (stock FileSystemWriter), a torch.save file "
+                                   "(weights_only) or a safetensors file as a checkpoint, stored incrementally")
     sp.add_argument("store", help="the store (created if absent)")
-    sp.add_argument("src", nargs="?", help="a DCP checkpoint directory or a torch.save file")
+    sp.add_argument("src", nargs="?", help="a DCP checkpoint directory, a torch.save or a safetensors file")
     sp.add_argument("--name", help="checkpoint name (default: SRC's name)")
     sp.add_argument("--all", metavar="DIR",
                     help="import every DCP checkpoint directory under DIR in step order (names kept; names the "

@@ -116,20 +116,36 @@ def _read_source(src: Path):
     return _TorchFile(src, _load_torch_file(src), src.stat().st_size)
 
 
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file by its layout (a little-endian header length, then a JSON object), not its name."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    return 8 + int.from_bytes(head[:8], "little") <= path.stat().st_size
+
+
 def _load_torch_file(path: Path) -> dict:
     """The state dict in a ``torch.save`` file, loaded with ``weights_only=True`` only (memory-mapped when
-    the file is in the zip format)."""
+    the file is in the zip format), or in a safetensors file (no pickle in the format)."""
+    if _is_safetensors(path):
+        return _load_safetensors(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"PK\x03\x04" and magic[:1] != b"\x80":  # torch.save's zip format, or a legacy pickle
-        raise SourceFormatError(f"{path} is neither a DCP checkpoint directory nor a torch.save file")
+        raise SourceFormatError(f"{path} is neither a DCP checkpoint directory nor a torch.save or safetensors "
+                                "file")
     try:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            sd = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
+        if path.suffix == ".safetensors":  # torch.load would hand such a name to the safetensors reader
+            with open(path, "rb") as f:
+                sd = torch.load(f, map_location="cpu", weights_only=True)
+        else:
+            try:
+                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):
+                    raise
+                sd = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except pickle.UnpicklingError as e:
         raise UnsafeSourceError(f"{path}: refused, it needs unpickling beyond plain data "
                                 f"({_first_line(e)}); nothing in it was run") from None
@@ -139,6 +155,19 @@ def _load_torch_file(path: Path) -> dict:
     if not isinstance(sd, dict) or not sd:
         raise SourceFormatError(f"{path} holds a {type(sd).__name__}{' (empty)' if sd == {} else ''}, not a "
                                 "state dict")
+    return sd
+
+
+def _load_safetensors(path: Path) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        sd = load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise SourceFormatError(f"{path} is not a valid safetensors file ({_first_line(e)})") from None
+    if not sd:
+        raise SourceFormatError(f"{path} holds no tensors")
     return sd
 
 

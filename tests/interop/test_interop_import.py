@@ -77,6 +77,25 @@ def test_a_torch_save_file_imports_through_weights_only_and_loads_like_a_native_
     assert assert_tree_equal(got, sd) == 2
 
 
+def test_safetensors_files_import_by_their_layout_not_their_name(tmp_path):
+    """A safetensors file (a Hugging Face base model) imports without any pickle; a torch.save file named
+    .safetensors imports as what it is (torch.load alone would hand it to the safetensors reader)."""
+    from safetensors.torch import save_file
+
+    tensors = {"w": torch.randn(30, 20), "b": torch.arange(20, dtype=torch.int64)}
+    save_file(tensors, tmp_path / "base.safetensors")
+    torch.save({"w": torch.ones(3)}, tmp_path / "misnamed.safetensors")
+    store = tmp_path / "store"
+    assert deltackpt.import_checkpoint(store, tmp_path / "base.safetensors").name == "base"
+    assert deltackpt.import_checkpoint(store, tmp_path / "misnamed.safetensors").name == "misnamed"
+    got = {"w": torch.zeros(30, 20), "b": torch.zeros(20, dtype=torch.int64)}
+    deltackpt.load(got, store, "base")
+    assert assert_tree_equal(got, tensors) == 2
+    got = {"w": torch.zeros(3)}
+    deltackpt.load(got, store, "misnamed")
+    assert torch.equal(got["w"], torch.ones(3))
+
+
 class _Payload:
     """Pickles as a call that would create a marker file: proof of execution if it ever runs."""
 
@@ -108,7 +127,18 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[Path, type]]:
     with open(evil_md / ".metadata", "wb") as f:
         pickle.dump(payload, f)
     (tmp_path / "notes.txt").write_text("not a checkpoint")
+    # A safetensors header lying about its offsets, whose length's low byte (0x80) looks like a pickle's start.
+    import json
+    import struct
+
+    for pad in range(400):
+        header = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "x": "y" * pad}).encode()
+        header += b" " * (-len(header) % 8)
+        if len(header) % 256 == 0x80:
+            break
+    (tmp_path / "lying.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
     return {"empty dir": (empty, SourceFormatError), "truncated .distcp": (truncated, SourceFormatError),
+            "lying safetensors": (tmp_path / "lying.safetensors", SourceFormatError),
             "pickle payload": (tmp_path / "evil.pt", UnsafeSourceError),
             "pickle in .metadata": (evil_md, UnsafeSourceError),
             "text file": (tmp_path / "notes.txt", SourceFormatError), "missing": (tmp_path / "nope", SourceFormatError)}

@@ -206,5 +206,16 @@ def _check_metadata(meta_path: Path, md: Metadata, slices: dict) -> None:
         if isinstance(smd, TensorStorageMetadata):
             _check_tiling(meta_path, fqn, list(smd.size), chunks)
     for index in slices:
-        if index.fqn not in md.state_dict_metadata:
+        smd = md.state_dict_metadata.get(index.fqn)
+        if smd is None:
             raise SourceFormatError(f"{meta_path}: data for {index.fqn}, which the metadata does not describe")
+        # Only the slices the metadata describes: a value and a tensor chunk (at one of its chunks' offsets).
+        # Another (a value's bytes at a tensor's offset) would be one item read two ways, by load and export.
+        if isinstance(smd, TensorStorageMetadata):
+            known = index.offset is not None and any(list(c.offsets) == list(index.offset) for c in smd.chunks)
+        else:
+            known = index.offset is None
+        if not known:
+            raise SourceFormatError(f"{meta_path}: data for {index.fqn} at offset "
+                                    f"{None if index.offset is None else list(index.offset)}, which the metadata "
+                                    "does not describe")

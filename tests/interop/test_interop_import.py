@@ -239,3 +239,24 @@ def test_overlap_search_on_a_grid_and_on_edges_that_line_up_nowhere():
     stagger = [([r, 0], [1, 7 + r]) for r in range(300)] + [([r, 7 + r], [1, 400 - 7 - r]) for r in range(300)]
     assert _overlapping(stagger, 2) is None
     assert _overlapping(stagger + [([150, 100], [1, 1])], 2) is not None
+
+
+@pytest.mark.parametrize("forged", ["bytes at an offset", "tensor at no chunk's offset"])
+def test_data_the_metadata_does_not_describe_is_refused(tmp_path, forged):
+    """A slice the metadata has no chunk for (a value's bytes at a tensor's offset) would be one item read two
+    ways: load took one, export the other."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    src = tmp_path / "step-1"
+    dcp.save({"w": torch.ones(4), "extra": io.BytesIO(b"GOOD")}, storage_writer=FileSystemWriter(src), no_dist=True)
+    with open(src / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    w = md.storage_data[MetadataIndex("w", torch.Size([0]))]
+    key = MetadataIndex("extra", torch.Size([0])) if forged.startswith("bytes") else MetadataIndex("w", torch.Size([2]))
+    md.storage_data[key] = w
+    with open(src / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(SourceFormatError, match="which the metadata does not describe"):
+        deltackpt.import_checkpoint(tmp_path / "store", src)

@@ -43,6 +43,11 @@ def shard_placement(fqn: str, key: str, offsets: Sequence[int], sizes: Sequence[
     return fqn, elem_offset * elem_bytes
 
 
+def unsupported_layout(value: torch.Tensor) -> str:
+    return (f"a {str(value.layout).removeprefix('torch.')} tensor has no plain bytes to store; save its "
+            ".to_dense(), or its indices and values as tensors")
+
+
 def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
     """(contiguous CPU tensor, its bytes as a numpy uint8 array, element size for byte planes).
 
@@ -50,6 +55,8 @@ def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
     """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"expected a tensor from the planner, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(unsupported_layout(value))
     t = value.detach() if value.requires_grad else value  # (numpy() refuses a tensor that requires grad)
     if not t.is_cpu:
         t = t.cpu()
@@ -76,6 +83,8 @@ def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: 
               global_size: Sequence[int]) -> None:
     """Add one shard of a tensor (``offsets``/``sizes`` within ``global_size``) to a store ChunkWriter at its
     place in the whole tensor, so its chunks line up with any other sharding of the same tensor."""
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        raise TypeError(f"item {key!r}: {unsupported_layout(value)}")
     tensor, raw, elem_size = tensor_bytes(value)
     group, offset = shard_placement(fqn, key, offsets, sizes, global_size, tensor.element_size())
     dtype = _DTYPE_NAMES.get(tensor.dtype)

@@ -155,7 +155,22 @@ def _load_torch_file(path: Path) -> dict:
     if not isinstance(sd, dict) or not sd:
         raise SourceFormatError(f"{path} holds a {type(sd).__name__}{' (empty)' if sd == {} else ''}, not a "
                                 "state dict")
+    _check_layouts(path, sd)
     return sd
+
+
+def _check_layouts(path: Path, obj, key: str = "") -> None:
+    """Sparse (and other non-strided) tensors have no plain bytes to store: refused, naming the key."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            raise SourceFormatError(f"{path}: {key or 'the value'} is a {str(obj.layout).removeprefix('torch.')} "
+                                    "tensor, which a checkpoint cannot hold (DCP saves plain tensors only)")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_layouts(path, v, f"{key}.{k}" if key else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_layouts(path, v, f"{key}.{i}" if key else str(i))
 
 
 def _load_safetensors(path: Path) -> dict:

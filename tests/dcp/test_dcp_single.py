@@ -377,3 +377,11 @@ def _loaded(store: Store, name: str, like: dict) -> dict:
     out = {k: torch.zeros_like(v) for k, v in like.items()}
     dcp.load(out, storage_reader=deltackpt.DeltaStorageReader(store, name))
     return out
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_a_sparse_tensor_is_refused_naming_it(store_path, layout):
+    value = torch.eye(3).to_sparse() if layout == "sparse_coo" else torch.eye(3).to_sparse_csr()
+    with pytest.raises(TypeError, match=f"'sp.*a {layout} tensor has no plain bytes"):
+        deltackpt.save({"sp": value, "w": torch.ones(2)}, store_path, "a")
+    assert not Store.open(store_path).exists("a")

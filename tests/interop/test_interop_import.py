@@ -137,8 +137,10 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[Path, type]]:
         if len(header) % 256 == 0x80:
             break
     (tmp_path / "lying.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    torch.save({"model": {"emb": torch.eye(3).to_sparse()}}, tmp_path / "sparse.pt")
     return {"empty dir": (empty, SourceFormatError), "truncated .distcp": (truncated, SourceFormatError),
             "lying safetensors": (tmp_path / "lying.safetensors", SourceFormatError),
+            "sparse tensor": (tmp_path / "sparse.pt", SourceFormatError),
             "pickle payload": (tmp_path / "evil.pt", UnsafeSourceError),
             "pickle in .metadata": (evil_md, UnsafeSourceError),
             "text file": (tmp_path / "notes.txt", SourceFormatError), "missing": (tmp_path / "nope", SourceFormatError)}

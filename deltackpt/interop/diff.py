@@ -40,7 +40,7 @@ class ItemDiff:
     shape_a: list[int] | None = None
     shape_b: list[int] | None = None
     nbytes: int = 0  # B's bytes (A's for a removed item)
-    num_chunks: int = 0  # B's chunk refs
+    num_chunks: int = 0  # B's chunk refs (A's for a removed item)
     changed_bytes: int = 0
     changed_chunks: int | None = 0
     numel: int | None = None
@@ -131,10 +131,10 @@ def _diff_item(name, la, lb, ra, rb, report, prog) -> ItemDiff:
         d.dtype_b, d.shape_b = tb.dtype, list(tb.shape)
     refs_a, refs_b = _refs(ta, ba), _refs(tb, bb)
     d.nbytes = sum(r.length for r in (refs_b if in_b else refs_a))
-    d.num_chunks = len(refs_b)
+    d.num_chunks = len(refs_b if in_b else refs_a)
     if not in_a or not in_b:
         d.status = "added" if in_b else "removed"
-        d.changed_bytes, d.changed_chunks = d.nbytes, len(refs_b if in_b else refs_a)
+        d.changed_bytes, d.changed_chunks = d.nbytes, d.num_chunks
         return d
     if ta is None or tb is None:
         if ta is not None or tb is not None:

@@ -54,6 +54,9 @@ def test_diff_reports_exactly_the_known_edits(tmp_path):
     assert (by["reshaped"].shape_a, by["reshaped"].shape_b) == ([4, 6], [6, 4])
     assert (by["retyped"].dtype_a, by["retyped"].dtype_b) == ("float32", "float64")
     assert by["same"].changed_chunks == 0 and by["same"].rel_l2 == 0.0
+    gone, new = by["gone"], by["new"]  # a removed item counts A's chunks, an added one B's: all of them changed
+    assert gone.num_chunks == gone.changed_chunks == len(store.read_manifest("a").item_map()["gone"].chunks) > 0
+    assert new.num_chunks == new.changed_chunks == len(store.read_manifest("b").item_map()["new"].chunks) > 0
     t = report.totals()
     assert (t["changed"], t["shape_or_dtype"], t["added"], t["removed"], t["unchanged"]) == (2, 2, 1, 1, 1)
     # no relative change (shape, dtype, added, removed, bytes) sorts first, by changed bytes; then by rel_l2

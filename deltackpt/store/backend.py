@@ -63,6 +63,11 @@ def check_key(key: str) -> str:
 class Backend(abc.ABC):
     """Whole-object storage. Every method is safe to call from several threads."""
 
+    # Whether ObjectInfo.version comes from the object's bytes (an S3 ETag: a copy of the same bytes has the
+    # same one), so a cache keyed by it survives a copy of the store; a local file's version (its inode) does
+    # not, and its mtime in ns already tells a rewrite.
+    content_versions = False
+
     @abc.abstractmethod
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Store ``data`` under ``key`` atomically; replaces an existing object."""

@@ -45,9 +45,8 @@ class Catalog:
         out, fresh = [], {}
         for name, obj in listed.items():
             info = None
-            # Rewriting a manifest changes its version (an S3 ETag; a local file's inode and mtime in ns), its
-            # mtime unless within a second on S3, maybe its size.
-            stamp = (obj.size_bytes, obj.mtime_s, obj.version or "")
+            # Rewriting a manifest changes its mtime (unless within a second on S3: then its ETag), maybe its size.
+            stamp = (obj.size_bytes, obj.mtime_s, self._content_version(obj))
             raw = cached.get(name)
             if raw is not None:
                 try:
@@ -65,7 +64,7 @@ class Catalog:
                     continue
                 except (CheckpointNotFoundError, InvalidNameError):
                     continue  # stray files and manifests forgotten meanwhile are not checkpoints
-                info = summarize_manifest(m, obj.size_bytes, obj.mtime_s, obj.version)
+                info = summarize_manifest(m, obj.size_bytes, obj.mtime_s, self._content_version(obj))
                 fresh[name] = msgspec.msgpack.encode(info)
             out.append(info)
         stale = [n for n in cached if n not in listed]
@@ -79,7 +78,12 @@ class Catalog:
         obj = self._manifest_object(manifest.name)
         if obj is None:
             return summarize_manifest(manifest, 0, 0.0)
-        return summarize_manifest(manifest, obj.size_bytes, obj.mtime_s, obj.version)
+        return summarize_manifest(manifest, obj.size_bytes, obj.mtime_s, self._content_version(obj))
+
+    def _content_version(self, obj) -> str:
+        """What, beside size and mtime, tells a manifest rewritten: its ETag where the backend's versions come
+        from the bytes (a restored copy of the store keeps its summaries); else nothing."""
+        return (obj.version or "") if self.backend.content_versions else ""
 
     def _manifest_object(self, name: str):
         """The ObjectInfo (size, mtime) of checkpoint ``name``'s manifest, or None."""

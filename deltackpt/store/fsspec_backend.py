@@ -56,6 +56,8 @@ class FsspecBackend(Backend):
     environment and ``~/.aws`` as every AWS tool does.
     """
 
+    content_versions = True  # ETags, MD5 hashes: whole-second mtimes need them to tell a rewrite
+
     def __init__(self, url: str, storage_options: dict | None = None, *, max_attempts: int = 6,
                  backoff_s: float = 0.1, max_backoff_s: float = 5.0) -> None:
         import fsspec

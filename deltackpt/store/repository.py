@@ -262,7 +262,7 @@ class Store(Catalog):
         # Its record in the commit log: how other caches catch up without a listing (a hint: never raises).
         record_commit(self.backend, self._cache_index(), self.config.store_id, manifest, packs, entries)
         obj = self._manifest_object(name)
-        mtime_s, version = (obj.mtime_s, obj.version or "") if obj else (0.0, "")
+        mtime_s, version = (obj.mtime_s, self._content_version(obj)) if obj else (0.0, "")
         if holding is not None and obj is not None:
             self._last_commit = (name, manifest.created_ns, len(data), mtime_s, version, frozenset(holding))
         # The last commit: this cache holds every pack up to this commit.

@@ -192,6 +192,8 @@ def test_a_manifest_rewritten_within_a_second_is_summarized_again(tmp_path, rng)
     from deltackpt.store.backend import ObjectInfo
 
     class SecondsBackend(MemoryBackend):  # what S3 lists: whole-second times, a version per write
+        content_versions = True
+
         def list(self, prefix=""):
             return iter([ObjectInfo(i.key, i.size_bytes, float(int(i.mtime_s)),
                                     hashlib.md5(self.get(i.key)).hexdigest()) for i in super().list(prefix)])

@@ -42,6 +42,7 @@ _LAZY = {
     "DeltaStorageWriter": "deltackpt.dcp.writer",
     "DeltaStorageReader": "deltackpt.dcp.reader",
     "DeltaSavePlanner": "deltackpt.dcp.planner",
+    "PlainLoadPlanner": "deltackpt.dcp.planner",
     "save": "deltackpt.dcp.api",
     "load": "deltackpt.dcp.api",
     "async_save": "deltackpt.dcp.api",

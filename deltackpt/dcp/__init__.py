@@ -39,7 +39,7 @@ through ``deltackpt.store``'s public names.
 
 from .api import async_save, default_planner, load, quiet_single_process, save, typed_call, typed_future, unwrap
 from .names import LAYER_KEY, checkpoint_name
-from .planner import DeltaSavePlanner
+from .planner import DeltaSavePlanner, PlainLoadPlanner
 from .reader import DeltaStorageReader
 from .staging import StagingBuffers
 from .writer import DeltaStorageWriter, check_replica_mode, open_store
@@ -47,6 +47,7 @@ from .writer import DeltaStorageWriter, check_replica_mode, open_store
 __all__ = [
     "LAYER_KEY",
     "DeltaSavePlanner",
+    "PlainLoadPlanner",
     "DeltaStorageReader",
     "DeltaStorageWriter",
     "StagingBuffers",

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from ..errors import DeltackptError
 from ..store import LATEST
-from .planner import DeltaSavePlanner
+from .planner import DeltaSavePlanner, PlainLoadPlanner
 from .reader import DeltaStorageReader
 from .staging import StagingBuffers
 from .writer import DeltaStorageWriter
@@ -119,8 +119,8 @@ def load(state_dict: dict[str, Any], store, checkpoint_id: str = LATEST, *, proc
     """
     reader = DeltaStorageReader(store, checkpoint_id, fallback=fallback, storage_options=storage_options)
     with quiet_single_process():
-        typed_call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group,
-                                    no_dist=no_dist))
+        typed_call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner or PlainLoadPlanner(),
+                                    process_group=process_group, no_dist=no_dist))
     return reader.checkpoint_id
 
 

@@ -15,10 +15,12 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 import xxhash
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..errors import UnsafeSourceError
 from .placement import item_key, tensor_bytes
 
 
@@ -55,3 +57,32 @@ class DeltaSavePlanner(DefaultSavePlanner):
             _, raw, _ = tensor_bytes(self.resolve_data(item))
             digests[item_key(item.index)] = xxhash.xxh3_128_hexdigest(raw)
         return dataclasses.replace(plan, storage_data={"replica_digests": digests})
+
+
+def load_plain(read_item, value, what: str = "load it with planner=DefaultLoadPlanner() if you trust where it "
+               "came from"):
+    """A non-tensor value of a checkpoint, unpickled with ``weights_only=True`` (plain data: numbers, strings,
+    containers, tensors): DCP's own planners use ``weights_only=False``, which runs any code a checkpoint holds
+    (one imported, or copied in from another cluster)."""
+    import pickle
+
+    try:
+        return torch.load(value, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        named = [line for line in lines if "WeightsUnpickler error" in line or "GLOBAL" in line]
+        detail = (named or lines or [type(e).__name__])[0][:200]
+        raise UnsafeSourceError(f"value {read_item.dest_index.fqn!r} needs unpickling beyond plain data "
+                                f"({detail}); {what}") from None
+
+
+class PlainLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor values are unpickled as plain data only
+    (:func:`load_plain`): what ``deltackpt.load`` and CheckpointManager use unless given a planner."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = load_plain(read_item, value)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj

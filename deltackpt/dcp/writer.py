@@ -246,7 +246,11 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         commit)."""
         lock, self._lock = self._lock, None
         if lock is not None:
-            lock.release()
+            try:
+                lock.release()
+            except Exception as e:  # noqa: BLE001 - the save's own error (raised by the caller) matters more
+                log.warning("save %s: could not release the store lock (%s); it goes stale on its own",
+                            self.checkpoint_id, e)
 
     def _acquire_lock(self, store: Store) -> None:
         """The coordinator's shared store lock, held until the commit; released if this writer is dropped

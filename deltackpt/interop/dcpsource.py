@@ -205,6 +205,8 @@ def _check_metadata(meta_path: Path, md: Metadata, slices: dict) -> None:
                                         + ("" if chunk is None else f" at offset {list(chunk.offsets)}"))
         if isinstance(smd, TensorStorageMetadata):
             _check_tiling(meta_path, fqn, list(smd.size), chunks)
+    offsets = {fqn: {tuple(c.offsets) for c in smd.chunks} for fqn, smd in md.state_dict_metadata.items()
+               if isinstance(smd, TensorStorageMetadata)}
     for index in slices:
         smd = md.state_dict_metadata.get(index.fqn)
         if smd is None:
@@ -212,7 +214,7 @@ def _check_metadata(meta_path: Path, md: Metadata, slices: dict) -> None:
         # Only the slices the metadata describes: a value and a tensor chunk (at one of its chunks' offsets).
         # Another (a value's bytes at a tensor's offset) would be one item read two ways, by load and export.
         if isinstance(smd, TensorStorageMetadata):
-            known = index.offset is not None and any(list(c.offsets) == list(index.offset) for c in smd.chunks)
+            known = index.offset is not None and tuple(index.offset) in offsets[index.fqn]
         else:
             known = index.offset is None
         if not known:

@@ -174,8 +174,12 @@ def _check_layouts(path: Path, obj, key: str = "") -> None:
 
 
 def _load_safetensors(path: Path) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+    except ImportError:
+        raise SourceFormatError(f"{path} is a safetensors file: reading it needs the safetensors package; "
+                                "pip install safetensors") from None
 
     try:
         sd = load_file(path, device="cpu")

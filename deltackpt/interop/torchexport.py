@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..dcp import LAYER_KEY, DeltaStorageReader, quiet_single_process, typed_call
 from ..dcp.metadata_schema import decode_metadata
+from ..dcp.planner import load_plain
 from ..errors import ManifestFormatError, UnsafeSourceError
 from ..store import Progress, phase
-from .importer import _first_line
 from .layout import Layout, read_rows, slabs
 from .numeric import FLOATS
 
@@ -123,11 +123,7 @@ class _SelectedKeys(_EmptyStateDictLoadPlanner):
     def load_bytes(self, read_item, value) -> None:
         # DCP's own planner unpickles a value with weights_only=False: any code a checkpoint (an imported one,
         # another cluster's) holds would run here. Plain data only, as the exported file is checked for.
-        try:
-            obj = torch.load(value, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafeSourceError(f"value {read_item.dest_index.fqn!r} needs unpickling beyond plain data "
-                                    f"({_first_line(e)}); export it as dcp instead") from None
+        obj = load_plain(read_item, value, "export it as dcp instead")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

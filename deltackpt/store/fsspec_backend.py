@@ -117,7 +117,7 @@ class FsspecBackend(Backend):
                 raise BackendError(f"{op} {self.url}/{key}: access denied ({e}); check the credentials "
                                    "(environment, ~/.aws or storage options)", key=key, operation=op) from None
             except TypeError as e:
-                if not self.storage_options:
+                if not self.storage_options or "unexpected keyword argument" not in str(e):
                     raise
                 # The filesystem's client refused an option it was given (a mistyped storage option).
                 raise BackendError(f"{op} {self.url}: {e}; check the storage options "

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
 from ..dcp.api import abort_on_failure, aborted_on_failure
+from ..dcp.planner import PlainLoadPlanner
 from ..dcp import (
     DeltaStorageReader,
     DeltaStorageWriter,
@@ -382,7 +383,7 @@ class CheckpointManager:
             with quiet_single_process():
                 typed_call(lambda: dcp.load({STATE_KEY: self.state},
                                             storage_reader=DeltaStorageReader(store, reader.checkpoint_id),
-                                            process_group=self.process_group))
+                                            planner=PlainLoadPlanner(), process_group=self.process_group))
         finally:
             self.state.prepare_load(None)
         for opt_name in manifest.metadata.get(STATELESS_KEY, []):

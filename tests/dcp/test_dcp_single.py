@@ -385,3 +385,38 @@ def test_a_sparse_tensor_is_refused_naming_it(store_path, layout):
     with pytest.raises(TypeError, match=f"'sp.*a {layout} tensor has no plain bytes"):
         deltackpt.save({"sp": value, "w": torch.ones(2)}, store_path, "a")
     assert not Store.open(store_path).exists("a")
+
+
+RAN: list = []
+
+
+def _ran():
+    RAN.append(1)
+    return "ran"
+
+
+class _Code:
+    """Unpickles as a call: proof of execution if it ever runs."""
+
+    def __reduce__(self):
+        return (_ran, ())
+
+
+def test_load_unpickles_plain_data_only_unless_the_caller_trusts_the_store(store_path):
+    """DCP's own load planner unpickles values with weights_only=False: a checkpoint imported or copied in
+    from elsewhere could run code in every process that restores it."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from deltackpt.errors import UnsafeSourceError
+
+    deltackpt.save({"w": torch.ones(3), "code": _Code(), "plain": {"lr": 0.5, "names": ["a"]}}, store_path, "c")
+    RAN.clear()
+    with pytest.raises(UnsafeSourceError, match="'code' needs unpickling beyond plain data"):
+        deltackpt.load({"w": torch.zeros(3), "code": None}, store_path, "c")
+    assert RAN == []
+    target = {"w": torch.zeros(3), "plain": {"lr": 0.0, "names": None}}
+    deltackpt.load(target, store_path, "c")
+    assert target["plain"] == {"lr": 0.5, "names": ["a"]} and torch.equal(target["w"], torch.ones(3))
+    target = {"code": None}
+    deltackpt.load(target, store_path, "c", planner=DefaultLoadPlanner())  # the caller's explicit trust
+    assert target["code"] == "ran" and RAN == [1]

@@ -103,6 +103,7 @@ class Uploader:
         self._error: BaseException | None = None
         self._failed_name: str | None = None
         self._retry: list[str] = []  # failed uploads, queued again by the next submit
+        self._damaged_remote: set[str] = set()  # remote checkpoints found damaged: a local one replaces them
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="deltackpt-upload", daemon=True)
         self._closed = False
@@ -128,6 +129,13 @@ class Uploader:
     def _retired(self, created_ns: int, remote_times) -> bool:
         """Whether the remote's retention would forget a checkpoint created at ``created_ns`` on arrival."""
         return self.keep_remote_last is not None and sum(t > created_ns for t in remote_times) >= self.keep_remote_last
+
+    def replace_damaged(self, name: str) -> None:
+        """The remote's checkpoint ``name`` is damaged (a restore skipped it): a local checkpoint saved under
+        that name later (the run resumed before it) replaces it instead of failing as a different checkpoint
+        of the same name."""
+        with self._lock:
+            self._damaged_remote.add(name)
 
     def submit(self, name: str) -> None:
         """Queue ``name`` for upload (after any failed upload, queued again first), then raise an earlier
@@ -192,7 +200,12 @@ class Uploader:
             return  # forgotten locally before its turn (retention): nothing to send
         created_ns = self.local.read_manifest(name).created_ns
         write_tier(self.local, self.remote_url, uploading=name, uploaded=self._uploaded)
-        report = copy_checkpoints(self.local, self.remote, [name])
+        with self._lock:
+            replace = name in self._damaged_remote
+        report = copy_checkpoints(self.local, self.remote, [name], overwrite=replace)
+        if replace:
+            with self._lock:
+                self._damaged_remote.discard(name)
         self._uploaded[name] = created_ns
         write_tier(self.local, self.remote_url, uploaded=self._uploaded)
         log.info("uploaded checkpoint %r: %d bytes sent, %d skipped, %.2f s", name, report.bytes_sent,

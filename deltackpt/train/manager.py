@@ -356,6 +356,7 @@ class CheckpointManager:
                 except _DAMAGE as e:
                     log.warning("checkpoint %r is damaged in %s (%s); fetching the one before it", info.name,
                                 self.remote, e)
+                    self._uploader.replace_damaged(info.name)  # a later save of that name replaces it there
                     continue
                 log.info("fetched checkpoint %r from %s (%d bytes)", info.name, self.remote, report.bytes_sent)
                 break

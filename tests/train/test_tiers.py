@@ -161,7 +161,17 @@ def test_a_replaced_node_skips_a_damaged_newest_remote_checkpoint(tmp_path, s3_s
     with CheckpointManager(str(tmp_path / "node-b"), fresh, every_n_steps=2, remote=s3_url,
                            remote_storage_options=opts) as mgr:
         assert mgr.restore_latest() == 2
-    assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[2])
+        assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[2])
+        again = {}
+        _train(fresh, mgr, 2, 6, again)  # saves step 4 again: it replaces the damaged one on the remote
+        mgr.wait()
+    remote = Store.open(s3_url, storage_options=opts)
+    assert [i.name for i in remote.list_checkpoints()] == ["step-00000002", "step-00000004", "step-00000006"]
+    restored = _state(seed=9)
+    with CheckpointManager(str(tmp_path / "node-c"), restored, every_n_steps=2, remote=s3_url,
+                           remote_storage_options=opts) as mgr:
+        assert mgr.restore_latest() == 6
+    assert_tree_equal(full_state(restored.models["model"], restored.optimizers["optim"]), again[6])
 
 
 def test_keep_last_bounds_the_local_store_too_unless_keep_local_last_says_otherwise(tmp_path):

@@ -180,9 +180,11 @@ def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int],
                 report.packs_sent += 1
                 report.bytes_sent += len(data)
             else:
-                for e, head, payload in _source_reads(pack, _read_payloads(src.backend, pack, wanted)):
-                    check(e, head, payload)
-                    sealed = builder.add(e, payload)
+                read = list(_source_reads(pack, _read_payloads(src.backend, pack, wanted)))
+                check.fetch_bases(wanted, read)
+                for e, stored in read:
+                    check(e, stored)
+                    sealed = builder.add(e, stored[HEADER_SIZE:])
                     if sealed is not None:
                         _account(sealed, packs, entries, report)
             report.chunks_sent += len(wanted)
@@ -266,27 +268,50 @@ def _account(sealed, packs, entries, report) -> None:
 class _PayloadCheck:
     """Checks a chunk sent without its whole pack as a read of it would (header against the source's index,
     decoded, hashed; a delta against its base read from the source): a pack sent whole is checked by its
-    name, and a copy must not carry damage a load would refuse into a store that then calls it good."""
+    name, and a copy must not carry damage a load would refuse into a store that then calls it good. The
+    links of the deltas' chains are read first, a ranged read per stretch of each pack that holds them
+    (a read each was a request per delta: from object storage, a round trip each)."""
 
     def __init__(self, src, name: str) -> None:
+        self.src = src
         self.source = ChunkSource(src)
         self.name = name
         self.scratch = np.empty(0, dtype=np.uint8)
+        self.fetched: dict[tuple[str, int], object] = {}
 
-    def __call__(self, e: PackEntry, head, payload) -> None:
+    def fetch_bases(self, wanted: list[PackEntry], read: list) -> None:
+        """The stored bytes of every link below the deltas of ``wanted`` (``read``: theirs, as read)."""
+        self.fetched = {(e.pack, e.offset): stored for e, stored in read}
+        bases = {e.base_id for e in wanted if e.base_id is not None}
+        if not bases:
+            return
+        links = chain_entries(self.src.index, bases, chain_limit(self.src.config))
+        by_pack: dict[str, list[PackEntry]] = {}
+        for e in links.values():
+            if (e.pack, e.offset) not in self.fetched:
+                by_pack.setdefault(e.pack, []).append(e)
+        for pack, entries in by_pack.items():
+            try:
+                for e, stored in _read_payloads(self.src.backend, pack, entries):
+                    self.fetched[(e.pack, e.offset)] = stored
+            except (FileNotFoundError, CorruptChunkError):
+                pass  # read again, one at a time, by the check, which then names the damage
+
+    def __call__(self, e: PackEntry, stored) -> None:
         if self.scratch.size < e.raw_len:
             self.scratch = np.empty(e.raw_len, dtype=np.uint8)
         out = self.scratch[:e.raw_len]
+        head, payload = stored[:HEADER_SIZE], stored[HEADER_SIZE:]
         if e.codec == codec.RAW:  # checked where it is (decode_read's convention for a raw chunk)
             if len(payload) == e.raw_len:
                 out[:] = np.frombuffer(payload, dtype=np.uint8)
             payload = out
-        self.source.decode_read(e, head, payload, HEADER_SIZE + e.stored_len, out, checkpoint=self.name)
+        self.source.decode_read(e, head, payload, len(stored), out, checkpoint=self.name, fetched=self.fetched)
 
 
 def _read_payloads(backend, pack: str, wanted: list[PackEntry]):
-    """(entry, header, stored payload) for ``wanted`` entries of one pack, adjacent ones fetched by one ranged
-    read."""
+    """(entry, its stored bytes: header and payload) for ``wanted`` entries of one pack, adjacent ones fetched by
+    one ranged read."""
     key = pack_key(pack)
     wanted = sorted(wanted, key=lambda e: e.offset)
     i = 0
@@ -301,7 +326,7 @@ def _read_payloads(backend, pack: str, wanted: list[PackEntry]):
             payload = data[at:at + e.stored_len]
             if len(payload) != e.stored_len:
                 raise CorruptChunkError(f"pack {pack} of the source is truncated", pack=pack)
-            yield e, data[at - HEADER_SIZE:at], payload
+            yield e, data[at - HEADER_SIZE:at + e.stored_len]
         i = j
 
 

@@ -52,11 +52,14 @@ ZDELTA = 3
 CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", DELTA: "delta", ZDELTA: "zdelta"}
 DELTA_CODECS = (DELTA, ZDELTA)  # codecs whose chunk has a base
 VALID_ELEM_SIZES = (1, 2, 4, 8)
-# A plane of a zigzag difference is zstd-coded when its sample shrinks by this much (others: by 3 %): its low planes are often a little compressible (a
-# biased sign bit: 7 bits of 8), where a zstd pass costs more time than it saves bytes. On fp32 Adam state
-# (benchmarks/bench_kernels.py) 0.10 instead of 0.03 codes 1.38x instead of 1.41x (XOR: 1.31x) at about twice
-# the speed; on the bench workloads' checkpoints it changed the stored bytes by under 0.05 %.
+# A plane of a zigzag difference is zstd-coded when its sample shrinks by this much (others: by 3 %): its low
+# planes are often a little compressible (a biased sign bit: 7 bits of 8), where a zstd pass costs more time
+# than it saves bytes. On fp32 Adam state (benchmarks/bench_kernels.py) 0.10 instead of 0.03 codes 1.38x
+# instead of 1.41x (XOR: 1.31x) at about 1.5x the speed both ways (encode 1.6 against 1.1 GB/s, decode 2.2
+# against 1.6). A store made for the fewest bytes (chain_links "all") takes 0.03 (MIN_ZDELTA_PLANE_GAIN_ALL):
+# its chained bf16 deltas' low planes shrink by 3-10 %, 393.95 -> 392.77 MiB on the bench's bf16 run.
 _MIN_ZDELTA_PLANE_GAIN = 0.10
+MIN_ZDELTA_PLANE_GAIN_ALL = 0.03
 
 
 def encode_planes(raw, elem_size: int, level: int) -> Coded:
@@ -70,11 +73,13 @@ def is_delta(codec: int) -> bool:
     return codec in DELTA_CODECS
 
 
-def encode_delta(raw, base, elem_size: int, level: int, kind: int = DELTA) -> Coded:
+def encode_delta(raw, base, elem_size: int, level: int, kind: int = DELTA, zdelta_gain: float | None = None) -> Coded:
     """The stored bytes for ``raw`` against ``base`` (same length) in delta codec ``kind`` (``DELTA``: XOR,
-    ``ZDELTA``: zigzag difference)."""
+    ``ZDELTA``: zigzag difference; ``zdelta_gain``: what a zigzag plane must save to be zstd-coded, default
+    ``_MIN_ZDELTA_PLANE_GAIN``)."""
     if kind == ZDELTA:
-        return pack_planes(kernels.zigzag_shuffle(raw, base, elem_size), elem_size, level, _MIN_ZDELTA_PLANE_GAIN)
+        gain = _MIN_ZDELTA_PLANE_GAIN if zdelta_gain is None else zdelta_gain
+        return pack_planes(kernels.zigzag_shuffle(raw, base, elem_size), elem_size, level, gain)
     if kind == DELTA:
         return pack_planes(kernels.xor_shuffle(raw, base, elem_size), elem_size, level)
     raise ValueError(f"codec {kind} is not a delta codec")

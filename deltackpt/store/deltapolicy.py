@@ -76,7 +76,8 @@ class Verdict(NamedTuple):
 
 
 def _sample_prefers_delta(view, base, elem_size: int, level: int, limit_ratio: float,
-                          kinds: tuple[int, ...] = (DEFAULT_DELTA_CODEC, codec.DELTA)) -> Verdict:
+                          kinds: tuple[int, ...] = (DEFAULT_DELTA_CODEC, codec.DELTA),
+                          zdelta_gain: float | None = None) -> Verdict:
     """Whether the chunk's delta will come in under ``limit_ratio`` of its raw size, judged on a sample from
     the chunk's middle (1/16 of it, 16-64 KiB) coded with each delta codec of ``kinds``, and the codec whose
     sample came out smaller; ``pays`` is None when the sample is within ``_SAMPLE_MARGIN`` of the line or the
@@ -94,7 +95,7 @@ def _sample_prefers_delta(view, base, elem_size: int, level: int, limit_ratio: f
     size = max(16 * 1024, min(_SAMPLE_BYTES, n // 16)) // 64 * 64
     start = (n // 2) // 64 * 64
     part, base_part = view[start:start + size], as_byte_view(base)[start:start + size]
-    sizes = {k: len(codec.encode_delta(part, base_part, elem_size, level, k)) for k in kinds}
+    sizes = {k: len(codec.encode_delta(part, base_part, elem_size, level, k, zdelta_gain)) for k in kinds}
     kind = min(sizes, key=sizes.get)  # the first smallest: a tie keeps kinds[0]
     ratio = sizes[kind] / size
     if ratio <= limit_ratio - _SAMPLE_MARGIN:
@@ -225,7 +226,13 @@ class DeltaPolicy:
         # A place with a delta behind it keeps that delta's codec: only the first delta after a keyframe
         # samples both (same bytes on the quick bench; dense's sampling CPU 3.7 -> 2.9 ms a save).
         kinds = (base.last_codec,) if base.last_codec is not None else (DEFAULT_DELTA_CODEC, codec.DELTA)
-        return _sample_prefers_delta(view, base_raw, elem_size, self.config.zstd_level, key_limit / n, kinds)
+        return _sample_prefers_delta(view, base_raw, elem_size, self.config.zstd_level, key_limit / n, kinds,
+                                     self.zdelta_gain)
+
+    @property
+    def zdelta_gain(self) -> float | None:
+        """What a zigzag-difference plane must save to be zstd-coded in this store (codec.encode_delta)."""
+        return codec.MIN_ZDELTA_PLANE_GAIN_ALL if self.config.chain_links == "all" else None
 
     def accepts(self, delta_len: int, base: DeltaBase, n: int, keyframe_len: int | None = None) -> bool:
         """Whether a delta of ``delta_len`` bytes is kept for a chunk of ``n`` bytes: at least

@@ -418,7 +418,7 @@ class ChunkWriter:
             base_raw = self._base_bytes(base.entry)
             pays, kind = self._policy.verdict(view, elem_size, base, base_raw)
             if pays is not False:  # True: delta expected; None: too close to call, code both ways
-                delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level, kind)
+                delta = codec.encode_delta(view, base_raw, elem_size, c.zstd_level, kind, self._policy.zdelta_gain)
                 keyframe_len = None
                 if pays is None and not self._policy.accepts(len(delta), base, n):
                     cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)

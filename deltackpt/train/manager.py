@@ -287,25 +287,25 @@ class CheckpointManager:
         self._wait_save()
         if self.remote is not None:
             self._fetch_newer_remote()
-        infos = list(reversed(self.store.list_checkpoints(include_damaged=True)))
+        # What to try is decided on the coordinator and sent to every rank: ranks that listed or verified on
+        # their own could disagree (a retention or an upload in between) and enter different collectives.
+        infos = self._agreed(lambda: [(i.name, i.damage) for i in
+                                      reversed(self.store.list_checkpoints(include_damaged=True))])
         if not infos:
             return 0
         failures = []
-        for info in infos:
-            name = info.name
-            if info.damaged:
-                step = self._restore_from_remote(name, info.damage)
+        for name, manifest_damage in infos:
+            if manifest_damage is not None:
+                step = self._restore_from_remote(name, manifest_damage)
                 if step is not None:
                     return step
                 log.warning("checkpoint %r has a damaged manifest (%s); falling back to the previous one", name,
-                            info.damage)
-                failures.append(f"{name}: {info.damage}")
+                            manifest_damage)
+                failures.append(f"{name}: {manifest_damage}")
                 continue
             # Structure first (manifest, chunks indexed, packs and bases present): a damaged checkpoint is
             # skipped before it touches the state. Chunk bytes are re-hashed as they load.
-            report = verify_store(self.store, level=0, checkpoints=[name])
-            problems = [p for p in report.problems if p.kind != ProblemKind.TAGS]  # its data is intact
-            damage = problems[0].detail if problems else None
+            damage = self._agreed(lambda: self._structural_damage(name))
             if damage is None:
                 try:
                     return self.restore(name)
@@ -318,13 +318,40 @@ class CheckpointManager:
             failures.append(f"{name}: {damage}")
         raise DeltackptError("no intact checkpoint to resume from; " + "; ".join(failures))
 
+    def _structural_damage(self, name: str) -> str | None:
+        """What verify level 0 finds wrong with checkpoint ``name`` of the local store, or None."""
+        report = verify_store(self.store, level=0, checkpoints=[name])
+        problems = [p for p in report.problems if p.kind != ProblemKind.TAGS]  # its data is intact
+        return problems[0].detail if problems else None
+
+    def _agreed(self, fn):
+        """``fn()`` as the coordinator computed it, on every rank (one computation, one answer)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.process_group) == 1:
+            return fn()
+        group = self.process_group
+        lead = dist.get_global_rank(group, 0) if group is not None else 0
+        box: list = [None]
+        error = None
+        if dist.get_rank() == lead:
+            try:
+                box = [("ok", fn())]
+            except Exception as e:  # noqa: BLE001 - raised on every rank, after they have heard of it
+                error, box = e, [("error", f"{type(e).__name__}: {e}")]
+        dist.broadcast_object_list(box, src=lead, group=group)
+        kind, value = box[0]
+        if error is not None:
+            raise error
+        if kind == "error":
+            raise DeltackptError(f"restore: the coordinator failed: {value}")
+        return value
+
     def _restore_from_remote(self, name: str, damage) -> int | None:
         """With a remote holding ``name``, restore the checkpoint whose local copy is damaged from there."""
         if self.remote is None:
             return None
-        remote = self._remote_store()
-        if not remote.exists(name):
+        if not self._agreed(lambda: self._remote_store().exists(name)):
             return None
+        remote = self._remote_store()
         log.warning("checkpoint %r is damaged locally (%s); restoring it from %s", name, damage, self.remote)
         try:
             return self.restore(name, store=remote)

@@ -6,6 +6,7 @@ continues and saves again on the new world size."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 import shutil
 import warnings
 
@@ -172,3 +173,55 @@ def test_restore_on_three_ranks(saved_at_2, tmp_path):
         torch.set_rng_state(expect[rank]["rng"])
         assert torch.equal(drawn[rank], torch.rand(4)), f"rank {rank} did not get its own RNG back"
     assert not torch.equal(drawn[2], drawn[0]) and not torch.equal(drawn[2], drawn[1])
+
+
+def _fallback_on_two_ranks(rank, world_size, path):
+    from deltackpt import CheckpointManager, TrainState
+    from deltackpt.store import Store
+    from deltackpt.train import manager as manager_mod
+
+    warnings.filterwarnings("ignore")
+    model = shard(make_model(0), world_size)
+    optim = make_optim(model)
+    state = TrainState(model=model, optimizer=optim, scheduler=make_sched(optim))
+    loader = make_loader(rank)
+    it = iter(loader)
+    refs = {}
+    with CheckpointManager(path, state, every_n_steps=1) as mgr:
+        for step in (1, 2):
+            train_step(model, optim, state.schedulers["scheduler"], next(it))
+            state.step = step
+            mgr.maybe_save(step)
+            refs[step] = full_state(model, optim)
+    torch.distributed.barrier()
+    if rank == 0:  # a pack only step 2 uses is lost
+        store = Store.open(path)
+        first = {e.pack for i in store.read_manifest("step-00000001").items for e in
+                 map(store.index.lookup, (r.id for r in i.chunks))}
+        newest = {e.pack for i in store.read_manifest("step-00000002").items for e in
+                  map(store.index.lookup, (r.id for r in i.chunks))}
+        for pack in newest - first:
+            (Path(path) / "packs" / pack[:2] / pack).unlink()
+    torch.distributed.barrier()
+    verified = []
+    real = manager_mod.verify_store
+    manager_mod.verify_store = lambda *a, **k: verified.append(1) or real(*a, **k)
+    model = shard(make_model(7), world_size)
+    optim = make_optim(model)
+    fresh = TrainState(model=model, optimizer=optim, scheduler=make_sched(optim))
+    with CheckpointManager(path, fresh, every_n_steps=1) as mgr:
+        step = mgr.restore_latest()
+    got = full_state(fresh.models["model"], fresh.optimizers["optim"])
+    return step, len(verified), assert_tree_equal(got, refs[1]) if rank == 0 else None
+
+
+def test_ranks_fall_back_together_on_the_coordinators_verdict(tmp_path):
+    """The newest checkpoint lost a pack: every rank falls back to the one before, on one verification (the
+    coordinator's), not one per rank that could each see the store at another moment."""
+    from deltackpt.store import Store
+
+    path = str(tmp_path / "store")
+    Store.init(path)
+    out = run_ranks(_fallback_on_two_ranks, 2, path, timeout=240)
+    assert [step for step, _n, _eq in out] == [1, 1]
+    assert [n for _s, n, _eq in out] == [2, 0]  # step 2 then step 1, on the coordinator only

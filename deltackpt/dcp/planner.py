@@ -64,10 +64,12 @@ def load_plain(read_item, value, what: str = "load it with planner=DefaultLoadPl
     """A non-tensor value of a checkpoint, unpickled with ``weights_only=True`` (plain data: numbers, strings,
     containers, tensors): DCP's own planners use ``weights_only=False``, which runs any code a checkpoint holds
     (one imported, or copied in from another cluster)."""
+    import io
     import pickle
 
     try:
-        return torch.load(value, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals([io.BytesIO]):  # DCP pickles a BytesIO value as one: plain bytes
+            return torch.load(value, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         named = [line for line in lines if "WeightsUnpickler error" in line or "GLOBAL" in line]

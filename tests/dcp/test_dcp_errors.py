@@ -201,6 +201,7 @@ def _failed_save_worker(rank: int, world: int, store_path: str, how: str):
         error = type(e).__name__
     dist.barrier()
     out = {"error": error, "locks": sorted(os.listdir(os.path.join(store_path, "locks")))}
+    dist.barrier()  # both listed before the gc, which plans under a shared lock of its own
     if rank == 0:  # with the failed save's exception and its traceback's frames gone, not collected
         plan_gc(Store.open(store_path), grace_s=0).execute(wait_s=5)
         out["gc"] = "ran"

@@ -409,14 +409,18 @@ def test_load_unpickles_plain_data_only_unless_the_caller_trusts_the_store(store
 
     from deltackpt.errors import UnsafeSourceError
 
-    deltackpt.save({"w": torch.ones(3), "code": _Code(), "plain": {"lr": 0.5, "names": ["a"]}}, store_path, "c")
+    import io
+
+    deltackpt.save({"w": torch.ones(3), "code": _Code(), "plain": {"lr": 0.5, "names": ["a"]},
+                    "blob": io.BytesIO(b"raw bytes")}, store_path, "c")
     RAN.clear()
     with pytest.raises(UnsafeSourceError, match="'code' needs unpickling beyond plain data"):
         deltackpt.load({"w": torch.zeros(3), "code": None}, store_path, "c")
     assert RAN == []
-    target = {"w": torch.zeros(3), "plain": {"lr": 0.0, "names": None}}
+    target = {"w": torch.zeros(3), "plain": {"lr": 0.0, "names": None}, "blob": io.BytesIO()}
     deltackpt.load(target, store_path, "c")
     assert target["plain"] == {"lr": 0.5, "names": ["a"]} and torch.equal(target["w"], torch.ones(3))
+    assert target["blob"].getvalue() == b"raw bytes"  # DCP pickles a BytesIO value: plain bytes, allowed
     target = {"code": None}
     deltackpt.load(target, store_path, "c", planner=DefaultLoadPlanner())  # the caller's explicit trust
     assert target["code"] == "ran" and RAN == [1]

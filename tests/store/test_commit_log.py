@@ -494,12 +494,10 @@ def test_a_record_made_before_a_gc_gives_no_tables_for_packs_it_deleted(two_host
     assert_items_equal({"y": y}, g.load("s3"))
 
 
-@pytest.mark.parametrize("lie", ["swapped-ids", "row-left-out"])
-def test_a_rebuild_that_took_tables_from_the_log_still_rebuilds_from_the_packs_after_a_wrong_read(
-        tmp_path, rng, monkeypatch, lie):
-    """A refresh that finds a pack gone rebuilds the cache, from the commit log's tables where it has them;
-    such a cache is not trusted like one rebuilt from the packs: a read that finds a wrong location rebuilds
-    from the packs' own tables instead of reporting damage."""
+def _spare_after_a_lying_log(tmp_path, rng, monkeypatch, lie: str):
+    """(a second host's Store, the array it must load as s1, s1's true commit record): s1's record lies about
+    its largest pack's table (two ids swapped, or a row left out); the spare's cache, filled from the log,
+    is rebuilt from it again once s0's packs are gone."""
     monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 1)
     store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", **SMALL)
     x, y = _arrays(rng, 2)
@@ -508,6 +506,7 @@ def test_a_rebuild_that_took_tables_from_the_log_still_rebuilds_from_the_packs_a
     record = read_commit_record(store.backend, "s1", store.config.store_id)
     pack = max(record.tables, key=lambda p: len(record.tables[p]))
     rows = bytearray(record.tables[pack])
+    assert len(rows) >= 2 * 64
     if lie == "swapped-ids":
         rows[0:16], rows[64:80] = rows[64:80], rows[0:16]
     else:
@@ -515,10 +514,20 @@ def test_a_rebuild_that_took_tables_from_the_log_still_rebuilds_from_the_packs_a
     store.backend.put(commit_record_key("s1"), encode_commit_record(
         msgspec.structs.replace(record, tables={**record.tables, pack: bytes(rows)})))
     spare = Store.open(store.backend, cache_dir=tmp_path / "spare")
-    spare.index.num_chunks()  # an empty cache, filled from the log
+    spare.index.num_chunks()  # an empty cache, filled from the log: not trusted
     store.forget(["s0"])
     plan_gc(store, grace_s=0).execute()  # s0's packs go
     spare.index.refresh()  # a pack it knew is gone: a rebuild, from the log again
+    return spare, x, record
+
+
+@pytest.mark.parametrize("lie", ["swapped-ids", "row-left-out"])
+def test_a_rebuild_that_took_tables_from_the_log_still_rebuilds_from_the_packs_after_a_wrong_read(
+        tmp_path, rng, monkeypatch, lie):
+    """A refresh that finds a pack gone rebuilds the cache, from the commit log's tables where it has them;
+    such a cache is not trusted like one rebuilt from the packs: a read that finds a wrong location rebuilds
+    from the packs' own tables instead of reporting damage."""
+    spare, x, _record = _spare_after_a_lying_log(tmp_path, rng, monkeypatch, lie)
     assert_items_equal({"x": x}, spare.load("s1"))
 
 
@@ -545,24 +554,9 @@ def test_a_refresh_waits_for_another_threads_rebuild_instead_of_filling_its_empt
     (lying) tables, whose rows the rebuild kept and then trusted, so the first thread reported the pack as
     damaged. The interleaving is forced; the refresh must wait for the rebuild (it failed 2-9 % of the runs of
     the test above on a loaded machine)."""
-    monkeypatch.setattr(reindex_mod, "LOGGED_TABLES_ABOVE", 1)
-    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache", **SMALL)
-    x, y = _arrays(rng, 2)
-    store.save("s0", {"y": y})
-    store.save("s1", {"x": x})
-    record = read_commit_record(store.backend, "s1", store.config.store_id)
-    pack = max(record.tables, key=lambda p: len(record.tables[p]))
+    spare, x, record = _spare_after_a_lying_log(tmp_path, rng, monkeypatch, "swapped-ids")
     lone = {t[:16] for t in record.tables.values() if len(t) == 64}  # a pack of one chunk: a read job of its own
-    assert lone and len(record.tables[pack]) >= 2 * 64
-    rows = bytearray(record.tables[pack])
-    rows[0:16], rows[64:80] = rows[64:80], rows[0:16]
-    store.backend.put(commit_record_key("s1"), encode_commit_record(
-        msgspec.structs.replace(record, tables={**record.tables, pack: bytes(rows)})))
-    spare = Store.open(store.backend, cache_dir=tmp_path / "spare")
-    spare.index.num_chunks()  # filled from the log: not trusted
-    store.forget(["s0"])
-    plan_gc(store, grace_s=0).execute()
-    spare.index.refresh()
+    assert lone
 
     dropped, lone_done, waiting, rebuilding = threading.Event(), threading.Event(), threading.Event(), set()
     spare.index._repair_lock = _SignalingLock(waiting)

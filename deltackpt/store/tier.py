@@ -96,6 +96,9 @@ class Uploader:
             raise ValueError("keep_local_last must be >= 1 (or None to keep every local checkpoint)")
         self.local = local
         self.remote = open_or_create_destination(local, remote, storage_options)
+        if self.remote.config.store_id == local.config.store_id:
+            raise DeltackptError(f"remote {remote!r} is the local store itself (or a copy sharing its id): "
+                                 "name another store")
         self.remote_url = remote if isinstance(remote, str) else repr(self.remote.backend)
         self.keep_local_last = keep_local_last
         self.keep_remote_last = keep_remote_last
@@ -129,6 +132,13 @@ class Uploader:
     def _retired(self, created_ns: int, remote_times) -> bool:
         """Whether the remote's retention would forget a checkpoint created at ``created_ns`` on arrival."""
         return self.keep_remote_last is not None and sum(t > created_ns for t in remote_times) >= self.keep_remote_last
+
+    def note_fetched(self, name: str, created_ns: int) -> None:
+        """Local checkpoint ``name`` was fetched from the remote: nothing to upload, and local retention may
+        forget it (the remote holds it, or held it until its own retention forgot it)."""
+        with self._lock:
+            self._uploaded[name] = created_ns
+            write_tier(self.local, self.remote_url, uploaded=self._uploaded)
 
     def replace_damaged(self, name: str) -> None:
         """The remote's checkpoint ``name`` is damaged (a restore skipped it): a local checkpoint saved under
@@ -202,7 +212,16 @@ class Uploader:
         write_tier(self.local, self.remote_url, uploading=name, uploaded=self._uploaded)
         with self._lock:
             replace = name in self._damaged_remote
-        report = copy_checkpoints(self.local, self.remote, [name], overwrite=replace)
+        try:
+            report = copy_checkpoints(self.local, self.remote, [name], overwrite=replace)
+        except CheckpointExistsError:
+            # The remote holds an older checkpoint of this name: the run went back (a restore of an earlier
+            # step) and saved it again, replacing it locally too. A newer remote one is not ours to replace.
+            theirs = self.remote.read_manifest(name).created_ns
+            if theirs >= created_ns:
+                raise
+            log.info("checkpoint %r replaces an older one of that name on %s", name, self.remote_url)
+            report = copy_checkpoints(self.local, self.remote, [name], overwrite=True)
         if replace:
             with self._lock:
                 self._damaged_remote.discard(name)

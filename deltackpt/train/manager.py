@@ -124,7 +124,7 @@ class CheckpointManager:
             self.async_mode = async_mode
             self.process_group = process_group
             self.name_format = name_format
-            self._pending: tuple[Future, str] | None = None
+            self._pending: tuple[Future, str, int] | None = None
             self._staging = StagingBuffers(share_memory=async_mode == "process") if async_mode else None
             self._closed = False
             self._saved_step: int | None = None  # last saved or restored: saving it again changes nothing
@@ -204,7 +204,7 @@ class CheckpointManager:
             # Logged as the background save completes (before the typed future settles, so before wait()
             # returns), not when the next call collects it.
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() or self._log_saved(name, started))
-            self._pending = (typed_future(fut), name)
+            self._pending = (typed_future(fut), name, step)
         self._saved_step = step
         return name
 
@@ -217,14 +217,18 @@ class CheckpointManager:
     def _wait_save(self) -> None:
         if self._pending is None:
             return
-        fut, name = self._pending
+        fut, name, step = self._pending
         self._pending = None
         try:
             fut.result()
-        except DeltackptError as e:
-            e.add_note(f"background save of checkpoint {name!r} failed")
-            raise
-        except Exception as e:
+        except BaseException as e:
+            if self._saved_step == step:
+                self._saved_step = None  # not saved: a retry of this step must save it
+            if isinstance(e, DeltackptError):
+                e.add_note(f"background save of checkpoint {name!r} failed")
+                raise
+            if not isinstance(e, Exception):
+                raise
             raise DeltackptError(f"background save of checkpoint {name!r} failed: {type(e).__name__}: {e}") from e
         self._after_save(name)
 
@@ -385,6 +389,7 @@ class CheckpointManager:
                                 self.remote, e)
                     self._uploader.replace_damaged(info.name)  # a later save of that name replaces it there
                     continue
+                self._uploader.note_fetched(info.name, info.created_ns)  # remote already: local retention applies
                 log.info("fetched checkpoint %r from %s (%d bytes)", info.name, self.remote, report.bytes_sent)
                 break
         if dist.is_available() and dist.is_initialized():
@@ -409,9 +414,18 @@ class CheckpointManager:
             target = self.state.state_dict()
             self._check_compatible(name, target, metadata)
             with quiet_single_process():
-                typed_call(lambda: dcp.load({STATE_KEY: self.state},
-                                            storage_reader=DeltaStorageReader(store, reader.checkpoint_id),
-                                            planner=PlainLoadPlanner(), process_group=self.process_group))
+                try:
+                    typed_call(lambda: dcp.load({STATE_KEY: self.state},
+                                                storage_reader=DeltaStorageReader(store, reader.checkpoint_id),
+                                                planner=PlainLoadPlanner(), process_group=self.process_group))
+                except RuntimeError as e:  # DCP's planner, before it loads anything: a part the checkpoint lacks
+                    if not str(e).startswith("Missing key in checkpoint state_dict"):
+                        raise
+                    key = str(e).split(":", 1)[1].strip().rstrip(".")
+                    raise CheckpointMismatchError(
+                        f"checkpoint {name!r} has no {key!r}: the state holds a part (a scheduler, a dataloader, "
+                        "a grad scaler, an optimizer setting) the checkpoint was saved without; nothing was "
+                        "restored") from None
         finally:
             self.state.prepare_load(None)
         for opt_name in manifest.metadata.get(STATELESS_KEY, []):

@@ -127,6 +127,25 @@ def test_thread_background_failure_is_raised(store_path, monkeypatch, surface):
     assert_tree_equal(_full(restored), ref)
 
 
+def test_a_step_whose_background_save_failed_is_saved_again_on_retry(store_path, monkeypatch):
+    """The final step's save failed in the background: a retry of that very step must save it, not count it
+    as saved (the run's last steps were lost without a word)."""
+    from deltackpt.dcp.writer import DeltaStorageWriter
+
+    real = DeltaStorageWriter.finish
+    monkeypatch.setattr(DeltaStorageWriter, "finish", lambda self, md, res: (_ for _ in ()).throw(OSError("once")))
+    state = _state()
+    mgr = CheckpointManager(store_path, state, every_n_steps=2, async_mode="thread")
+    _step(state, 4)
+    assert mgr.maybe_save(4, force=True)
+    with pytest.raises(DeltackptError, match="step-00000004"):
+        mgr.wait()
+    monkeypatch.setattr(DeltaStorageWriter, "finish", real)
+    assert mgr.maybe_save(4, force=True)  # saved this time
+    mgr.close()
+    assert [i.name for i in Store.open(store_path).list_checkpoints()] == ["step-00000004"]
+
+
 def _process_mode(rank, world_size, path):
     import torch.distributed.checkpoint._async_process_executor as ape
 

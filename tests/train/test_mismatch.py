@@ -110,3 +110,22 @@ def _trained(model):
     optim = make_optim(model)
     train_step(model, optim, None, torch.stack(dataset(0))[:4])
     return model
+
+
+@pytest.mark.parametrize("part", ["scheduler", "scaler"])
+def test_a_part_the_checkpoint_lacks_is_a_mismatch_and_nothing_is_restored(tmp_path, part):
+    from train_helpers import make_sched
+
+    model = make_model(0)
+    optim = make_optim(model)
+    with CheckpointManager(str(tmp_path / "s"), TrainState(model=model, optimizer=optim), every_n_steps=1) as mgr:
+        train_step(model, optim, None, torch.stack(dataset(0))[:4])
+        mgr.save(1)
+    model2 = make_model(1)
+    optim2 = make_optim(model2)
+    extra = {"scheduler": make_sched(optim2)} if part == "scheduler" else {"scaler": torch.amp.GradScaler("cpu")}
+    before = full_state(model2, optim2)
+    with CheckpointManager(str(tmp_path / "s"), TrainState(model=model2, optimizer=optim2, **extra)) as mgr:
+        with pytest.raises(CheckpointMismatchError, match="saved without"):
+            mgr.restore_latest()
+    assert_tree_equal(full_state(model2, optim2), before)

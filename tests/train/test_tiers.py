@@ -205,6 +205,44 @@ def test_resume_is_not_held_by_a_checkpoint_an_earlier_run_left_unsent(tmp_path)
     assert [i.name for i in Store.open(cold).list_checkpoints()] == ["step-00000002", "step-00000004"]
 
 
+def test_a_run_that_went_back_replaces_the_remotes_later_checkpoints_of_the_same_names(tmp_path):
+    """Restore step 2, train on (another lr, say), save steps 4 and 6 again: they replace the remote's older
+    ones as they replaced the local ones (the upload failed as "already exists", and a spare resumed from the
+    abandoned run)."""
+    cold = str(tmp_path / "cold")
+    state = _state()
+    with CheckpointManager(str(tmp_path / "hot"), state, every_n_steps=2, remote=cold) as mgr:
+        _train(state, mgr, 0, 6)
+        assert mgr.restore("step-00000002") == 2
+        refs = {}
+        for group in state.optimizers["optim"].param_groups:
+            group["lr"] *= 0.5
+        _train(state, mgr, 2, 6, refs)
+    spare = _state(seed=5)
+    with CheckpointManager(str(tmp_path / "spare"), spare, every_n_steps=2, remote=cold) as mgr:
+        assert mgr.restore_latest() == 6
+    assert_tree_equal(full_state(spare.models["model"], spare.optimizers["optim"]), refs[6])
+
+
+def test_a_fetched_checkpoint_counts_as_uploaded_for_local_retention(tmp_path):
+    cold = str(tmp_path / "cold")
+    state = _state()
+    with CheckpointManager(str(tmp_path / "hot"), state, every_n_steps=2, remote=cold, keep_last=1) as mgr:
+        _train(state, mgr, 0, 4)
+    spare = _state(seed=5)
+    with CheckpointManager(str(tmp_path / "spare"), spare, every_n_steps=2, remote=cold, keep_last=1) as mgr:
+        assert mgr.restore_latest() == 4
+        _train(spare, mgr, 4, 8)
+    assert [i.name for i in Store.open(cold).list_checkpoints()] == ["step-00000008"]
+    assert [i.name for i in Store.open(tmp_path / "spare").list_checkpoints()] == ["step-00000008"]
+
+
+def test_a_remote_that_is_the_local_store_is_refused(tmp_path):
+    with pytest.raises(DeltackptError, match="the local store itself"):
+        CheckpointManager(str(tmp_path / "hot"), _state(), remote=str(tmp_path / "hot") + "/", keep_last=3,
+                          keep_local_last=1)
+
+
 def test_damaged_tags_do_not_make_resume_skip_an_intact_checkpoint(tmp_path):
     state, refs = _state(), {}
     with CheckpointManager(str(tmp_path / "l"), state, every_n_steps=2) as mgr:

@@ -52,7 +52,7 @@ import numpy as np
 
 from .backend import LocalFiles
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
-from ..errors import DeltackptError, DiskFullError, ManifestFormatError
+from ..errors import CorruptChunkError, DeltackptError, DiskFullError, ManifestFormatError, MissingChunkError
 from . import commitlog, idset
 from .crashpoints import crash_point
 from .index import GC_EPOCH_KEY, read_gc_epoch
@@ -72,6 +72,7 @@ from .pack import (
 )
 from .progress import Progress, phase
 from .repack import log_repacks, repack_packs
+from .source import ChunkSource
 
 log = logging.getLogger("deltackpt.store")
 
@@ -301,14 +302,20 @@ def _removable_temp_files(store, grace_s: float) -> list[str]:
                                else grace_s)]
 
 
-def _indexed_copy_is_valid(store, where: PackEntry, present: set[str]) -> bool:
-    """Whether the index's location of a chunk really holds it (the cache could be wrong)."""
+def _indexed_copy_is_valid(store, where: PackEntry, present: set[str], source=None) -> bool:
+    """Whether the index's location of a chunk really holds it (the cache could be wrong), and, with
+    ``source`` (a ChunkSource), whether its bytes decode to the chunk (a damaged copy another host found
+    and wrote again elsewhere: its damage marks are in that host's cache only)."""
     if where.pack not in present:
         return False
     try:
         head = store.backend.get_range(pack_key(where.pack), where.offset, HEADER_SIZE)
-        return decode_header(head, f"pack {where.pack}")[0] == where.chunk_id
-    except (ManifestFormatError, FileNotFoundError):
+        if decode_header(head, f"pack {where.pack}")[0] != where.chunk_id:
+            return False
+        if source is not None:
+            source.decode_entry(where)  # decoded and hashed (with its chain): raises on damage
+        return True
+    except (ManifestFormatError, FileNotFoundError, CorruptChunkError, MissingChunkError):
         return False
 
 
@@ -403,7 +410,15 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
     keep = pos >= 0
     shared = np.flatnonzero(keep & (copies[pos] > 1))
     del pos, copies
-    index, fixed = store.index, {}
+    index, fixed, sound = store.index, {}, {}
+    source = ChunkSource(store) if len(shared) else None
+
+    def located_is_sound(located: PackEntry) -> bool:  # read and hashed once per chunk (copies are rare)
+        key = (located.chunk_id, located.pack, located.offset)
+        if key not in sound:
+            sound[key] = _indexed_copy_is_valid(store, located, plan.packs, source)
+        return sound[key]
+
     for j in shared.tolist():
         e = tables[owner[j]].entry(j - first[owner[j]])
         if e.chunk_id in fixed:
@@ -411,8 +426,8 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
             continue
         located = index.lookup(e.chunk_id)
         if located is not None and (located.pack, located.offset) == (e.pack, e.offset):
-            continue  # the copy the index locates
-        if located is None or not _indexed_copy_is_valid(store, located, plan.packs):
+            continue  # the copy the index locates (kept, even if damaged: deleting it would gain nothing)
+        if located is None or not located_is_sound(located):
             fixed[e.chunk_id] = e  # the only trustworthy copy: keep it, and point the index at it
         else:
             keep[j] = False  # a duplicate of a chunk that lives elsewhere (e.g. left by an interrupted repack)

@@ -654,3 +654,31 @@ def test_other_files_under_manifests_are_no_checkpoints(make_store, rng):
     plan_gc(store, grace_s=0).execute()
     assert verify_store(store, level=2).ok
     assert_items_equal(items, store.load("c"))
+
+
+def test_gc_on_another_host_keeps_the_good_copy_of_a_chunk_written_again_after_damage(tmp_path):
+    """Host A found a chunk damaged (verify marks its pack in A's cache only) and its next save wrote the chunk
+    again. Host B's gc saw two copies and kept the one its index located, the damaged one, deleting the good
+    one: no host could load the checkpoint any more. A located copy is now decoded and hashed before the
+    other copies of its chunk go."""
+    from deltackpt.store.pack import read_pack_table
+    from deltackpt.testing import SMALL_CONFIG
+
+    root = tmp_path / "store"
+    Store.init(root, **SMALL_CONFIG)
+    a, b = (Store.open(root, cache_dir=tmp_path / f"cache-{h}") for h in "ab")
+    x = np.random.default_rng(3).standard_normal(4096).astype(np.float32)  # 4 chunks
+    a.save("c0", {"x": x})
+    b.load("c0")  # B's cache locates x's chunks in the first pack
+    [info] = list(a.backend.list("packs/"))
+    table = read_pack_table(a.backend, info.key.split("/")[-1], info.size_bytes)
+    path = root / info.key
+    data = bytearray(path.read_bytes())
+    data[int(table.offsets[0]) + 64 + 10] ^= 0x01  # a payload byte, past the header
+    os.chmod(path, 0o644)
+    path.write_bytes(bytes(data))
+    assert not verify_store(a, level=2).ok  # A marks the pack damaged
+    a.save("c1", {"x": x, "y": np.arange(3000, dtype=np.int64)})  # x's chunks written again: good copies
+    plan_gc(b, grace_s=0).execute()
+    for host in (a, b, Store.open(root, cache_dir=tmp_path / "cache-c")):
+        assert np.array_equal(host.load("c1")["x"], x)

@@ -141,17 +141,25 @@ def test_an_uploaded_name_saved_again_is_sent_again(tmp_path, rng):
     up.close()
     before = Store.open(cold).read_manifest("s1").created_ns
     # s1 saved again with other data (a rolled-back run), then the process died before its upload
-    local.save("s1", {"w": rng.standard_normal(3000).astype(np.float32)}, overwrite=True)
-    assert local.read_manifest("s1").created_ns != before
+    w = rng.standard_normal(3000).astype(np.float32)
+    local.save("s1", {"w": w}, overwrite=True)
+    again = local.read_manifest("s1").created_ns
+    assert again != before
     _save(local, rng, "s2")
     up = Uploader(local, cold, keep_local_last=1)
-    up.wait()  # s1 is tried (the remote holds other data under its name: logged), s2 is sent
-    assert read_tier(local)["uploaded"] == {"s2": local.read_manifest("s2").created_ns}
+    up.wait()  # the newer s1 replaces the remote's older one, as it replaced the local one; s2 is sent
+    remote = Store.open(cold)
+    assert remote.read_manifest("s1").created_ns == again
+    np.testing.assert_array_equal(remote.load("s1")["w"], w)
+    assert _names(local) == ["s2"]
+    # A remote checkpoint newer than the local one of its name (another run's) is not replaced.
+    _save(local, rng, "s3")
+    remote.save("s3", {"w": w})
     with pytest.raises(DeltackptError, match="already exists"):
-        up.submit("s1")
+        up.submit("s3")
         up.wait()
     up.close()
-    assert _names(local) == ["s1", "s2"]  # the new s1 is not counted as uploaded: kept past keep_local_last
+    assert _names(local)[-1] == "s3"  # not counted as uploaded: kept
 
 
 def test_a_permanent_upload_error_is_raised_once_not_retried(tmp_path, rng, monkeypatch):

@@ -24,6 +24,9 @@ def register(add) -> None:
                          "loads as fast as depth 1) or all (fewest bytes, slower loads of late checkpoints)")
     sp = add("ls", cmd_ls, "list checkpoints: time, logical bytes, newly stored bytes, dedup ratio")
     sp.add_argument("store")
+    sp.add_argument("--remote-storage-option", action="append", metavar="KEY=VALUE",
+                    help="fsspec option for the remote of a tiered store only, in place of --storage-option "
+                         "(a remote with its own endpoint or credentials; repeatable)")
     sp = add("show", cmd_show, "items of one checkpoint: dtype, shape, chunk counts")
     sp.add_argument("store")
     sp.add_argument("checkpoint", help="checkpoint name or 'latest'")
@@ -114,7 +117,7 @@ def _tiers(args, store, infos):
         return {}, infos
     url = record["remote"]
     try:
-        remote = Store.open(url, storage_options=options_for(args, url))
+        remote = Store.open(url, storage_options=options_for(args, url, "remote"))
         where = tier_states(store, remote)
         local = {i.name for i in infos}
         infos = sorted(infos + [i for i in remote.list_checkpoints() if i.name not in local],

@@ -44,7 +44,8 @@ def parse_pairs(pairs, option: str) -> dict:
 
 def options_for(args, location: str, side: str | None = None) -> dict | None:
     """The ``--storage-option`` pairs for a URL; None for a local path (they would mean nothing there). With
-    ``side`` (copy's "src" or "dst"), that side's ``--src-storage-option`` pairs where given instead."""
+    ``side`` (copy's "src" or "dst", ls's "remote"), that side's ``--src-storage-option`` pairs where given
+    instead."""
     from ..store.location import scheme_of
 
     own = getattr(args, f"{side}_storage_option", None) if side else None

@@ -458,4 +458,10 @@ class CheckpointManager:
             shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
             raise CheckpointMismatchError(f"checkpoint {name!r} does not match the training state: "
                                           + "; ".join(shown))
+        top = len(STATE_KEY) + 1
+        saved_parts = {k[top:].split(".", 1)[0] for k in saved if k.startswith(STATE_KEY + ".")}
+        parts = {k[top:].split(".", 1)[0] for k in flat if k.startswith(STATE_KEY + ".")}
+        for part in sorted({"scheduler", "scaler"} & saved_parts - parts):
+            log.warning("checkpoint %r holds a %s state this training state has no %s for: not restored", name,
+                        part, part)
 

@@ -129,3 +129,23 @@ def test_a_part_the_checkpoint_lacks_is_a_mismatch_and_nothing_is_restored(tmp_p
         with pytest.raises(CheckpointMismatchError, match="saved without"):
             mgr.restore_latest()
     assert_tree_equal(full_state(model2, optim2), before)
+
+
+def test_a_part_the_state_lacks_is_named_in_a_warning(tmp_path, caplog):
+    """The reverse: the checkpoint has a scheduler the restoring state does not; restoring the rest is what a
+    user who dropped the scheduler wants, but not silently."""
+    import logging
+
+    from train_helpers import make_sched
+
+    model = make_model(0)
+    optim = make_optim(model)
+    state = TrainState(model=model, optimizer=optim, scheduler=make_sched(optim))
+    with CheckpointManager(str(tmp_path / "s"), state, every_n_steps=1) as mgr:
+        train_step(model, optim, state.schedulers["scheduler"], torch.stack(dataset(0))[:4])
+        mgr.save(1)
+    model2 = make_model(1)
+    with caplog.at_level(logging.WARNING, logger="deltackpt"):
+        with CheckpointManager(str(tmp_path / "s"), TrainState(model=model2, optimizer=make_optim(model2))) as mgr:
+            assert mgr.restore_latest() == 1
+    assert any("holds a scheduler state" in r.getMessage() for r in caplog.records)

@@ -103,6 +103,12 @@ def test_ls_shows_where_each_checkpoint_lives(tmp_path, s3_server, s3_url, capsy
     rows = json.loads(capsys.readouterr().out)
     assert [(r["name"], r["location"]) for r in rows] == [("step-00000001", "remote"), ("step-00000002", "remote"),
                                                          ("step-00000003", "both")]
+    # The remote's own options, in place of the shared ones (which name an option no client knows).
+    args = ["ls", str(tmp_path / "l"), "--json", f"--storage-option=endpoint_url={opts['endpoint_url']}",
+            "--storage-option=profile_nme=x"] + [f"--remote-storage-option={k}={v}" for k, v in (
+                ("endpoint_url", opts["endpoint_url"]), ("key", "testing"), ("secret", "testing"))]
+    assert cli.main(args) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 3
 
 
 def test_a_damaged_local_copy_is_restored_from_the_remote(tmp_path, s3_server, s3_url):

@@ -10,6 +10,8 @@ written and raises SilentDataCorruptionError naming the item and the disagreeing
 from __future__ import annotations
 
 import dataclasses
+import io
+import pickle
 from typing import Iterable
 
 import torch
@@ -59,32 +61,34 @@ class DeltaSavePlanner(DefaultSavePlanner):
         return dataclasses.replace(plan, storage_data={"replica_digests": digests})
 
 
-def load_plain(read_item, value, what: str = "load it with planner=DefaultLoadPlanner() if you trust where it "
-               "came from"):
-    """A non-tensor value of a checkpoint, unpickled with ``weights_only=True`` (plain data: numbers, strings,
-    containers, tensors): DCP's own planners use ``weights_only=False``, which runs any code a checkpoint holds
-    (one imported, or copied in from another cluster)."""
-    import io
-    import pickle
-
-    try:
-        with torch.serialization.safe_globals([io.BytesIO]):  # DCP pickles a BytesIO value as one: plain bytes
-            return torch.load(value, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        named = [line for line in lines if "WeightsUnpickler error" in line or "GLOBAL" in line]
-        detail = (named or lines or [type(e).__name__])[0][:200]
-        raise UnsafeSourceError(f"value {read_item.dest_index.fqn!r} needs unpickling beyond plain data "
-                                f"({detail}); {what}") from None
+def first_line(e: BaseException) -> str:
+    """The line of an error that says what went wrong (torch's weights_only refusal says it after a preamble)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    named = [line for line in lines if "WeightsUnpickler error" in line or "GLOBAL" in line]
+    return (named or lines or [type(e).__name__])[0][:200]
 
 
-class PlainLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor values are unpickled as plain data only
-    (:func:`load_plain`): what ``deltackpt.load`` and CheckpointManager use unless given a planner."""
+class PlainBytes:
+    """Load-planner mixin: a checkpoint's non-tensor values are unpickled as plain data only
+    (``weights_only=True``: numbers, strings, containers, tensors, BytesIO). DCP's own planners use
+    ``weights_only=False``, which runs any code a checkpoint holds (one imported, or copied in from another
+    cluster). ``refusal_hint``: what the UnsafeSourceError for anything else suggests."""
+
+    refusal_hint = "load it with planner=DefaultLoadPlanner() if you trust where it came from"
 
     def load_bytes(self, read_item, value) -> None:
-        obj = load_plain(read_item, value)
+        try:
+            with torch.serialization.safe_globals([io.BytesIO]):  # DCP pickles a BytesIO value as one: bytes
+                obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeSourceError(f"value {read_item.dest_index.fqn!r} needs unpickling beyond plain data "
+                                    f"({first_line(e)}); {self.refusal_hint}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class PlainLoadPlanner(PlainBytes, DefaultLoadPlanner):
+    """DCP's default load planner with :class:`PlainBytes`: what ``deltackpt.load`` and CheckpointManager
+    use unless given a planner."""

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from ..dcp import LAYER_KEY, save
 from ..dcp.metadata_schema import encode_metadata
 from ..dcp.placement import add_shard, item_key
+from ..dcp.planner import first_line
 from ..dcp.writer import open_store
 from ..errors import CheckpointExistsError, SourceFormatError, UnsafeSourceError
 from ..store import SHARED, Progress, Store, phase, validate_name
@@ -148,10 +149,10 @@ def _load_torch_file(path: Path) -> dict:
                 sd = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
     except pickle.UnpicklingError as e:
         raise UnsafeSourceError(f"{path}: refused, it needs unpickling beyond plain data "
-                                f"({_first_line(e)}); nothing in it was run") from None
+                                f"({first_line(e)}); nothing in it was run") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise SourceFormatError(f"{path} is neither a DCP checkpoint directory nor a torch.save file "
-                                f"({_first_line(e)})") from None
+                                f"({first_line(e)})") from None
     if not isinstance(sd, dict) or not sd:
         raise SourceFormatError(f"{path} holds a {type(sd).__name__}{' (empty)' if sd == {} else ''}, not a "
                                 "state dict")
@@ -184,17 +185,10 @@ def _load_safetensors(path: Path) -> dict:
     try:
         sd = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
-        raise SourceFormatError(f"{path} is not a valid safetensors file ({_first_line(e)})") from None
+        raise SourceFormatError(f"{path} is not a valid safetensors file ({first_line(e)})") from None
     if not sd:
         raise SourceFormatError(f"{path} holds no tensors")
     return sd
-
-
-def _first_line(e: BaseException) -> str:
-    """The line of an error that says what went wrong (torch's weights_only refusal says it after a preamble)."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    named = [line for line in lines if "WeightsUnpickler error" in line or "GLOBAL" in line]
-    return (named or lines or [type(e).__name__])[0][:200]
 
 
 def _import(store: Store, source, name: str, meta: dict, progress: Progress | None) -> ImportReport:
@@ -241,10 +235,10 @@ def _add_tensor(writer, source: DcpSource, index, key: str, smd: TensorStorageMe
     try:
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UnsafeSourceError(f"{where}: refused, it needs unpickling beyond a tensor ({_first_line(e)}); "
+        raise UnsafeSourceError(f"{where}: refused, it needs unpickling beyond a tensor ({first_line(e)}); "
                                 "nothing in it was run") from None
     except (RuntimeError, EOFError, ValueError) as e:
-        raise SourceFormatError(f"{where} is not a torch.save payload ({_first_line(e)})") from None
+        raise SourceFormatError(f"{where} is not a torch.save payload ({first_line(e)})") from None
     sizes = source.chunk_sizes(index)
     if not isinstance(value, torch.Tensor) or value.dtype != smd.properties.dtype or tuple(value.shape) != sizes:
         got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__

@@ -19,7 +19,6 @@ import pickle
 import uuid
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -34,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..dcp import LAYER_KEY, DeltaStorageReader, quiet_single_process, typed_call
 from ..dcp.metadata_schema import decode_metadata
-from ..dcp.planner import load_plain
+from ..dcp.planner import PlainBytes
 from ..errors import ManifestFormatError, UnsafeSourceError
 from ..store import Progress, phase
 from .layout import Layout, read_rows, slabs
@@ -113,21 +112,15 @@ def _write_tensor(f, reader, t, smd: TensorStorageMetadata, target, storage, pro
     return TensorStorageMetadata(properties=props, size=smd.size, chunks=chunks)
 
 
-class _SelectedKeys(_EmptyStateDictLoadPlanner):
+class _SelectedKeys(PlainBytes, _EmptyStateDictLoadPlanner):
     """DCP's planner for loading into an empty state dict (what dcp_to_torch_save uses), for exactly the
-    flattened keys chosen (its own ``keys`` filter needs planner data for every key)."""
+    flattened keys chosen (its own ``keys`` filter needs planner data for every key); values unpickled as
+    plain data only, as the exported file is checked for."""
+
+    refusal_hint = "export it as dcp instead"
 
     def _should_include_key(self, key: str, metadata: Metadata) -> bool:
         return key in self.keys
-
-    def load_bytes(self, read_item, value) -> None:
-        # DCP's own planner unpickles a value with weights_only=False: any code a checkpoint (an imported one,
-        # another cluster's) holds would run here. Plain data only, as the exported file is checked for.
-        obj = load_plain(read_item, value, "export it as dcp instead")
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def write_torch(tmp, store, layout: Layout, names: list[str], target: str | None, report,

@@ -204,8 +204,10 @@ def _rebuild_corrupt_manifest(message, checkpoint):
 class DiskFullError(DeltackptError, OSError):
     """The filesystem ran out of space (ENOSPC, or a quota) while deltackpt wrote ``filename``.
 
-    A failed save removes its temporary files and the packs it created, so retrying after freeing space (e.g.
-    ``deltackpt forget`` then ``deltackpt gc``) starts clean.
+    A failed save removes its temporary files; the packs it already published stay (another save may use
+    them). Free space (e.g. ``deltackpt forget`` then ``deltackpt gc``; a
+    failed save's own packs are younger than gc's grace period: ``--grace 0`` when no save is running) and
+    retry.
     """
 
     def __init__(self, filename: str, needed_bytes: int | None = None, free_bytes: int | None = None,

@@ -301,7 +301,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
                 add_shard(writer, key, item.index.fqn, data, td.chunk.offsets, td.chunk.sizes, td.size)
             summary = writer.finish()
         except BaseException:
-            writer.abort()  # its spool files and the packs it created (finish cleans up the same way)
+            writer.abort()  # its spool files (finish cleans up the same way)
             raise
         results = [WriteResult(index=item.index, size_in_bytes=rec.nbytes, storage_data=None if k else {})
                    for k, ((item, _key), rec) in enumerate(zip(keys, summary.items))]

@@ -9,7 +9,8 @@ is executed: ``.metadata`` is unpickled with an allow-list of DCP's own metadata
 A ``torch.save`` file is loaded with ``weights_only=True`` (memory-mapped) and saved through ``dcp.save``.
 
 Every check that can fail on the source (its metadata, the presence and size of each slice) runs before
-anything is written; a payload found bad while writing aborts the save, which removes what it wrote.
+anything is written; a payload found bad while writing aborts the save: nothing is committed (packs already
+published are unreferenced, for gc).
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ def _import_dcp(store: Store, source: DcpSource, name: str, meta: dict, lock, pr
         store.commit(name, summary.items, entries=summary.entries, packs=summary.packs, metadata=meta,
                      layer_data={LAYER_KEY: encode_metadata(stored)}, lock=lock)
     except BaseException:
-        writer.abort()  # its packs and spool files: a failed import leaves nothing
+        writer.abort()  # its spool files (packs already published are left to gc)
         raise
 
 

@@ -276,7 +276,7 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
         An id already indexed keeps its first location, so repeated chunks never move, unless the new copy is
         a keyframe and the indexed one a delta (:func:`_take_if_better`): the entries not located are
         returned. ``if_present``: skip the packs (and their entries) that no longer exist, checked inside
-        the transaction (see delete_unindexed_packs).
+        the transaction.
         """
         return self._add(list(entries), packs, if_present=if_present)
 
@@ -332,23 +332,6 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
             for rn in raw_names:
                 txn.delete(rn, db=packs_db)
         self.clear_damaged(names)  # gone: nothing left to distrust
-
-    def delete_unindexed_packs(self, names, delete) -> list[str]:
-        """Call ``delete(name)`` for each of ``names`` this index has not recorded; returns those names.
-
-        For a failed save's own packs: a pack no index knows cannot have been deduplicated against.
-        """
-        _, packs_db, _ = self._dbs()
-        # A write transaction shuts out every other index writer (refresh, commit) between the check and the
-        # delete; a refresh that read a pack's table just before finds the pack gone in its own transaction.
-        txn = self.env.begin(write=True)
-        try:
-            unknown = [n for n in sorted(names) if txn.get(bytes.fromhex(n), db=packs_db) is None]
-            for name in unknown:
-                delete(name)
-            return unknown
-        finally:
-            txn.abort()  # nothing to write (and on a full disk a commit could fail)
 
     @guarded()
     def get_meta(self, key: bytes) -> bytes | None:

@@ -213,23 +213,16 @@ class PackBuilder:
         data, self._buf = self._buf, bytearray()
         return name, data, entries
 
-    def publish(self, backend, before_put=None) -> tuple[str, int, list[PackEntry]]:
-        """Finish the pack and store it under its name. Returns (name, size, entries).
-
-        ``before_put(name)``, if given, runs just before the object is stored (a writer notes which packs it
-        creates there, so that an interrupt during the put still leaves the pack on its list)."""
+    def publish(self, backend) -> tuple[str, int, list[PackEntry]]:
+        """Finish the pack and store it under its name. Returns (name, size, entries)."""
         if self._file is None:
             name, data, entries = self.seal()
-            if before_put is not None:
-                before_put(name)
             backend.put(pack_key(name), data)
             return name, len(data), entries
         name, entries = self._finish()
         size = self._size
         f, self._file = self._file, None
         try:
-            if before_put is not None:
-                before_put(name)
             backend.put_spooled(pack_key(name), f)
         except BaseException:
             _remove_spool(f, self._spool)

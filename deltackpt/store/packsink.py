@@ -2,16 +2,19 @@
 
 A :class:`PackSink` owns the pack being filled, seals it at ``pack_target_bytes`` and publishes it: inline
 on a local store, on an upload pool (``UPLOADS_IN_FLIGHT`` at once) for a store with no local path. It
-keeps the entries and packs written (for the commit), the packs it created (removed again if the save
-fails) and the first upload error (raised by :meth:`finish`). Any number of coding threads may call
-:meth:`add` at once.
+keeps the entries and packs written (for the commit) and the first upload error (raised by :meth:`finish`).
+Any number of coding threads may call :meth:`add` at once.
+
+A failed save removes its spool files but never a pack it published: once listed, another writer may have
+deduplicated against it, or published the same bytes under the same name (a pack is named by its hash) and be
+about to commit; neither can be told apart from here. ``gc`` removes what no checkpoint references, under its
+exclusive lock and grace period.
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable
 
 from .backend import local_root, spool_for
@@ -33,7 +36,6 @@ class PackSink:
         self._on_error = on_error
         self._lock = threading.Lock()
         self._open_builders: set[PackBuilder] = set()  # with a spool file to remove if the save fails
-        self._created: set[str] = set()  # packs this sink published that did not exist before
         self.entries: list[PackEntry] = []
         self.packs: dict[str, int] = {}  # pack name -> size in bytes
         self._builder: PackBuilder | None = self._new_builder()
@@ -83,20 +85,8 @@ class PackSink:
             builder.discard()
 
     def abort(self) -> None:
-        """:meth:`close`, then remove the packs this sink created that no index has recorded."""
+        """:meth:`close`: the packs already published stay (see the module docstring)."""
         self.close()
-        with self._lock:
-            names, self._created = self._created, set()
-        store = self.store
-        local = local_root(store.backend)
-        # Another writer may have indexed (and deduplicated against) a pack of ours once it was listed; only
-        # an index inside the store is seen by every such writer, so elsewhere the packs are left to gc.
-        if not names or local is None or Path(store.cache_dir).resolve() != (local / "cache").resolve():
-            return
-        try:
-            store.index.delete_unindexed_packs(names, lambda name: store.backend.delete(pack_key(name)))
-        except Exception:  # noqa: BLE001 - cleanup never hides the save's own error; gc removes what is left
-            pass
 
     # -- internals ---------------------------------------------------------------------------------------
     def _new_builder(self) -> PackBuilder:
@@ -117,9 +107,7 @@ class PackSink:
         fut.add_done_callback(self._upload_done)
 
     def _publish(self, builder: PackBuilder) -> None:
-        # Only a local store's failed save removes its packs (abort): elsewhere, spare the HEAD.
-        note = self._note_created if self._uploads is None else None
-        name, size, entries = builder.publish(self.store.backend, before_put=note)
+        name, size, entries = builder.publish(self.store.backend)
         with self._lock:
             self._open_builders.discard(builder)
             self.entries.extend(entries)
@@ -133,9 +121,3 @@ class PackSink:
                 self._upload_error = self._upload_error or error
             if self._on_error is not None:
                 self._on_error(error)  # stop coding what could not be committed anyway
-
-    def _note_created(self, name: str) -> None:
-        # A pack of the same bytes that is already there may be another writer's: never ours to remove.
-        if not self.store.backend.exists(pack_key(name)):
-            with self._lock:
-                self._created.add(name)

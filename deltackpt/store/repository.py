@@ -311,7 +311,7 @@ class Store(Catalog):
                                parent=parent.name if parent is not None else None,
                                checked_packs=summary.reused_packs)
         except BaseException:
-            w.abort()  # its spool files, and its packs unless the commit already indexed them
+            w.abort()  # its spool files (its published packs are left to gc)
             raise
 
     def _own_packs(self, newest: tuple[CheckpointInfo, Manifest] | None) -> frozenset[str] | None:

@@ -8,8 +8,8 @@ for any checkpoint size. The writer decides what to save (dedup claims, slices o
 chunk as its :class:`~.deltapolicy.DeltaPolicy` says (a delta or a keyframe); coded chunks go to its
 :class:`~.packsink.PackSink`, which builds, seals and publishes the packs.
 Nothing becomes visible until :meth:`Store.commit` writes the manifest. A writer that fails (or is aborted)
-removes its spool files and the packs it created that no index has seen yet; a writer that is abandoned (a
-killed process) leaves only unreferenced packs, which ``gc`` removes.
+removes its spool files; the packs it published stay (another writer may already rely on them, see
+:mod:`.packsink`), and so do those of a killed process: unreferenced packs, which ``gc`` removes.
 
 Several processes (DCP ranks) each run their own writer; their packs never collide because a pack is named
 by the hash of its bytes.
@@ -174,9 +174,8 @@ class ChunkWriter:
                 self._sink.abort()
 
     def abort(self) -> None:
-        """Stop, drop everything queued, and remove this writer's spool files and the packs it created that
-        no index has recorded. Also right after :meth:`finish` when the commit failed: packs the commit
-        already indexed are left to ``gc``."""
+        """Stop, drop everything queued, and remove this writer's spool files (also right after :meth:`finish`
+        when the commit failed). Published packs are left to ``gc`` (see :mod:`.packsink`)."""
         self._finished = True
         self._pool.shutdown(wait=True, cancel_futures=True)  # running jobs may still publish a pack
         self._pending.clear()

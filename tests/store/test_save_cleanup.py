@@ -1,7 +1,6 @@
-"""A failed save leaves nothing behind: a full disk (a real tmpfs), a real SIGINT, an exception mid-save.
-
-Afterwards the store holds exactly the packs of its committed checkpoints, no spool or temp file, and every
-earlier checkpoint loads bit-exact.
+"""A failed save leaves no checkpoint and no temp file: a full disk (a real tmpfs), a real SIGINT, an exception
+mid-save. Every earlier checkpoint loads bit-exact. The packs it had published stay (another writer may rely
+on them, see store/packsink.py): unreferenced, removed by gc.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import pytest
 
 from deltackpt.errors import DiskFullError
 from deltackpt.store import LocalBackend, Store
+from deltackpt.store.gc import plan_gc
 from deltackpt.store.verify import verify_store
 
 from store_helpers import REPO_ROOT, assert_items_equal, pack_keys
@@ -33,11 +33,16 @@ def stray_files(root: Path) -> list[str]:
 
 
 def assert_clean(store: Store, packs_before: set[str], expected: dict[str, dict]) -> None:
+    """No temp file, earlier checkpoints intact; the failed save's packs are orphans, which gc removes."""
     root = store.backend.local_path()
     assert stray_files(root) == []
-    assert set(pack_keys(store)) == packs_before  # no pack of the failed save survives
     for name, items in expected.items():
         assert_items_equal(items, Store.open(root).load(name))
+    left = set(pack_keys(store)) - packs_before
+    report = verify_store(Store.open(root), level=2)
+    assert report.ok and {f"packs/{n[:2]}/{n}" for n in report.orphan_packs} == left, report.as_dict()
+    plan_gc(Store.open(root), grace_s=0).execute()
+    assert set(pack_keys(store)) == packs_before
     report = verify_store(Store.open(root), level=2)
     assert report.ok and report.orphan_packs == [], report.as_dict()
 
@@ -97,6 +102,12 @@ def test_exception_mid_save_cleans_up(tmp_path, rng):
     with pytest.raises(TypeError, match="'bad'"):
         store.save("second", items, num_threads=1)
     assert seen and seen[0] > len(packs_before)  # the failed save had published packs of its own
+    assert not store.exists("second")
+    # a retry beside the failed save's packs (the same bytes again: the same pack names) commits and loads
+    retry = {"x": items["x"], "y": items["y"]}
+    Store.open(store.backend.local_path()).save("retry", retry, num_threads=1)
+    assert_items_equal(retry, Store.open(store.backend.local_path()).load("retry"))
+    Store.open(store.backend.local_path()).forget(["retry"])
     assert_clean(store, packs_before, {"first": first})
 
 
@@ -214,7 +225,7 @@ def test_identical_pack_published_by_another_writer_is_kept(tmp_path, rng):
     np.testing.assert_array_equal(Store.open(root).load("from-b")["x"], data)
 
 
-def test_abort_after_a_failed_commit_removes_unindexed_packs(tmp_path, rng):
+def test_abort_after_a_failed_commit_leaves_its_packs_to_gc(tmp_path, rng):
     root = tmp_path / "s"
     store = Store.init(LocalBackend(root, fsync=False), chunk_size_bytes=64 * 1024, pack_target_bytes=1 << 20)
     store.refresh_index()
@@ -223,4 +234,49 @@ def test_abort_after_a_failed_commit_removes_unindexed_packs(tmp_path, rng):
     summary = w.finish()
     assert len(pack_keys(store)) == len(summary.packs) == 1
     w.abort()
-    assert pack_keys(store) == [] and stray_files(root) == []
+    assert len(pack_keys(store)) == 1 and stray_files(root) == []
+    plan_gc(Store.open(root), grace_s=0).execute()
+    assert pack_keys(store) == []
+
+
+def test_a_writer_that_published_the_same_pack_first_and_failed_leaves_it(tmp_path, rng):
+    """Two saves of the same bytes publish the same pack; the first to publish fails before the other commits:
+    the pack stays, and the other's checkpoint loads (its cleanup once deleted the pack: a committed checkpoint
+    that could not be loaded)."""
+    root = tmp_path / "s"
+    a = Store.init(LocalBackend(root, fsync=False), chunk_size_bytes=64 * 1024, pack_target_bytes=1 << 20)
+    b = Store.open(root)
+    a.refresh_index(), b.refresh_index()
+    data = rng.standard_normal(50_000).astype(np.float32)
+    wa = a.writer(num_threads=1)
+    wa.add_array("x", data, dtype="<f4", elem_size=4, shape=data.shape)
+    sa = wa.finish()  # published first: the pack did not exist before
+    wb = b.writer(num_threads=1)
+    wb.add_array("x", data, dtype="<f4", elem_size=4, shape=data.shape)
+    sb = wb.finish()
+    assert sa.packs == sb.packs
+    wa.abort()
+    b.commit("from-b", sb.items, entries=sb.entries, packs=sb.packs, checked_packs=sb.reused_packs)
+    np.testing.assert_array_equal(Store.open(root).load("from-b")["x"], data)
+    assert verify_store(Store.open(root), level=2).ok
+
+
+def test_a_failed_save_keeps_packs_a_writer_with_its_index_elsewhere_committed_against(tmp_path, rng):
+    """A writer whose index cache is outside the store lists a running save's packs, deduplicates against them
+    and commits; that save then fails: its packs stay (the in-store index, all the failing save could ask, had
+    never recorded them)."""
+    root = tmp_path / "s"
+    a = Store.init(LocalBackend(root, fsync=False), chunk_size_bytes=64 * 1024, pack_target_bytes=64 * 1024)
+    a.save("old", {"y": np.arange(100_000, dtype=np.float32)})
+    a.forget(["old"])
+    assert plan_gc(a, grace_s=0).execute().deleted_packs  # a store gc has run on (it has a gc epoch)
+    data = rng.standard_normal(300_000).astype(np.float32)
+    wa = a.writer(num_threads=1)
+    wa.add_array("x", data, dtype="<f4", elem_size=4, shape=data.shape)  # more than a batch: packs published
+    assert pack_keys(a)
+    b = Store.open(root, cache_dir=tmp_path / "elsewhere")
+    m = b.save("from-b", {"x": data}, num_threads=1)
+    assert m.stats.new_chunks < m.stats.num_chunks  # it deduplicated against the running save's packs
+    wa.abort()
+    np.testing.assert_array_equal(Store.open(root).load("from-b")["x"], data)
+    assert verify_store(Store.open(root), level=2).ok

@@ -166,6 +166,20 @@ class LocalFiles(abc.ABC):
         """Remove one of ``list_temp``'s files."""
 
 
+class UnfinishedUploads(abc.ABC):
+    """What a backend whose large objects upload in parts (S3 multipart uploads) can do: find and abort the
+    uploads a killed process or a failed completion left. Their parts are stored, and billed, until aborted,
+    yet belong to no object: ``gc`` aborts those older than its grace period."""
+
+    @abc.abstractmethod
+    def list_unfinished(self) -> list[tuple[str, float]]:
+        """(token, start time as a Unix timestamp) of each unfinished upload of an object of this store."""
+
+    @abc.abstractmethod
+    def abort_unfinished(self, token: str) -> None:
+        """Abort one of ``list_unfinished``'s uploads (one already gone is no error)."""
+
+
 def local_root(backend) -> Path | None:
     """The directory of a local backend's objects, or None for object storage and memory."""
     return backend.local_path() if isinstance(backend, LocalFiles) else None

@@ -12,13 +12,16 @@ Retries live here, not in the engine: throttling (503 SlowDown), 5xx, timeouts, 
 connections and cut-off responses -- any error but the ones below -- are retried with exponential backoff and
 full jitter (``backoff_s * 2**n``, at most ``max_backoff_s``), ``max_attempts`` tries in all (6 by default), then
 :class:`BackendError` names the object and the operation on one line. Not retried: missing objects
-(FileNotFoundError), refused access and a missing bucket (BackendError at once), failed preconditions and
-bad arguments. s3fs's and botocore's own retry loops are turned off so there is one policy, with one bound;
+(FileNotFoundError; but a PUT that answers "no such upload" is a multipart upload whose completion's response
+was lost, and is retried), refused access and a missing bucket (BackendError at once), failed preconditions
+and bad arguments. s3fs's and botocore's own retry loops are turned off so there is one policy, with one bound;
 a connect timeout (10 s) and a read timeout (60 s, between two reads of a response) bound every attempt, so a
 server that stops answering costs at most ``max_attempts`` timeouts (both are ``config_kwargs`` to change).
 Every operation is safe to repeat after a lost response (aiohttp itself resends an idempotent request once
 when a reused connection drops): objects are written whole and never changed, and a conditional put
-(``put_new``) that finds exactly its own bytes there has succeeded.
+(``put_new``) that finds exactly its own bytes there has succeeded. Multipart uploads a killed process left
+(their parts are billed) are listed and aborted by ``gc`` past its grace period (:class:`UnfinishedUploads`);
+empty "folder" objects (a console's "Create folder", FUSE mounts) are not keys of a store.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from datetime import datetime
 from typing import Callable, Iterator, TypeVar
 
 from ..errors import BackendError
-from .backend import Backend, ObjectInfo, check_key
+from .backend import Backend, ObjectInfo, UnfinishedUploads, check_key
 
 T = TypeVar("T")
 
@@ -46,9 +49,25 @@ _NOT_RETRIED = (FileNotFoundError, FileExistsError, PermissionError, IsADirector
 
 
 _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
+_UPLOAD_TOKEN = "?uploadId="  # an unfinished upload's token: key + this + upload id
 
 
-class FsspecBackend(Backend):
+class _LostCompletion(Exception):
+    """A PUT answered "no such upload": a multipart upload s3fs aborted after the response to its completion
+    was lost (the server completed it, the abort found nothing). Retried: the object is there, and a resend
+    writes it whole again (a conditional one finds its own bytes)."""
+
+
+def _put_once(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except FileNotFoundError as e:
+        if "bucket does not exist" in str(e).lower():
+            raise
+        raise _LostCompletion(f"upload answered: {e}") from e
+
+
+class FsspecBackend(Backend, UnfinishedUploads):
     """Objects under ``url`` (``s3://bucket/prefix``, ``memory://name``, ...) through fsspec.
 
     ``storage_options`` go to the fsspec filesystem (for S3: ``endpoint_url``, ``key``, ``secret``,
@@ -140,14 +159,14 @@ class FsspecBackend(Backend):
     # -- core operations ---------------------------------------------------------------------------------------
     def put(self, key, data):
         path, body = self._path(key), bytes(data)
-        self._retry("PUT", key, lambda: self.fs.pipe_file(path, body, **self._put_kwargs))
+        self._retry("PUT", key, lambda: _put_once(lambda: self.fs.pipe_file(path, body, **self._put_kwargs)))
 
     def put_new(self, key, data):
         path, body = self._path(key), bytes(data)
         if self._put_kwargs:  # S3: a conditional PUT, atomic on the server
             def create() -> None:
                 try:
-                    self.fs.pipe_file(path, body, mode="create", **self._put_kwargs)
+                    _put_once(lambda: self.fs.pipe_file(path, body, mode="create", **self._put_kwargs))
                 except FileExistsError:
                     # A resend after a lost response (ours, or aiohttp's own on a dropped connection) finds what
                     # the first send created: ours if the bytes are (put_new's use, the config, has a random id).
@@ -220,8 +239,8 @@ class FsspecBackend(Backend):
             if root and not name.startswith(root + "/"):
                 continue
             key = name[skip:]
-            if info.get("type", "file") != "file" or not key.startswith(prefix):
-                continue
+            if info.get("type", "file") != "file" or not key.startswith(prefix) or not key or key.endswith("/"):
+                continue  # (a "folder" marker object, as consoles and FUSE mounts make: no key of a store)
             out.append(ObjectInfo(key, int(info.get("size", 0)), _mtime(info), _version(info)))
         return iter(sorted(out, key=lambda i: i.key))
 
@@ -235,6 +254,42 @@ class FsspecBackend(Backend):
                 pass
 
         self._retry("DELETE", key, rm)
+
+    # -- unfinished multipart uploads ----------------------------------------------------------------------------
+    def list_unfinished(self) -> list[tuple[str, float]]:
+        if not self._s3:
+            return []  # other filesystems upload whole or not at all
+        bucket, prefix, _ = self.fs.split_path(self.root)
+        prefix = f"{prefix}/" if prefix else ""
+
+        def listing() -> list[tuple[str, float]]:
+            out, marker = [], {}
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
+                for up in page.get("Uploads", []):
+                    key = up["Key"][len(prefix):]
+                    started = up.get("Initiated")
+                    out.append((key + _UPLOAD_TOKEN + up["UploadId"], started.timestamp() if started else 0.0))
+                if not page.get("IsTruncated"):
+                    return out
+                marker = {"KeyMarker": page.get("NextKeyMarker", ""),
+                          "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+
+        return self._retry("LIST", "unfinished uploads", listing)
+
+    def abort_unfinished(self, token: str) -> None:
+        key, sep, upload_id = token.rpartition(_UPLOAD_TOKEN)
+        if not sep or not upload_id:
+            raise ValueError(f"not an unfinished upload: {token!r}")
+        bucket, obj, _ = self.fs.split_path(self._path(key))
+
+        def abort() -> None:
+            try:
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload_id)
+            except FileNotFoundError:
+                pass  # aborted or completed meanwhile
+
+        self._retry("DELETE", key, abort)
 
     def _info(self, key: str) -> dict:
         path = self._path(key)

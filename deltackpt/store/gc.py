@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import LocalFiles
+from .backend import LocalFiles, UnfinishedUploads
 from .lock import DEFAULT_WAIT_S, EXCLUSIVE, SHARED, STALE_AFTER_S
 from ..errors import CorruptChunkError, DeltackptError, DiskFullError, ManifestFormatError, MissingChunkError
 from . import commitlog, idset
@@ -174,7 +174,10 @@ class GcPlan:
             if epoch is not None:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:
-                store.backend.delete_temp(path)
+                if isinstance(store.backend, UnfinishedUploads):
+                    store.backend.abort_unfinished(path)
+                else:
+                    store.backend.delete_temp(path)
             if written:
                 log_repacks(store, epoch, written)
             _drop_orphan_records(store, (set(plan.packs) - gone) | published)
@@ -293,7 +296,11 @@ def _list_manifests(store) -> dict[str, tuple[int, float, str]]:
 
 def _removable_temp_files(store, grace_s: float) -> list[str]:
     """Stray temp files gc may remove: older than ``grace_s``, and under ``locks/`` older than a lock can
-    stay fresh (a younger one may be a lock being taken by a save right now)."""
+    stay fresh (a younger one may be a lock being taken by a save right now). On object storage: the
+    unfinished multipart uploads older than ``grace_s`` (a killed upload's parts, billed until aborted)."""
+    if isinstance(store.backend, UnfinishedUploads):
+        now = time.time()
+        return sorted(t for t, started in store.backend.list_unfinished() if now - started >= grace_s)
     if not isinstance(store.backend, LocalFiles):
         return []
     now = time.time()

@@ -6,12 +6,14 @@ chunks the remote lacks, manifest last), so the training step never waits on the
 beyond ``keep_local_last`` are forgotten only once they are uploaded (the remote may have forgotten them
 since, by its own retention).
 
-The local store records its remote in a small JSON object ``tier`` ({"remote": url, "uploading": name or
-null, "uploaded": {name: created_ns}}), so ``deltackpt ls`` can show where each checkpoint lives and an
+The local store records its remote in a small JSON object ``tier`` ({"remote": url, "remote_id": its store
+id, "uploading": name or null, "uploaded": {name: created_ns}}), so ``deltackpt ls`` can show where each checkpoint lives and an
 uploader started later knows what was sent: it first uploads, in the background, every local checkpoint the
 remote does not hold, the record does not list and the remote's retention would keep (an upload cut short
-by a crash, a failed one, one committed just before the crash). Storage options (credentials) are never
-written there.
+by a crash, a failed one, one committed just before the crash). "uploaded" counts only for the remote store
+of that id: a remote wiped and made again at the same URL (or another endpoint's bucket of that name) is sent
+everything again, and nothing local is forgotten on the word of a store that never held it. Storage options
+(credentials) are never written there.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ _PERMANENT = (CheckpointExistsError, CheckpointNotFoundError, CorruptChunkError,
 
 
 def read_tier(store) -> dict | None:
-    """The local store's tier record ({"remote": url, "uploading": name or None, "uploaded": {name:
-    created_ns}}), or None. A record without a valid "uploaded" (an older release's) reads as uploaded
-    nothing."""
+    """The local store's tier record ({"remote": url, "remote_id": store id or None, "uploading": name or None,
+    "uploaded": {name: created_ns}}), or None. A record without a valid "uploaded" or "remote_id" (an older
+    release's) reads as uploaded nothing."""
     try:
         raw = json.loads(store.backend.get(TIER_KEY))
     except FileNotFoundError:
@@ -47,14 +49,18 @@ def read_tier(store) -> dict | None:
         return None
     uploading = raw.get("uploading")
     uploaded = raw.get("uploaded")
-    if not isinstance(uploaded, dict) or not all(isinstance(n, str) and type(t) is int for n, t in uploaded.items()):
-        uploaded = {}
-    return {"remote": raw["remote"], "uploading": uploading if isinstance(uploading, str) else None,
-            "uploaded": uploaded}
+    remote_id = raw.get("remote_id")
+    if not isinstance(remote_id, str) or not isinstance(uploaded, dict) \
+            or not all(isinstance(n, str) and type(t) is int for n, t in uploaded.items()):
+        remote_id, uploaded = None, {}
+    return {"remote": raw["remote"], "remote_id": remote_id,
+            "uploading": uploading if isinstance(uploading, str) else None, "uploaded": uploaded}
 
 
-def write_tier(store, remote: str, uploading: str | None = None, uploaded: dict[str, int] | None = None) -> None:
-    record = {"remote": remote, "uploading": uploading, "uploaded": dict(sorted((uploaded or {}).items()))}
+def write_tier(store, remote: str, remote_id: str, uploading: str | None = None,
+               uploaded: dict[str, int] | None = None) -> None:
+    record = {"remote": remote, "remote_id": remote_id, "uploading": uploading,
+              "uploaded": dict(sorted((uploaded or {}).items()))}
     store.backend.put(TIER_KEY, json.dumps(record).encode())
 
 
@@ -116,12 +122,13 @@ class Uploader:
         # a later one saved under its name.
         local_ns, remote_ns = _created(local), _created(self.remote)
         record = read_tier(local)
-        sent = record["uploaded"] if record is not None and record["remote"] == self.remote_url else {}
+        remote_id = self.remote.config.store_id
+        sent = record["uploaded"] if record is not None and record["remote_id"] == remote_id else {}
         pinned = read_all_tags(local)
         self._uploaded = {n: t for n, t in local_ns.items()
                           if sent.get(n) == t or remote_ns.get(n) == t
                           or (n not in pinned and self._retired(t, remote_ns.values()))}
-        write_tier(local, self.remote_url, uploaded=self._uploaded)
+        write_tier(local, self.remote_url, remote_id, uploaded=self._uploaded)
         for name in local_ns:  # what an earlier run did not finish sending: a crash, a failure
             if name not in self._uploaded:
                 self._queue.put((name, True))
@@ -138,7 +145,7 @@ class Uploader:
         forget it (the remote holds it, or held it until its own retention forgot it)."""
         with self._lock:
             self._uploaded[name] = created_ns
-            write_tier(self.local, self.remote_url, uploaded=self._uploaded)
+            write_tier(self.local, self.remote_url, self.remote.config.store_id, uploaded=self._uploaded)
 
     def replace_damaged(self, name: str) -> None:
         """The remote's checkpoint ``name`` is damaged (a restore skipped it): a local checkpoint saved under
@@ -209,7 +216,7 @@ class Uploader:
         if not self.local.exists(name):
             return  # forgotten locally before its turn (retention): nothing to send
         created_ns = self.local.read_manifest(name).created_ns
-        write_tier(self.local, self.remote_url, uploading=name, uploaded=self._uploaded)
+        write_tier(self.local, self.remote_url, self.remote.config.store_id, uploading=name, uploaded=self._uploaded)
         with self._lock:
             replace = name in self._damaged_remote
         try:
@@ -226,7 +233,7 @@ class Uploader:
             with self._lock:
                 self._damaged_remote.discard(name)
         self._uploaded[name] = created_ns
-        write_tier(self.local, self.remote_url, uploaded=self._uploaded)
+        write_tier(self.local, self.remote_url, self.remote.config.store_id, uploaded=self._uploaded)
         log.info("uploaded checkpoint %r: %d bytes sent, %d skipped, %.2f s", name, report.bytes_sent,
                  report.bytes_skipped, report.seconds)
         if self.keep_remote_last is not None:
@@ -254,4 +261,4 @@ class Uploader:
         left = {n: t for n, t in self._uploaded.items() if n in here}
         if left != self._uploaded:
             self._uploaded = left
-            write_tier(self.local, self.remote_url, uploaded=self._uploaded)
+            write_tier(self.local, self.remote_url, self.remote.config.store_id, uploaded=self._uploaded)

@@ -506,3 +506,15 @@ def test_a_rebuild_keeps_a_mark_another_store_object_made(tmp_path, rng):
     Store.open(tmp_path / "s").index.mark_damaged([pack])  # a verify in another process, on this cache
     store.index.rebuild()
     assert Store.open(tmp_path / "s").index.damaged_packs(refresh=True) == {pack}
+
+
+def test_a_cache_directory_given_to_a_new_store_again_is_not_trusted(tmp_path, rng):
+    """A new store (no checkpoint yet) opened with the index cache of another store (one cache_dir, or
+    DELTACKPT_CACHE_DIR reused): the cache is the other store's, so nothing is deduplicated against it (its
+    chunks were claimed, and every save failed at its commit with MissingChunkError)."""
+    cache = tmp_path / "cache"
+    state = {"w": rng.standard_normal(300_000).astype(np.float32)}
+    for k in range(3):
+        root = tmp_path / f"s{k}"
+        Store.init(root, cache_dir=cache, chunk_size_bytes=64 * 1024).save("first", state)
+        assert_items_equal(state, Store.open(root, cache_dir=tmp_path / f"fresh{k}").load("first"))

@@ -6,6 +6,9 @@ sent again; an uploader started after a crash sends what the last one did not fi
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -14,13 +17,15 @@ from deltackpt.store import Store, tier
 from deltackpt.store.retention import read_tags, set_tags
 from deltackpt.store.tier import Uploader, read_tier, write_tier
 
-from store_helpers import SMALL
+from store_helpers import SMALL, assert_items_equal
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _save(store: Store, rng, name: str) -> None:
-    store.save(name, {"w": rng.standard_normal(3000).astype(np.float32)})
+def _save(store: Store, rng, name: str) -> dict:
+    state = {"w": rng.standard_normal(3000).astype(np.float32)}
+    store.save(name, state)
+    return state
 
 
 def _names(store_or_path) -> list[str]:
@@ -95,8 +100,8 @@ def test_a_new_uploader_sends_what_a_crashed_one_did_not(tmp_path, rng):
         _save(local, rng, name)
     # The last run uploaded s1 (its remote has forgotten it since), crashed while sending s2, and never
     # queued s3 and s4.
-    Store.init(cold, **SMALL)
-    write_tier(local, cold, uploading="s2", uploaded={"s1": local.read_manifest("s1").created_ns})
+    remote_id = Store.init(cold, **SMALL).config.store_id
+    write_tier(local, cold, remote_id, uploading="s2", uploaded={"s1": local.read_manifest("s1").created_ns})
     up = Uploader(local, cold, keep_local_last=1)
     up.wait()
     up.close()
@@ -109,10 +114,38 @@ def test_a_new_uploader_sends_what_a_crashed_one_did_not(tmp_path, rng):
 def test_an_uploaded_list_for_another_remote_is_not_trusted(tmp_path, rng):
     local = Store.init(tmp_path / "hot", **SMALL)
     _save(local, rng, "s1")
-    write_tier(local, str(tmp_path / "old-remote"), uploaded={"s1": local.read_manifest("s1").created_ns})
+    write_tier(local, str(tmp_path / "old-remote"), "0" * 32, uploaded={"s1": local.read_manifest("s1").created_ns})
     up = Uploader(local, str(tmp_path / "cold"))
     up.close()
     assert _names(tmp_path / "cold") == ["s1"]
+
+
+def test_a_remote_made_again_at_the_same_url_is_sent_everything(tmp_path, rng):
+    """The remote was wiped and made again at its URL (an operator, a lifecycle rule, another endpoint's bucket
+    of that name): the record's uploaded list was another store's, so nothing local is forgotten on its word
+    (the record was once trusted by URL: s1 and s2 were forgotten locally and existed nowhere)."""
+    local = Store.init(tmp_path / "hot", **SMALL)
+    cold = str(tmp_path / "cold")
+    up = Uploader(local, cold)
+    states = {}
+    for name in ("s1", "s2", "s3"):
+        states[name] = _save(local, rng, name)
+        up.submit(name)
+    up.close()
+    shutil.rmtree(cold)
+    Store.init(cold, **SMALL)
+    up = Uploader(local, cold, keep_local_last=1)
+    up.wait()
+    up.close()
+    assert _names(cold) == ["s1", "s2", "s3"]
+    assert _names(local) == ["s3"]
+    for name, state in states.items():
+        assert_items_equal(state, Store.open(cold).load(name))
+    # a record of an older release (no remote id) is trusted for nothing either
+    record = json.loads(local.backend.get("tier"))
+    del record["remote_id"]
+    local.backend.put("tier", json.dumps(record).encode())
+    assert read_tier(local)["uploaded"] == {}
 
 
 def test_the_remote_retention_keeps_what_is_tagged_in_either_store(tmp_path, rng):

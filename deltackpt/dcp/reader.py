@@ -187,7 +187,9 @@ class DeltaStorageReader(StorageReader):
         last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides))
         nbytes = (last - first + 1) * esize
         contiguous = nbytes == math.prod(lengths) * esize
-        if (contiguous and target.is_contiguous() and target.device.type == "cpu" and target.dtype == dtype):
+        # (A conjugate or negative view's memory does not hold its values: its bits go through copy_.)
+        if (contiguous and target.is_contiguous() and target.device.type == "cpu" and target.dtype == dtype
+                and not target.is_conj() and not target.is_neg()):
             dst = target.reshape(-1).view(torch.uint8).numpy()
             return [(job[-1], reader.run_job, job) for job in reader.chunk_jobs(key, dst, first * esize)]
         box = (reader, key, first * esize, nbytes, dtype, contiguous, lengths, strides, shape, target)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
@@ -57,17 +58,6 @@ STATE_KEY = "train"
 STATELESS_KEY = "stateless_optimizers"  # manifest metadata: optimizers that had no state when saved
 _DAMAGE = (CorruptChunkError, MissingChunkError, ManifestFormatError)
 _ASYNC_TYPES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
-
-
-def _flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in sd.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 class CheckpointManager:
@@ -438,7 +428,7 @@ class CheckpointManager:
     def _check_compatible(self, name: str, target: dict[str, Any], metadata) -> None:
         """Raise CheckpointMismatchError naming every key/shape/optimizer mismatch before touching the state."""
         saved = metadata.state_dict_metadata
-        flat = _flatten({STATE_KEY: target})
+        flat, _ = flatten_state_dict({STATE_KEY: target})  # DCP's own keys (lists too: param_groups.0.lr)
         problems = []
         model_prefixes = tuple(f"{STATE_KEY}.{m}." for m in self.state.models)
         for key, value in flat.items():

@@ -424,3 +424,15 @@ def test_load_unpickles_plain_data_only_unless_the_caller_trusts_the_store(store
     target = {"code": None}
     deltackpt.load(target, store_path, "c", planner=DefaultLoadPlanner())  # the caller's explicit trust
     assert target["code"] == "ran" and RAN == [1]
+
+
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_load_into_a_conjugate_or_negative_view_writes_its_values(store_path, view):
+    """Such a view is contiguous, but its memory does not hold its values: raw bytes into it failed (torch
+    refuses the uint8 view) where DCP's own reader loads through copy_."""
+    src = {"c": torch.tensor([1 + 2j, 3 - 4j, 5 + 6j], dtype=torch.complex64)}
+    deltackpt.save(src, store_path, "c")
+    zeros = torch.zeros(3, dtype=torch.complex64)
+    target = {"c": zeros.conj() if view == "conj" else torch._neg_view(zeros)}
+    deltackpt.load(target, store_path, "c")
+    assert torch.equal(target["c"].resolve_conj().resolve_neg(), src["c"])

@@ -149,3 +149,24 @@ def test_a_part_the_state_lacks_is_named_in_a_warning(tmp_path, caplog):
         with CheckpointManager(str(tmp_path / "s"), TrainState(model=model2, optimizer=make_optim(model2))) as mgr:
             assert mgr.restore_latest() == 1
     assert any("holds a scheduler state" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tensor_in_the_optimizer_param_groups_restores(tmp_path):
+    """DCP keys a list's items by index (``...param_groups.0.lr``): the compatibility check once walked dicts
+    only and refused every such checkpoint as "not in the model/optimizer now"."""
+    def make():
+        torch.manual_seed(0)
+        m = nn.Linear(4, 3)
+        return m, torch.optim.AdamW(m.parameters(), lr=torch.tensor(1e-2), foreach=False)
+
+    m, o = make()
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    with CheckpointManager(tmp_path / "s", TrainState(m, o), every_n_steps=1) as mgr:
+        mgr.save(1)
+    m2, o2 = make()
+    with CheckpointManager(tmp_path / "s", TrainState(m2, o2)) as mgr:
+        assert mgr.restore_latest() == 1
+    assert torch.equal(m2.weight, m.weight)
+    assert torch.equal(o2.state[m2.weight]["exp_avg"], o.state[m.weight]["exp_avg"])
+    assert torch.equal(o2.param_groups[0]["lr"], o.param_groups[0]["lr"])

@@ -232,3 +232,25 @@ def test_ctrl_c_exits_130_and_says_interrupted(store_path, capsys, monkeypatch):
     monkeypatch.setattr(listing, "cmd_ls", interrupted)
     code, out, err = run(capsys, "ls", store_path)
     assert code == 130 and out == "" and err.strip() == "deltackpt: error: interrupted"  # was "KeyboardInterrupt"
+
+
+def test_copy_of_a_wrong_name_creates_no_destination(store_path, tmp_path, capsys):
+    code, _out, err = run(capsys, "copy", store_path, tmp_path / "dst", "nope")
+    assert code == 3 and "no checkpoint named 'nope'" in err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_an_error_raised_while_a_ctrl_c_was_handled_exits_as_interrupted():
+    """A Ctrl-C that lands in a lazy import comes out as the import's error (numpy's ImportError), its context
+    the KeyboardInterrupt: that is an interrupt (130), not a bug shown with a traceback."""
+    from deltackpt.cli.status import EXIT_INTERRUPTED, exit_code_for
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ImportError("numpy failed to import")
+    except ImportError as e:
+        assert exit_code_for(e) == EXIT_INTERRUPTED
+    with pytest.raises(RuntimeError):
+        exit_code_for(RuntimeError("a bug"))

@@ -118,6 +118,9 @@ def _tiers(args, store, infos):
     url = record["remote"]
     try:
         remote = Store.open(url, storage_options=options_for(args, url, "remote"))
+        if record["remote_id"] is not None and remote.config.store_id != record["remote_id"]:
+            raise DeltackptError(f"the store there is not the one uploaded to (store id {remote.config.store_id}, "
+                                 f"expected {record['remote_id']})")
         where = tier_states(store, remote)
         local = {i.name for i in infos}
         infos = sorted(infos + [i for i in remote.list_checkpoints() if i.name not in local],

@@ -27,9 +27,19 @@ class UsageError(ValueError):
         self.parser = parser
 
 
+def _interrupted(exc: BaseException | None) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def exit_code_for(exc: BaseException) -> int:
     """One table from exception to exit status; anything else is re-raised (a bug, shown with its traceback)."""
-    if isinstance(exc, KeyboardInterrupt):
+    if _interrupted(exc):  # also an error raised while handling a Ctrl-C (an import it cut short)
         return EXIT_INTERRUPTED
     if isinstance(exc, InvalidNameError) or (isinstance(exc, ValueError) and not isinstance(exc, DeltackptError)):
         return EXIT_USAGE

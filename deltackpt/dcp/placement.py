@@ -43,9 +43,15 @@ def shard_placement(fqn: str, key: str, offsets: Sequence[int], sizes: Sequence[
     return fqn, elem_offset * elem_bytes
 
 
-def unsupported_layout(value: torch.Tensor) -> str:
-    return (f"a {str(value.layout).removeprefix('torch.')} tensor has no plain bytes to store; save its "
-            ".to_dense(), or its indices and values as tensors")
+def unsupported_layout(value: torch.Tensor) -> str | None:
+    """Why ``value``'s bytes cannot stand for it in a checkpoint, or None when they can."""
+    if value.layout != torch.strided:
+        return (f"a {str(value.layout).removeprefix('torch.')} tensor has no plain bytes to store; save its "
+                ".to_dense(), or its indices and values as tensors")
+    if value.is_quantized:
+        return ("a quantized tensor's bytes lose its scale and zero point; save its .dequantize(), or its "
+                ".int_repr() and its quantization parameters as tensors")
+    return None
 
 
 def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
@@ -55,8 +61,9 @@ def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
     """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"expected a tensor from the planner, got {type(value).__name__}")
-    if value.layout != torch.strided:
-        raise TypeError(unsupported_layout(value))
+    why = unsupported_layout(value)
+    if why is not None:
+        raise TypeError(why)
     t = value.detach() if value.requires_grad else value  # (numpy() refuses a tensor that requires grad)
     if not t.is_cpu:
         t = t.cpu()
@@ -83,8 +90,9 @@ def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: 
               global_size: Sequence[int]) -> None:
     """Add one shard of a tensor (``offsets``/``sizes`` within ``global_size``) to a store ChunkWriter at its
     place in the whole tensor, so its chunks line up with any other sharding of the same tensor."""
-    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-        raise TypeError(f"item {key!r}: {unsupported_layout(value)}")
+    why = unsupported_layout(value) if isinstance(value, torch.Tensor) else None
+    if why is not None:
+        raise TypeError(f"item {key!r}: {why}")
     tensor, raw, elem_size = tensor_bytes(value)
     group, offset = shard_placement(fqn, key, offsets, sizes, global_size, tensor.element_size())
     dtype = _DTYPE_NAMES.get(tensor.dtype)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import TargetExistsError
 from ..store import Progress, Store
+from ..store.backend import local_root
 from .layout import SLAB_BYTES, read_layout, select
 from .numeric import cast_target
 
@@ -61,6 +62,10 @@ def export(store, checkpoint: str, out, *, format: str = "dcp", only=None, dtype
     out = Path(out)
     _check_target(out)
     store = store if isinstance(store, Store) else Store.open(store, storage_options=storage_options)
+    root = local_root(store.backend)
+    if root is not None and out.parent.resolve() != root.resolve() and out.parent.resolve().is_relative_to(
+            root.resolve()):  # in the store's own folders (manifests/...): it would be taken for its data
+        raise ValueError(f"export target {out} is inside the store {root}'s folders; write it elsewhere")
     manifest = store.read_manifest(store.resolve(checkpoint))
     layout = read_layout(manifest)
     names = select([*layout.tensors, *layout.byte_items], only)

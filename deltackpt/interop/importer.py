@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from ..dcp import LAYER_KEY, save
@@ -158,15 +159,23 @@ def _load_torch_file(path: Path) -> dict:
         raise SourceFormatError(f"{path} holds a {type(sd).__name__}{' (empty)' if sd == {} else ''}, not a "
                                 "state dict")
     _check_layouts(path, sd)
+    try:
+        flatten_state_dict(sd)  # DCP's keys: two values under one (``{"w.x": ..}`` and ``{"w": {"x": ..}}``)
+    except ValueError as e:
+        raise SourceFormatError(f"{path}: {e} (DCP names nested values by their dotted path)") from None
     return sd
 
 
 def _check_layouts(path: Path, obj, key: str = "") -> None:
-    """Sparse (and other non-strided) tensors have no plain bytes to store: refused, naming the key."""
+    """Sparse (and other non-strided) tensors have no plain bytes to store, a quantized one's bytes lose its
+    scale and zero point: refused, naming the key."""
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided:
             raise SourceFormatError(f"{path}: {key or 'the value'} is a {str(obj.layout).removeprefix('torch.')} "
                                     "tensor, which a checkpoint cannot hold (DCP saves plain tensors only)")
+        if obj.is_quantized:
+            raise SourceFormatError(f"{path}: {key or 'the value'} is a quantized tensor, whose scale and zero "
+                                    "point a checkpoint would not hold (DCP saves plain tensors only)")
     elif isinstance(obj, dict):
         for k, v in obj.items():
             _check_layouts(path, v, f"{key}.{k}" if key else str(k))

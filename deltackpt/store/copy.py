@@ -388,6 +388,8 @@ def copy(src, dst, checkpoints: Iterable[str] | None = None, *, verify: bool = F
     from .verify import verify_store
 
     src_store = src if isinstance(src, Store) else Store.open(src, storage_options=src_storage_options)
+    if checkpoints is not None:
+        checkpoints = [src_store.resolve(n) for n in checkpoints]  # a wrong name creates no destination
     dst_store = open_or_create_destination(src_store, dst, dst_storage_options)
     report = copy_checkpoints(src_store, dst_store, checkpoints, overwrite=overwrite, progress=progress)
     if verify:

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChunkError, DeltackptError,
                       ManifestFormatError, MissingChunkError, UnsupportedFormatError)
 from .copy import copy_checkpoints, open_or_create_destination
+from .backend import local_root
+from .location import describe
 from .retention import ForgetPlan, plan_forget, read_all_tags
 
 TIER_KEY = "tier"
@@ -105,7 +108,9 @@ class Uploader:
         if self.remote.config.store_id == local.config.store_id:
             raise DeltackptError(f"remote {remote!r} is the local store itself (or a copy sharing its id): "
                                  "name another store")
-        self.remote_url = remote if isinstance(remote, str) else repr(self.remote.backend)
+        # Where `deltackpt ls` finds it again, from any directory: a URL, or an absolute path.
+        local_dir = local_root(self.remote.backend)
+        self.remote_url = os.path.abspath(local_dir) if local_dir is not None else describe(self.remote.backend)
         self.keep_local_last = keep_local_last
         self.keep_remote_last = keep_remote_last
         self._queue: queue.Queue = queue.Queue()

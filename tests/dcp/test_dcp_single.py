@@ -387,6 +387,14 @@ def test_a_sparse_tensor_is_refused_naming_it(store_path, layout):
     assert not Store.open(store_path).exists("a")
 
 
+def test_a_quantized_tensor_is_refused_naming_it(store_path):
+    """Its bytes alone (the int8 values) would restore without its scale and zero point."""
+    q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    with pytest.raises(TypeError, match="'q@0'.*quantized tensor's bytes lose its scale"):
+        deltackpt.save({"q": q, "w": torch.ones(2)}, store_path, "a")
+    assert not Store.open(store_path).exists("a")
+
+
 RAN: list = []
 
 

@@ -84,6 +84,20 @@ def test_an_existing_target_is_refused_and_left_alone(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store", "taken-dir", "taken.safetensors"]
 
 
+def test_a_target_inside_the_store_is_refused(tmp_path, capsys):
+    """An export into the store's own folders (manifests/) made a damaged checkpoint that stopped gc (a file
+    beside them, at the store's top, is fine)."""
+    store = Store.init(tmp_path / "store")
+    store.save("c", {"w": np.ones(10, np.float32)})
+    with pytest.raises(ValueError, match="inside the store"):
+        deltackpt.export(store, "c", tmp_path / "store" / "manifests" / "evil", format="safetensors")
+    code, _out, err = run(capsys, "export", tmp_path / "store", "c", tmp_path / "store" / "packs" / "x.safetensors",
+                          "--format", "safetensors")
+    assert code == 2 and "inside the store" in err
+    assert Store.open(tmp_path / "store").checkpoint_names() == ["c"]
+    deltackpt.export(store, "c", tmp_path / "store" / "top.safetensors", format="safetensors")
+
+
 class Opaque:
     """A value torch.load(weights_only=True) refuses."""
 

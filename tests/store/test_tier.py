@@ -249,3 +249,33 @@ def test_an_older_record_is_caught_up_without_resending_what_retention_would_for
     up.close()
     assert sent == []  # the remote holds the newest two; the rest it would forget at once
     assert _names(local) == names[-2:] and _names(cold) == names[-2:]  # trimmed at start
+
+
+def test_ls_finds_a_relative_remote_from_any_directory_and_only_the_store_uploaded_to(tmp_path, rng, monkeypatch,
+                                                                                      capsys):
+    """The record holds the remote as an absolute path (it held a relative one, which `ls` opened relative to
+    wherever it ran: another store that happened to be there was listed as this run's remote)."""
+    from deltackpt import cli
+
+    monkeypatch.chdir(tmp_path)
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, "cold")
+    for name in ("s1", "s2"):
+        _save(local, rng, name)
+        up.submit(name)
+    up.close()
+    assert read_tier(local)["remote"] == str(tmp_path / "cold")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    Store.init(elsewhere / "cold", **SMALL).save("other", {"x": np.zeros(4, dtype=np.float32)})
+    assert cli.main(["ls", str(tmp_path / "hot"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["location"]) for r in rows] == [("s1", "both"), ("s2", "both")]
+    # the remote replaced by another store at its path: locations unknown, not that store's checkpoints
+    shutil.rmtree(tmp_path / "cold")
+    shutil.copytree(elsewhere / "cold", tmp_path / "cold")
+    assert cli.main(["ls", str(tmp_path / "hot"), "--json"]) == 0
+    out = capsys.readouterr()
+    assert [(r["name"], r["location"]) for r in json.loads(out.out)] == [("s1", "?"), ("s2", "?")]
+    assert "not the one uploaded to" in out.err

@@ -20,6 +20,7 @@ import xxhash
 from deltackpt.errors import DeltackptError, StoreLockedError
 from deltackpt.store import MemoryBackend, Store, codec
 from deltackpt.store.gc import live_chunk_ids, plan_gc
+from deltackpt.store import lock as lock_mod
 from deltackpt.store.lock import EXCLUSIVE, SHARED, STALE_AFTER_S, list_locks
 from deltackpt.store.manifest import manifest_key
 from deltackpt.store.pack import pack_key
@@ -380,7 +381,8 @@ def _dead_pid() -> int:
 def test_stale_locks_are_ignored_and_removed(store, rng, case):
     store.save("a", {"x": _arr(rng, 3000)})
     store.forget("a")
-    info = {"kind": "shared", "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "id": "x"}
+    info = {"kind": "shared", "host": socket.gethostname(), "pid": os.getpid(), "space": lock_mod._SPACE,
+            "time": time.time(), "id": "x"}
     if case == "dead-pid":
         info["pid"] = _dead_pid()
     elif case == "old-time":

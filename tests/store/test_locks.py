@@ -17,7 +17,7 @@ import pytest
 
 from deltackpt.errors import StoreLockedError
 from deltackpt.store.gc import plan_gc
-from deltackpt.store.lock import EXCLUSIVE, SHARED, StoreLock, list_locks
+from deltackpt.store.lock import EXCLUSIVE, SHARED, STALE_AFTER_S, StoreLock, list_locks
 
 from store_helpers import REPO_ROOT, random_array, subprocess_env
 
@@ -245,3 +245,21 @@ def test_a_failing_release_never_hides_the_error_inside_the_lock(tmp_path):
     with pytest.raises(OSError, match="connection reset"):  # with nothing else to report, the release error
         with StoreLock(backend, "shared", refresh=False):
             backend.down = True
+
+
+def test_a_lock_of_another_pid_namespace_on_this_host_is_not_judged_by_its_pid(tmp_path):
+    """A process in another PID namespace (a container with the node's network: same host name) holds a pid
+    this process cannot see: only its time can make its lock stale. The same lock in this space with a dead
+    pid is stale at once; one of an older release (no space) goes stale by its time only."""
+    from deltackpt.store import lock as lock_mod
+
+    if not lock_mod._SPACE:
+        pytest.skip("no /proc here: every lock is judged by its time")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    now = time.time()
+    info = {"kind": "shared", "host": socket.gethostname(), "pid": dead.pid, "time": now, "id": "c"}
+    assert lock_mod._is_stale({**info, "space": lock_mod._SPACE}, now, STALE_AFTER_S)
+    assert not lock_mod._is_stale({**info, "space": lock_mod._SPACE.split(":")[0] + ":1"}, now, STALE_AFTER_S)
+    assert not lock_mod._is_stale(info, now, STALE_AFTER_S)
+    assert lock_mod._is_stale({**info, "time": now - 2 * STALE_AFTER_S}, now, STALE_AFTER_S)

@@ -97,7 +97,7 @@ def validate_name(name: str) -> str:
     if not _NAME_RE.fullmatch(name):
         raise InvalidNameError(
             f"invalid checkpoint name {name!r}: use 1-128 letters, digits and . _ + = @ -, "
-            "starting with a letter, digit or _ (no '/' or '..', no '.tmp-')"
+            "starting with a letter, digit or _ (so no '/' and no leading '.'; no '.tmp-')"
         )
     return name
 

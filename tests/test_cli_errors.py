@@ -254,9 +254,3 @@ def test_an_error_raised_while_a_ctrl_c_was_handled_exits_as_interrupted():
         assert exit_code_for(e) == EXIT_INTERRUPTED
     with pytest.raises(RuntimeError):
         exit_code_for(RuntimeError("a bug"))
-
-
-@pytest.mark.parametrize("limit", ["0", "0s", "0m"])
-def test_verify_refuses_a_zero_time_limit(store_path, capsys, limit):
-    code, _out, err = run(capsys, "verify", store_path, "--max-duration", limit)
-    assert code == 2 and ("--max-duration" in err or "invalid duration" in err)

@@ -97,8 +97,6 @@ def cmd_verify(args) -> int:
     store = open_store(args)
     sample = parse_fraction(args.sample, "--sample") if args.sample is not None else None
     max_s = parse_duration(args.max_duration) if args.max_duration else None
-    if max_s is not None and max_s <= 0:
-        raise ValueError(f"--max-duration must be longer than 0, got {args.max_duration!r}")
     with ProgressBar(args) as progress:
         report = verify_store(store, level=args.level, sample=sample, max_duration_s=max_s, progress=progress)
 

@@ -19,8 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import TargetExistsError
-from ..store import Progress, Store
-from ..store.backend import local_root
+from ..store import LocalFiles, Progress, Store
 from .layout import SLAB_BYTES, read_layout, select
 from .numeric import cast_target
 
@@ -62,7 +61,7 @@ def export(store, checkpoint: str, out, *, format: str = "dcp", only=None, dtype
     out = Path(out)
     _check_target(out)
     store = store if isinstance(store, Store) else Store.open(store, storage_options=storage_options)
-    root = local_root(store.backend)
+    root = store.backend.local_path() if isinstance(store.backend, LocalFiles) else None
     if root is not None and out.parent.resolve() != root.resolve() and out.parent.resolve().is_relative_to(
             root.resolve()):  # in the store's own folders (manifests/...): it would be taken for its data
         raise ValueError(f"export target {out} is inside the store {root}'s folders; write it elsewhere")

@@ -205,7 +205,7 @@ class DiskFullError(DeltackptError, OSError):
     """The filesystem ran out of space (ENOSPC, or a quota) while deltackpt wrote ``filename``.
 
     A failed save removes its temporary files; the packs it already published stay (another save may use
-    them). Free space (e.g. ``deltackpt forget`` then ``deltackpt gc``; a
+    them), and a retry reuses their chunks. Free space (e.g. ``deltackpt forget`` then ``deltackpt gc``; a
     failed save's own packs are younger than gc's grace period: ``--grace 0`` when no save is running) and
     retry.
     """

@@ -7,8 +7,8 @@ Any number of coding threads may call :meth:`add` at once.
 
 A failed save removes its spool files but never a pack it published: once listed, another writer may have
 deduplicated against it, or published the same bytes under the same name (a pack is named by its hash) and be
-about to commit; neither can be told apart from here. ``gc`` removes what no checkpoint references, under its
-exclusive lock and grace period.
+about to commit; neither can be told apart from here. The writer indexes them (a retry reuses their chunks);
+``gc`` removes what no checkpoint references, under its exclusive lock and grace period.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ chunk as its :class:`~.deltapolicy.DeltaPolicy` says (a delta or a keyframe); co
 :class:`~.packsink.PackSink`, which builds, seals and publishes the packs.
 Nothing becomes visible until :meth:`Store.commit` writes the manifest. A writer that fails (or is aborted)
 removes its spool files; the packs it published stay (another writer may already rely on them, see
-:mod:`.packsink`), and so do those of a killed process: unreferenced packs, which ``gc`` removes.
+:mod:`.packsink`; the failed writer indexes them, so a retry reuses their chunks), and so do those of a
+killed process: unreferenced packs, which ``gc`` removes.
 
 Several processes (DCP ranks) each run their own writer; their packs never collide because a pack is named
 by the hash of its bytes.
@@ -172,6 +173,7 @@ class ChunkWriter:
                 self._sink.close()
             else:
                 self._sink.abort()
+                self._index_published()
 
     def abort(self) -> None:
         """Stop, drop everything queued, and remove this writer's spool files (also right after :meth:`finish`
@@ -180,6 +182,18 @@ class ChunkWriter:
         self._pool.shutdown(wait=True, cancel_futures=True)  # running jobs may still publish a pack
         self._pending.clear()
         self._sink.abort()
+        self._index_published()
+
+    def _index_published(self) -> None:
+        """Index the packs this failed writer published (they stay, for gc): a retry deduplicates against them
+        instead of writing their chunks again, which on a full disk would fail again for want of the space
+        they hold. Only packs still there are indexed (checked in the index's transaction)."""
+        if not self._sink.packs:
+            return
+        try:
+            self.store.index.add(self._sink.entries, dict(self._sink.packs), if_present=True)
+        except Exception:  # noqa: BLE001 - a cache write (on a full disk, say) never hides the save's own error
+            pass
 
     # -- internals ---------------------------------------------------------------------------------------
     def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:

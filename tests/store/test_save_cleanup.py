@@ -103,9 +103,10 @@ def test_exception_mid_save_cleans_up(tmp_path, rng):
         store.save("second", items, num_threads=1)
     assert seen and seen[0] > len(packs_before)  # the failed save had published packs of its own
     assert not store.exists("second")
-    # a retry beside the failed save's packs (the same bytes again: the same pack names) commits and loads
+    # a retry reuses what the failed save published (its writer indexed it): only what it never reached is new
     retry = {"x": items["x"], "y": items["y"]}
-    Store.open(store.backend.local_path()).save("retry", retry, num_threads=1)
+    m = Store.open(store.backend.local_path()).save("retry", retry, num_threads=1)
+    assert m.stats.new_chunks <= m.stats.num_chunks - (seen[0] - len(packs_before)), m.stats
     assert_items_equal(retry, Store.open(store.backend.local_path()).load("retry"))
     Store.open(store.backend.local_path()).forget(["retry"])
     assert_clean(store, packs_before, {"first": first})

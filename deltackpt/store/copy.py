@@ -63,6 +63,7 @@ def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite:
     ``progress`` hears of each checkpoint sent (a phase ``copy NAME``), in stored bytes, pack by pack."""
     start = time.perf_counter()
     report = CopyReport()
+    src.refresh_config(), dst.refresh_config()  # their chain limits as they are now
     infos = src.list_checkpoints(include_damaged=True)
     if names is None:
         order = [i.name for i in infos if i.damage is None]

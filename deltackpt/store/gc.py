@@ -154,13 +154,14 @@ class GcPlan:
                 if not epoch_written:
                     _put_epoch(store, epoch, may_fail=False)
                 written: dict[str, tuple[int, list[PackEntry]]] = {}
-                moved, published = repack_packs(store, plan.repack, bar, written)
-                delete_dead(later)
+                moved, published, damaged = repack_packs(store, plan.repack, bar, written, check=True)
+                kept = later & _bases_of_repacked(plan, damaged)  # bases of what a damaged pack still holds
+                delete_dead(later - kept)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
-            old_repacked = set(plan.repack) - published
+            old_repacked = set(plan.repack) - published - damaged
             for name in sorted(old_repacked):
                 store.backend.delete(pack_key(name))
-            gone = set(plan.delete_packs) | old_repacked
+            gone = (set(plan.delete_packs) - kept) | old_repacked
             if epoch is not None:
                 # Another epoch once every pack is gone: a cache that caught up half way through (a read
                 # that found a pack gone) took the first one for seen, and would take a pack deleted after
@@ -340,6 +341,7 @@ def plan_gc(store, *, max_unused: float = 0.1, grace_s: float = DEFAULT_GRACE_S,
 
 
 def _plan(store, *, max_unused: float, grace_s: float, merge_small: bool, progress: Progress | None = None) -> GcPlan:
+    store.refresh_config()  # the chain limit as it is now (marking follows every chain regardless)
     now = time.time()
     epoch = read_gc_epoch(store.backend)  # before the listings: a gc that runs meanwhile changes it
     manifests = _list_manifests(store)  # before the manifests are read: one written after counts as new
@@ -443,12 +445,14 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
     return keep
 
 
-def _bases_of_repacked(plan: "GcPlan") -> set[str]:
-    """The dead packs of ``plan`` that hold a delta base of some entry of a pack it repacks."""
-    if not plan.repack or not plan.delete_packs:
+def _bases_of_repacked(plan: "GcPlan", only=None) -> set[str]:
+    """The dead packs of ``plan`` that hold a delta base of some entry of a pack it repacks (of ``only``
+    of them)."""
+    names = plan.repack if only is None else [n for n in plan.repack if n in only]
+    if not names or not plan.delete_packs:
         return set()
     bases = idset.unique(concat([plan.pack_entries[n].base_ids[plan.pack_entries[n].has_base]
-                                 for n in plan.repack if n in plan.pack_entries]))
+                                 for n in names if n in plan.pack_entries]))
     if not bases.size:
         return set()
     return {n for n in plan.delete_packs

@@ -182,7 +182,7 @@ def _rebuild_damaged_packs(store: Store, report: RepairReport, progress: Progres
                 continue
             # Set aside first, never deleted: it may hold bytes past the damage that a person can still recover.
             backend.put(info.key + DAMAGED_SUFFIX, data)
-            _moved, names = repack_packs(store, {name: good})
+            _moved, names, _damaged = repack_packs(store, {name: good})
             if name not in names:  # (every entry intact: the rebuilt pack is the original, under its own name)
                 # A new gc epoch first, as gc's: caches elsewhere (and commit records' tables) locate in it.
                 backend.put(GC_EPOCH_KEY, uuid.uuid4().hex.encode())

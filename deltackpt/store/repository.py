@@ -122,6 +122,17 @@ class Store(Catalog):
             pass
         return cls.init(backend, cache_dir=cache_dir, exist_ok=True, **config)
 
+    def refresh_config(self) -> None:
+        """Read the config again: another process may have added a feature since this Store was opened (a
+        copy from a chained store adds ``delta-chains``; features are only ever added). A Store that walked
+        chains by its config at open cut them short: loads and verify called intact chains damaged, and gc
+        deleted live bases. Maintenance, copies and saves call this first; a read when a chain runs past the
+        limit it knows."""
+        current = read_store_config(self.backend)  # the format gate: a feature this code lacks is refused
+        if current.store_id != self.config.store_id:
+            raise ManifestFormatError(f"{describe(self.backend)}: store config changed its store_id while open")
+        self.config = current
+
     def ensure_features(self, names=None) -> None:
         """Record ``names`` (default: what this code's writer may produce under the store's config) in the
         store's config before data that needs them is written (the format gate).

@@ -19,7 +19,7 @@ from .. import kernels
 from ..errors import CorruptChunkError, ManifestFormatError, MissingChunkError
 from . import codec
 from .chunking import chunk_id_of
-from .config import chain_limit
+from .config import CHAINS_FEATURE, MAX_CHAIN, chain_limit
 from .pack import ENTRY_MAGIC, HEADER_DTYPE, HEADER_SIZE, PackEntry, decode_header, encode_header, pack_key
 from .planebatch import decode_keyframes, rows_of
 
@@ -205,6 +205,9 @@ class ChunkSource:
             chain.append(link)
             if not codec.is_delta(link.codec):
                 return chain, None
+            if len(chain) >= limit and limit < MAX_CHAIN and CHAINS_FEATURE not in self.store.config.features:
+                self.store.refresh_config()  # another process may have made this a chained store since
+                limit = chain_limit(self.store.config)
             if len(chain) >= limit:
                 raise CorruptChunkError(f"delta chain holds more than {limit} delta{'s' if limit > 1 else ''}"
                                         + ("" if limit > 1 else " (delta base is itself a delta)"),

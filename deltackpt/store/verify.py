@@ -51,6 +51,7 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     start = time.monotonic()
     report = VerifyReport(level=level)
     found = Findings()
+    store.refresh_config()  # its chain limit as it is now (a copy may have added chains since the open)
     names = checkpoints if checkpoints is not None else store.checkpoint_names()
     _needed_chunks(store, names, found, report, progress)
     packs, seen, records = _refresh_cache(store, found.users, level, progress)
@@ -163,7 +164,7 @@ def _check_packs(store, found: Findings, packs: dict[str, int], level: int, samp
                     problems = len(found.bad)
                     table, hash_ok = _check_pack_hash(name, data, found, report)
                     if level >= 2 or not hash_ok:
-                        _decode_chunks(source, table, found, report)
+                        _decode_chunks(source, table, found, report, every=not hash_ok)
                     if hash_ok and len(found.bad) == problems:
                         # Only a pack found sound counts as verified: a damaged one stays first in line for
                         # the next partial run (else a rotating --sample exits 0 right after finding it).
@@ -197,10 +198,13 @@ def _check_pack_hash(name: str, data, found: Findings, report) -> tuple[PackTabl
     return table, hash_ok
 
 
-def _decode_chunks(source, table: PackTable, found: Findings, report) -> None:
-    """Decode the needed chunks of a pack (deltas through their bases) and re-hash them."""
+def _decode_chunks(source, table: PackTable, found: Findings, report, every: bool = False) -> None:
+    """Decode the needed chunks of a pack (deltas through their bases) and re-hash them; ``every``: all of
+    them (a pack whose hash failed: the damage is pinned to a chunk where one accounts for it, instead of
+    being blamed on every checkpoint with a chunk in the pack, when it lies in a chunk none of them needs)."""
     name = table.name
-    for e in table.entries(np.flatnonzero(found.needed(table.chunk_ids))):
+    rows = np.arange(len(table)) if every else np.flatnonzero(found.needed(table.chunk_ids))
+    for e in table.entries(rows):
         report.chunks_checked += 1
         try:
             # Decode this pack's copy, as its table describes it, not whatever the cache points at.

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import DeltackptError
 from . import codec
 from .chunking import as_byte_view, cdc_spans, chunk_ids_of, grid_spans
-from .config import chain_limit
+from .config import CHAINS_FEATURE, chain_limit
 from .deltapolicy import DeltaBase, DeltaPolicy
 from .records import NO_BASE_VOID
 from .manifest import ChunkRef, Item, Manifest
@@ -80,6 +80,8 @@ class ChunkWriter:
         the index still holds them all, a chunk of the parent is reused without an index look-up, and those
         packs join ``reused_packs`` (the commit checks they still exist)."""
         self.store = store
+        if CHAINS_FEATURE not in store.config.features:
+            store.refresh_config()  # another process may have added chains: claims check them to that depth
         store.ensure_features()  # the format gate: an older reader refuses what this writer may produce
         self.config = store.config
         self.parent = parent if isinstance(parent, ParentMap) else ParentMap(parent)

@@ -516,3 +516,69 @@ def test_a_store_made_for_the_fewest_bytes_zstd_codes_zigzag_planes_that_save_a_
     store.save("b", {"w": w2})
     assert seen and {g for _k, g in seen} == {gain}
     np.testing.assert_array_equal(store.load("b")["w"], w2)
+
+
+@pytest.mark.parametrize("op", ["load", "verify", "gc"])
+def test_a_store_object_opened_before_chains_arrived_follows_them(tmp_path, op):
+    """A Store opened before another one copied chained checkpoints in (the copy adds ``delta-chains`` to the
+    config): it walked chains by the config it read at open, so its loads and verify called intact chains
+    damaged, and its gc left deeper bases unmarked and deleted them (a rank's Store while the coordinator
+    fetched a chained remote; any long-lived process)."""
+    from deltackpt.store.retention import plan_forget_names
+
+    cfg = dict(chunk_size_bytes=4096, pack_target_bytes=16384)
+    src = Store.init(tmp_path / "src", max_chain=16, chain_links="all", keyframe_interval=30, **cfg)
+    Store.init(tmp_path / "dst", max_chain=1, **cfg)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(8192).astype(np.float32)
+    saved = {}
+    for i in range(12):
+        w.view(np.uint32)[rng.integers(0, w.size, 20)] += np.uint32(1)
+        saved[f"c{i:02d}"] = w.copy()
+        src.save(f"c{i:02d}", {"w": saved[f"c{i:02d}"]})
+    stale = Store.open(tmp_path / "dst")
+    copy_checkpoints(src, Store.open(tmp_path / "dst"))
+    assert config_mod.CHAINS_FEATURE not in stale.config.features
+    if op == "load":
+        np.testing.assert_array_equal(stale.load("c11")["w"], saved["c11"])
+        assert stale.index.damaged_packs() == frozenset()
+    elif op == "verify":
+        assert verify_store(stale, level=2).clean
+    else:
+        plan_forget_names(Store.open(tmp_path / "dst"), [f"c{i:02d}" for i in range(10)]).execute()
+        plan_gc(stale, grace_s=0, max_unused=0.0).execute()
+    fresh = Store.open(tmp_path / "dst")
+    for name in fresh.checkpoint_names():
+        np.testing.assert_array_equal(fresh.load(name)["w"], saved[name])
+    assert verify_store(fresh, level=2).clean
+
+
+def test_gc_does_not_repack_a_damaged_pack_into_a_valid_one(tmp_path):
+    """Bit rot in a pack gc then repacks: its bytes were copied into a new pack with a correct hash, so verify's
+    default level (pack hashes) called the store clean while the chunk and every delta on it did not load. The
+    damaged pack is now left as it is (and marked), for verify and repair."""
+    from deltackpt.store.pack import HEADER_SIZE
+    from deltackpt.store.retention import plan_forget_names
+
+    store = Store.init(tmp_path / "s", chunk_size_bytes=4096, pack_target_bytes=1 << 20, max_chain=8,
+                       chain_links="all")
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(8192).astype(np.float32)
+    store.save("c0", {"w": w.copy(), "junk": rng.standard_normal(8192).astype(np.float32)})  # one pack
+    for i in range(1, 4):
+        w.view(np.uint32)[rng.integers(0, w.size, 20)] += np.uint32(1)
+        store.save(f"c{i}", {"w": w.copy()})
+    e = store.index.lookup(store.read_manifest("c0").items[0].chunks[0].id)
+    def flip(data: bytes) -> bytes:
+        data = bytearray(data)
+        data[e.offset + HEADER_SIZE + e.stored_len // 2] ^= 0xFF
+        return bytes(data)
+
+    mutate_object(store.backend, pack_key(e.pack), flip)
+    plan_forget_names(store, ["c0"]).execute()  # its "junk" dies: the pack is planned for a repack
+    plan = plan_gc(store, grace_s=0)
+    assert e.pack in plan.repack
+    plan.execute()
+    assert store.backend.exists(pack_key(e.pack))
+    report = verify_store(Store.open(tmp_path / "s"), level=1)
+    assert sorted(report.damaged_checkpoints) == ["c1", "c2", "c3"]

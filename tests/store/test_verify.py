@@ -554,3 +554,30 @@ def test_level_0_reports_the_same_when_it_walks_the_cache(populated, monkeypatch
     assert walked[2] and not looked[2]
     assert walked[:2] == looked[:2]
     assert bool(looked[0]) == (damage == "pack-gone")  # a record the cache lost is the cache's, repaired
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_damage_in_a_chunk_no_checked_checkpoint_needs_is_not_blamed_on_them(tmp_path, level):
+    """A pack holding chunks of two checkpoints, one of b's chunks damaged: a verify of a_only alone (or one of
+    the whole store, for a_only) decodes every chunk of the pack whose hash failed and pins the damage to that
+    chunk, instead of blaming every checkpoint with a chunk in the pack."""
+    from deltackpt.store.pack import HEADER_SIZE
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(4096).astype(np.float32), rng.standard_normal(4096).astype(np.float32)
+    store = Store.init(tmp_path / "t", chunk_size_bytes=4096, pack_target_bytes=1 << 20)
+    store.save("ab", {"a": a, "b": b})  # one pack with a's and b's chunks
+    store.save("a_only", {"a": a})
+    e = store.index.lookup(store.read_manifest("ab").items[1].chunks[0].id)
+
+    def flip(data: bytes) -> bytes:
+        data = bytearray(data)
+        data[e.offset + HEADER_SIZE + 10] ^= 0xFF
+        return bytes(data)
+
+    mutate_object(store.backend, pack_key(e.pack), flip)
+    s = Store.open(tmp_path / "t")
+    assert verify_store(s, level=level).damaged_checkpoints == ["ab"]
+    sub = verify_store(s, level=level, checkpoints=["a_only"])
+    assert sub.damaged_checkpoints == [] and not sub.clean  # the damage is reported, on no checkpoint
+    np.testing.assert_array_equal(s.load("a_only")["a"], a)

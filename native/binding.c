@@ -450,8 +450,16 @@ static PyObject *py_walk_refs(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "walk_refs: state must hold WALKER_BYTES and at 5 int64");
         goto fail;
     }
+    if ((uintptr_t)v[0].buf % 8 || (uintptr_t)v[6].buf % 8) {
+        PyErr_SetString(PyExc_ValueError, "walk_refs: state and fill counts must be 8-byte aligned");
+        goto fail;
+    }
     dc_walker *w = (dc_walker *)v[0].buf;
     int64_t *at = (int64_t *)v[6].buf;
+    if (w->depth > DC_WALK_DEPTH) { /* the caller's buffer: never index the walker's stacks past their end */
+        PyErr_SetString(PyExc_ValueError, "walk_refs: state is not a walker's (depth out of range)");
+        goto fail;
+    }
     w->top = (uint8_t *)v[2].buf;
     w->top_cap = (size_t)v[2].len;
     w->items = (uint8_t *)v[3].buf;

@@ -330,9 +330,11 @@ int dc_sparse_apply(const uint8_t *bitmaps, const uint8_t *vals, const uint64_t 
                 return -1; /* more positions than values: every read below stays inside vals */
 #if DC_SPARSE_SIMD
         /* A full window whose 8-byte value loads all stay inside vals (each plane reads at most 64 bytes
-         * from its position on; plane j's slot ends at vals + (k - j) * n from its start) goes block by
-         * block: 8 elements per step, whatever the density. */
-        if (tabs_ready && w == 8) {
+         * from its position on; plane j's slot ends at vals + (k - j) * n from its start) and whose 64
+         * elements all lie inside dst (its 8-element steps load and store whole blocks: with n % 64 past 56
+         * the last window's last step ran past dst's end) goes block by block: 8 elements per step, whatever
+         * the density. */
+        if (tabs_ready && w == 8 && n - first >= 64) {
             size_t j = 0;
             while (j < k && pos[j] + 64 <= (k - j) * n)
                 j++;

@@ -973,3 +973,58 @@ def test_sort_ids_sorts_in_place_in_numpys_order(sort, n, values):
 def test_sort_ids_refuses_a_buffer_of_no_whole_ids(sort):
     with pytest.raises(ValueError):
         sort(bytearray(17))
+
+
+_GUARD_PAGE = textwrap.dedent("""
+    import ctypes, mmap, sys
+    import numpy as np
+    from deltackpt import kernels
+    from deltackpt.kernels import numpy_impl
+    libc = ctypes.CDLL(None, use_errno=True)
+    PAGE = mmap.PAGESIZE
+    m = mmap.mmap(-1, 16 * PAGE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    buf = np.frombuffer(m, np.uint8)
+    assert libc.mprotect(ctypes.c_void_p(buf.ctypes.data + 15 * PAGE), PAGE, 0) == 0  # nothing past it is ours
+    for k in (1, 2, 4, 8):
+        for n in (121, 1081, 4153):  # n % 64 in 57..63: the last window's last step
+            for zig in (False, True):
+                dst = buf[15 * PAGE - n * k:15 * PAGE]  # ends at the guard page
+                dst[:] = 0
+                b = (n + 7) // 8
+                bitmaps = np.zeros(k * b, np.uint8)
+                bitmaps[(n - 1) // 8] = 1 << ((n - 1) % 8)  # the last element of plane 0 changes
+                vals = np.zeros(k * n, np.uint8)
+                vals[0] = 1
+                kernels.sparse_apply(bitmaps, vals, [1] + [0] * (k - 1), dst, k, zig)
+                want = np.zeros(n * k, np.uint8)
+                numpy_impl.sparse_apply(bitmaps, vals, [1] + [0] * (k - 1), want, k, zig)
+                assert dst.tobytes() == want.tobytes(), (k, n, zig)
+    print("ok")
+""")
+
+
+def test_sparse_apply_never_touches_bytes_past_its_destination():
+    """The 8-element steps of a full 64-element window loaded and stored whole blocks: when n % 64 was 57-63
+    the last window ran up to 56 bytes past the destination (a read-modify-write of the next chunk's bytes,
+    another thread's to write; a SIGSEGV where the destination ends a mapping). Here it ends at a guard page,
+    in a process of its own."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    r = subprocess.run([sys.executable, "-c", _GUARD_PAGE], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.skipif(kernels.walk_refs is None, reason="the native kernels are not in use")
+def test_walk_refs_refuses_a_state_that_is_not_a_walkers():
+    """The state buffer is the caller's: a depth past the walker's stacks indexed them out of bounds."""
+    from deltackpt import _native
+
+    state = np.zeros(_native.WALKER_BYTES, np.uint8)
+    depth_at = 4 * 8 + 9 * 8 + 64 * 8 + 64  # after the pointers, sizes, left[64] and kind[64]
+    state[depth_at:depth_at + 4] = np.frombuffer(np.uint32(100_000).tobytes(), np.uint8)
+    out = [np.zeros(64, np.uint8) for _ in range(3)]
+    with pytest.raises(ValueError, match="not a walker's"):
+        _native.walk_refs(state, np.frombuffer(b"\xc0", np.uint8).copy(), *out, np.zeros(8, np.uint64),
+                          np.zeros(5, np.int64))
+    with pytest.raises(ValueError, match="aligned"):
+        _native.walk_refs(np.zeros(_native.WALKER_BYTES + 1, np.uint8)[1:], np.zeros(1, np.uint8), *out,
+                          np.zeros(8, np.uint64), np.zeros(5, np.int64))

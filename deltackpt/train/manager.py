@@ -87,6 +87,9 @@ class CheckpointManager:
             raise ValueError("keep_last must be >= 1 (or None to keep every checkpoint)")
         if async_mode not in (None, *_ASYNC_TYPES):
             raise ValueError(f"async_mode must be None, 'thread' or 'process', got {async_mode!r}")
+        if async_mode == "process" and process_group is None and not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("async_mode='process' needs a process group (DCP's checkpoint process joins it): "
+                             "call torch.distributed.init_process_group first, or use async_mode='thread'")
         check_replica_mode(replica_check)  # here, not at the first save
         self.replica_check = replica_check
         self._own_group = None
@@ -208,10 +211,14 @@ class CheckpointManager:
         if self._pending is None:
             return
         fut, name, step = self._pending
-        self._pending = None
         try:
             fut.result()
         except BaseException as e:
+            if not fut.done():
+                # The wait itself was cut short (a SIGTERM handler's sys.exit, a Ctrl-C): the save goes on,
+                # and close() must still collect it (upload it, or report its error).
+                raise
+            self._pending = None
             if self._saved_step == step:
                 self._saved_step = None  # not saved: a retry of this step must save it
             if isinstance(e, DeltackptError):
@@ -220,6 +227,7 @@ class CheckpointManager:
             if not isinstance(e, Exception):
                 raise
             raise DeltackptError(f"background save of checkpoint {name!r} failed: {type(e).__name__}: {e}") from e
+        self._pending = None
         self._after_save(name)
 
     def _raise_if_failed(self) -> None:

@@ -4,6 +4,7 @@ though training mutates it right after), background failures surfacing at the ne
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 import warnings
@@ -228,3 +229,42 @@ def test_a_manager_that_fails_to_start_destroys_its_group(tmp_path):
     path.write_text("a file")
     for before, after, made in run_ranks(_failed_manager_groups, 2, str(path), timeout=180):
         assert after == before and made == before + 1
+
+
+def test_a_wait_cut_short_by_a_signal_leaves_the_save_for_close(tmp_path, monkeypatch):
+    """A SIGTERM handler that exits (the usual preemption pattern) interrupts the wait for the last save: the
+    save goes on, and close() still collects it, here uploading it to the remote (it was dropped: committed
+    locally, never uploaded, on a node about to lose its disk)."""
+    import signal
+    import threading
+
+    from deltackpt.dcp.writer import DeltaStorageWriter
+
+    real = DeltaStorageWriter.write_data
+
+    def slow(self, plan, planner):
+        time.sleep(1.0)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(DeltaStorageWriter, "write_data", slow)
+    old = signal.signal(signal.SIGUSR1, lambda *a: (_ for _ in ()).throw(SystemExit(143)))
+    try:
+        state = _state()
+        mgr = CheckpointManager(tmp_path / "local", state, every_n_steps=1, async_mode="thread",
+                                remote=str(tmp_path / "remote"))
+        _step(state, 1)
+        mgr.save(1)
+        timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(SystemExit):
+            mgr.wait()
+        timer.join()
+        mgr.close()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert [i.name for i in Store.open(tmp_path / "remote").list_checkpoints()] == ["step-00000001"]
+
+
+def test_process_mode_without_a_process_group_is_refused_at_once(store_path):
+    with pytest.raises(ValueError, match="needs a process group"):
+        CheckpointManager(store_path, _state(), async_mode="process")

@@ -176,7 +176,10 @@ class GcPlan:
                 store.index.set_meta(b"gc_epoch", epoch)  # this process's cache already knows
             for path in plan.temp_files:
                 if isinstance(store.backend, UnfinishedUploads):
-                    store.backend.abort_unfinished(path)
+                    try:
+                        store.backend.abort_unfinished(path)
+                    except (DeltackptError, OSError) as e:  # the packs are done; this is housekeeping
+                        log.warning("gc: unfinished upload %s not aborted (%s)", path, e)
                 else:
                     store.backend.delete_temp(path)
             if written:
@@ -301,7 +304,12 @@ def _removable_temp_files(store, grace_s: float) -> list[str]:
     unfinished multipart uploads older than ``grace_s`` (a killed upload's parts, billed until aborted)."""
     if isinstance(store.backend, UnfinishedUploads):
         now = time.time()
-        return sorted(t for t, started in store.backend.list_unfinished() if now - started >= grace_s)
+        try:
+            listed = store.backend.list_unfinished()
+        except (DeltackptError, OSError) as e:  # e.g. a policy without s3:ListBucketMultipartUploads
+            log.warning("gc: unfinished uploads not listed (%s); a bucket lifecycle rule can abort them", e)
+            return []
+        return sorted(t for t, started in listed if now - started >= grace_s)
     if not isinstance(store.backend, LocalFiles):
         return []
     now = time.time()

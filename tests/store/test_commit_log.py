@@ -358,7 +358,7 @@ def test_a_rebuild_from_the_commit_log_locates_the_newest_copy_of_a_chunk(tmp_pa
     old = sorted(list_packs(store.backend))[0]
     moved = read_pack_entries(store.backend, old)[1:]
     time.sleep(0.01)  # the repack's pack is the newest
-    _, new = repack_packs(store, {old: moved})
+    _, new, _damaged = repack_packs(store, {old: moved})
     present = pack_stamps(list_packs(store.backend))
     for log in (True, False):
         index = Store.open(store.backend, cache_dir=tmp_path / f"spare-{log}")._cache_index()

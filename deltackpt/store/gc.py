@@ -185,8 +185,9 @@ class GcPlan:
             if written:
                 log_repacks(store, epoch, written)
             _drop_orphan_records(store, (set(plan.packs) - gone) | published)
-        return GcResult(deleted_packs=len(plan.delete_packs), repacked_packs=len(plan.repack) - len(plan.merge),
-                        merged_packs=len(plan.merge), new_packs=len(published), moved_chunks=moved,
+        return GcResult(deleted_packs=len(plan.delete_packs) - len(kept),
+                        repacked_packs=len(set(plan.repack) - plan.merge - damaged),
+                        merged_packs=len(plan.merge - damaged), new_packs=len(published), moved_chunks=moved,
                         reclaimed_bytes=plan.reclaim_bytes,
                         removed_temp_files=len(plan.temp_files), duration_s=time.monotonic() - t0)
 

@@ -578,7 +578,7 @@ def test_gc_does_not_repack_a_damaged_pack_into_a_valid_one(tmp_path):
     plan_forget_names(store, ["c0"]).execute()  # its "junk" dies: the pack is planned for a repack
     plan = plan_gc(store, grace_s=0)
     assert e.pack in plan.repack
-    plan.execute()
-    assert store.backend.exists(pack_key(e.pack))
+    result = plan.execute()
+    assert store.backend.exists(pack_key(e.pack)) and result.repacked_packs == 0 and result.new_packs == 0
     report = verify_store(Store.open(tmp_path / "s"), level=1)
     assert sorted(report.damaged_checkpoints) == ["c1", "c2", "c3"]

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import deltackpt
 from deltackpt import kernels
 from deltackpt.cli import main
 from deltackpt.store import Store
@@ -35,6 +36,8 @@ def run(capsys, *argv):
 def test_version_shows_kernel_backend(capsys):
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.startswith("deltackpt ") and f"kernels: {kernels.BACKEND}" in out
+    code, out, _ = run(capsys, "--json", "--version")  # JSON as every --json output is
+    assert code == 0 and json.loads(out) == {"version": deltackpt.__version__, "kernels": kernels.BACKEND}
 
 
 def test_init_creates_store_and_refuses_twice(tmp_path, capsys):

@@ -10,7 +10,7 @@ import sys
 
 from .. import __version__
 from . import benchmark, interop, listing, maintenance, transfer
-from .output import StdoutClosed, out
+from .output import StdoutClosed, emit, out
 from .status import EPILOG, EXIT_OK, EXIT_USAGE, UsageError, exit_code_for
 
 COMMAND_MODULES = (listing, maintenance, transfer, interop, benchmark)
@@ -93,7 +93,9 @@ def _run(argv: list[str] | None) -> int:
             print(f"{e.parser.prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.version:
-        out(_version_text())
+        from .. import kernels
+
+        emit(args, {"version": __version__, "kernels": kernels.BACKEND}, _version_text)
         return EXIT_OK
     if not getattr(args, "func", None):
         if args.json:

@@ -384,13 +384,12 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
     @guarded()
     def has_seen(self, commit: str | None) -> bool:
         """Whether this cache is this store's and indexed ``commit``'s commit itself (None: a store without
-        checkpoints, nothing to have seen): then it holds every pack that commit's checkpoint relies on. A cache of
-        another store (a cache directory a new store was given again) has seen nothing of this one: its chunks
-        are not here."""
-        if self._is_foreign():
-            return False
-        seen = self._last_commit()
-        return commit is None or (seen is not None and seen.name == commit)
+        checkpoints, nothing to have seen): then it holds every pack that commit's checkpoint relies on. A
+        cache of another store (a cache directory a new store was given again) has seen nothing of this one."""
+        if commit is None:
+            return not self._is_foreign()
+        seen = self._last_commit()  # (None for another store's cache)
+        return seen is not None and seen.name == commit
 
     @guarded()
     def last_commit(self) -> Commit | None:

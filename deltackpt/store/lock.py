@@ -1,7 +1,7 @@
 """Store locks: saves share the store, gc's short delete phase needs it alone.
 
-A lock is an object ``locks/<kind>-<id>`` holding JSON {kind, host, pid, space, time, id}; it is refreshed (rewritten
-with a new time) while held. Taking a lock writes the object first, then lists the others: an exclusive
+A lock is an object ``locks/<kind>-<id>`` holding JSON {kind, host, pid, space, time, id}; it is refreshed
+(rewritten with a new time) while held. Taking a lock writes the object first, then lists the others: an exclusive
 lock must be alone, a shared lock must see no exclusive one. Writing before looking means two racing
 processes can both back off, but never both proceed.
 
@@ -22,13 +22,14 @@ needs is ever deleted. Lock objects are written through temp files; gc never rem
 crash damaged is garbage that the next taker removes, and one lost under a live holder fails its ``check``.
 
 A lock is *stale* when its time is older than ``stale_after_s`` (its holder stopped refreshing it), or when it
-was taken on this host, in this PID namespace (``space``), by a process that no longer exists. Stale locks are ignored and removed by whoever
-finds them. A holder whose own lock went stale or was removed must not commit: :meth:`StoreLock.check`
-raises, because gc may already have deleted chunks it relies on.
+was taken on this host, in this PID namespace (``space``), by a process that no longer exists. Stale locks are
+ignored and removed by whoever finds them. A holder whose own lock went stale or was removed must not commit:
+:meth:`StoreLock.check` raises, because gc may already have deleted chunks it relies on.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -59,6 +60,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+@functools.cache
 def _process_space() -> str:
     """Which processes a pid names here: this boot of the machine and this PID namespace. Containers that share
     the node's network share its host name, not its pids: a holder's pid is looked up only in its own space
@@ -71,8 +73,6 @@ def _process_space() -> str:
         return ""  # no /proc: locks of this host go stale by their time only
 
 
-_SPACE = _process_space()
-
 
 def _is_stale(info: dict, now: float, stale_after_s: float) -> bool:
     # Either way: a time further ahead than a refresh interval's worth of clock skew is a damaged or forged
@@ -80,7 +80,8 @@ def _is_stale(info: dict, now: float, stale_after_s: float) -> bool:
     if abs(now - float(info.get("time", 0))) > stale_after_s:
         return True
     # (A lock of an older release names no space: stale by its time only.)
-    return (bool(_SPACE) and info.get("space") == _SPACE and info.get("host") == socket.gethostname()
+    space = _process_space()
+    return (bool(space) and info.get("space") == space and info.get("host") == socket.gethostname()
             and not _pid_alive(int(info.get("pid", -1))))
 
 
@@ -123,7 +124,8 @@ class StoreLock:
         self._held = False
 
     def _payload(self) -> bytes:
-        return json.dumps({"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(), "space": _SPACE,
+        return json.dumps({"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(),
+                           "space": _process_space(),
                            "time": time.time(), "id": self.id}).encode()
 
     def acquire(self) -> "StoreLock":

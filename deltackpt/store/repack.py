@@ -30,7 +30,8 @@ def repack_packs(store, repack: dict[str, list[PackEntry]], bar=None,
     Returns (entries moved, names of the packs published, names of the damaged packs left)."""
     target = store.config.pack_target_bytes
     moved, names = 0, set()
-    # Bytes are copied, not checked: chunks of a pack a read found damaged stay distrusted where they go.
+    # Bytes are copied, not decoded (with ``check``, only from a pack that hashes to its name): chunks of a pack
+    # a read found damaged stay distrusted where they go.
     tainted = bool(store.index.damaged_packs() & repack.keys())
 
     def flush(b: PackBuilder) -> None:

@@ -6,13 +6,13 @@ chunks the remote lacks, manifest last), so the training step never waits on the
 beyond ``keep_local_last`` are forgotten only once they are uploaded (the remote may have forgotten them
 since, by its own retention).
 
-The local store records its remote in a small JSON object ``tier`` ({"remote": url, "remote_id": its store
-id, "uploading": name or null, "uploaded": {name: created_ns}}), so ``deltackpt ls`` can show where each checkpoint lives and an
-uploader started later knows what was sent: it first uploads, in the background, every local checkpoint the
-remote does not hold, the record does not list and the remote's retention would keep (an upload cut short
-by a crash, a failed one, one committed just before the crash). "uploaded" counts only for the remote store
-of that id: a remote wiped and made again at the same URL (or another endpoint's bucket of that name) is sent
-everything again, and nothing local is forgotten on the word of a store that never held it. Storage options
+The local store records its remote in a small JSON object ``tier`` ({"remote": url, "remote_id": its store id,
+"uploading": name or null, "uploaded": {name: created_ns}}), so ``deltackpt ls`` can show where each checkpoint
+lives and an uploader started later knows what was sent: it first uploads, in the background, every local
+checkpoint the remote does not hold, the record does not list and the remote's retention would keep (an upload
+cut short by a crash, a failed one, one committed just before the crash). "uploaded" counts only for the remote
+store of that id: a remote wiped and made again at the same URL (or another endpoint's bucket of that name) is
+sent everything again, and nothing local is forgotten on the word of a store that never held it. Storage options
 (credentials) are never written there.
 """
 

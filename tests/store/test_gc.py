@@ -381,7 +381,7 @@ def _dead_pid() -> int:
 def test_stale_locks_are_ignored_and_removed(store, rng, case):
     store.save("a", {"x": _arr(rng, 3000)})
     store.forget("a")
-    info = {"kind": "shared", "host": socket.gethostname(), "pid": os.getpid(), "space": lock_mod._SPACE,
+    info = {"kind": "shared", "host": socket.gethostname(), "pid": os.getpid(), "space": lock_mod._process_space(),
             "time": time.time(), "id": "x"}
     if case == "dead-pid":
         info["pid"] = _dead_pid()

@@ -253,13 +253,13 @@ def test_a_lock_of_another_pid_namespace_on_this_host_is_not_judged_by_its_pid(t
     pid is stale at once; one of an older release (no space) goes stale by its time only."""
     from deltackpt.store import lock as lock_mod
 
-    if not lock_mod._SPACE:
+    if not lock_mod._process_space():
         pytest.skip("no /proc here: every lock is judged by its time")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     now = time.time()
     info = {"kind": "shared", "host": socket.gethostname(), "pid": dead.pid, "time": now, "id": "c"}
-    assert lock_mod._is_stale({**info, "space": lock_mod._SPACE}, now, STALE_AFTER_S)
-    assert not lock_mod._is_stale({**info, "space": lock_mod._SPACE.split(":")[0] + ":1"}, now, STALE_AFTER_S)
+    assert lock_mod._is_stale({**info, "space": lock_mod._process_space()}, now, STALE_AFTER_S)
+    assert not lock_mod._is_stale({**info, "space": lock_mod._process_space().split(":")[0] + ":1"}, now, STALE_AFTER_S)
     assert not lock_mod._is_stale(info, now, STALE_AFTER_S)
     assert lock_mod._is_stale({**info, "time": now - 2 * STALE_AFTER_S}, now, STALE_AFTER_S)

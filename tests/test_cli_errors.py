@@ -254,3 +254,20 @@ def test_an_error_raised_while_a_ctrl_c_was_handled_exits_as_interrupted():
         assert exit_code_for(e) == EXIT_INTERRUPTED
     with pytest.raises(RuntimeError):
         exit_code_for(RuntimeError("a bug"))
+
+
+def test_a_malformed_storage_option_is_refused_on_a_local_path_too(store_path, capsys):
+    """On a local store the pairs mean nothing, but a malformed one is still a typo the user should hear of."""
+    code, _, err = run(capsys, "ls", store_path, "--storage-option", "anon")
+    assert code == 2 and "--storage-option wants KEY=VALUE, got 'anon'" in err
+    assert run(capsys, "ls", store_path, "--storage-option", "anon=true")[0] == 0
+
+
+@pytest.mark.parametrize("argv, needle", [(["--keep-last", "0"], "--keep-last: expected a whole number >= 1"),
+                                          (["--keep-every", "two"], "--keep-every: expected a whole number >= 1"),
+                                          (["--keep-within", "3q"], "--keep-within: expected a duration longer"),
+                                          ([], "give checkpoint names or a retention policy (--keep-last")])
+def test_forget_errors_name_the_options_not_the_engine_parameters(store_path, capsys, argv, needle):
+    code, _, err = run(capsys, "forget", store_path, *argv)
+    assert code == 2 and needle in err and "keep_" not in err
+    assert _names(store_path) == ["s0", "s1", "s2", "s3"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .options import open_store, parse_fraction, seconds
+from .options import count, duration, open_store, parse_fraction, seconds
 from .output import ProgressBar, emit, fmt_bytes
 from .status import EXIT_OK, EXIT_PROBLEMS
 
@@ -32,10 +32,10 @@ def register(add) -> None:
                                    "newest are kept) or exactly the named ones (tagged ones are refused)")
     sp.add_argument("store")
     sp.add_argument("names", nargs="*", metavar="NAME", help="forget exactly these checkpoints ('latest' = newest)")
-    sp.add_argument("--keep-last", type=int, help="keep the N newest")
-    sp.add_argument("--keep-every", type=int,
+    sp.add_argument("--keep-last", type=count, help="keep the N newest")
+    sp.add_argument("--keep-every", type=count,
                     help="keep those whose metadata 'step' (an int; CheckpointManager writes it) is a multiple of K")
-    sp.add_argument("--keep-within", help="keep those created within this duration (e.g. 7d, 36h; more than 0)")
+    sp.add_argument("--keep-within", type=duration, help="keep those created within this duration (e.g. 7d, 36h; more than 0)")
     sp.add_argument("--keep-tag", action="append", help="keep those with this tag (repeatable)")
     sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     sp = add("tag", cmd_tag, "add or remove tags of a checkpoint; tagged checkpoints are never forgotten")
@@ -161,6 +161,9 @@ def cmd_forget(args) -> int:
                   keep_tags=args.keep_tag or None)
     if args.names and any(v is not None for v in policy.values()):
         raise ValueError("give checkpoint names or a retention policy (--keep-*), not both")
+    if not args.names and all(v is None for v in policy.values()):
+        raise ValueError("give checkpoint names or a retention policy (--keep-last, --keep-every, --keep-within, "
+                         "--keep-tag)")
     store = open_store(args)
     plan = plan_forget_names(store, args.names) if args.names else plan_forget(store, **policy)
     if args.dry_run:

@@ -28,6 +28,31 @@ def seconds(text: str) -> float:
     return value
 
 
+def count(text: str) -> int:
+    """An argparse ``type``: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def duration(text: str) -> str:
+    """An argparse ``type``: a duration longer than 0 such as 90s, 36h or 7d (the engine parses it again)."""
+    from ..store.retention import parse_duration
+
+    try:
+        ok = parse_duration(text) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected a duration longer than 0 such as 90s, 15m, 36h, 7d or 2w, "
+                                         f"got {text!r}")
+    return text
+
+
 def parse_pairs(pairs, option: str) -> dict:
     """``KEY=VALUE`` pairs; VALUE parsed as JSON when it is JSON, else kept as a string."""
     out: dict = {}
@@ -49,13 +74,14 @@ def options_for(args, location: str, side: str | None = None) -> dict | None:
     from ..store.location import scheme_of
 
     own = getattr(args, f"{side}_storage_option", None) if side else None
+    shared = parse_pairs(getattr(args, "storage_option", None), "--storage-option")  # malformed is an error anywhere
     if scheme_of(location) in (None, "file"):
         if own:
             raise UsageError(f"--{side}-storage-option applies to a URL, not to the local path {location!r}")
         return None
     if own:
         return parse_pairs(own, f"--{side}-storage-option")
-    return parse_pairs(getattr(args, "storage_option", None), "--storage-option") or None
+    return shared or None
 
 
 def open_store(args):

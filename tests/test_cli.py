@@ -152,6 +152,8 @@ def test_copy_all_exits_1_naming_a_checkpoint_it_could_not_read(store_dir, tmp_p
     assert code == 1
     assert f"not copied, manifest damaged in the source: {names[0]}" in out
     assert [i.name for i in Store.open(tmp_path / "dst").list_checkpoints()] == names[1:]
+    code, out, _ = run(capsys, "copy", str(store_dir), str(tmp_path / "dst"), *names[1:])
+    assert code == 0 and f"copied 0 checkpoint(s), {len(names) - 1} already there; sent 0 B" in out
     code, _, err = run(capsys, "copy", str(store_dir), str(tmp_path / "dst3"), names[0])
     assert code == 3 and f"manifest {names[0]!r}" in err
 

@@ -38,8 +38,8 @@ def cmd_copy(args) -> int:
     def text() -> str:
         lines = [f"copied {len(report.copied)} checkpoint(s), {len(report.skipped)} already there; "
                  f"sent {fmt_bytes(report.bytes_sent)} ({report.packs_sent} packs whole, {report.packs_repacked} "
-                 f"repacked, {report.chunks_sent} chunks), skipped {fmt_bytes(report.bytes_skipped)} "
-                 f"({report.chunks_skipped} chunks the destination had) in {report.seconds:.1f} s"]
+                 f"repacked, {report.chunks_sent} chunks), did not send {fmt_bytes(report.bytes_skipped)} "
+                 f"({report.chunks_skipped} chunks the destination already had) in {report.seconds:.1f} s"]
         if report.damaged:
             lines.append(f"not copied, manifest damaged in the source: {', '.join(report.damaged)} (`deltackpt "
                          "verify` the source)")

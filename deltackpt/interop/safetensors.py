@@ -21,7 +21,8 @@ from .numeric import FLOATS, cast
 DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
           "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint64": "U64",
           "uint32": "U32", "uint16": "U16", "complex64": "C64", "float8_e4m3fn": "F8_E4M3",
-          "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ"}
+          "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+          "float8_e8m0fnu": "F8_E8M0"}
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 

@@ -208,3 +208,17 @@ def test_every_format_casts_the_same_tensors(tmp_path, fmt):
     out = tmp_path / ("c.pt" if fmt == "torch" else "c.safetensors" if fmt == "safetensors" else "c")
     report = deltackpt.export(tmp_path / "store", "c", out, format=fmt, dtype="bf16")
     assert report.converted == 1  # w only
+
+
+def test_safetensors_export_keeps_every_float8_bit_for_bit(tmp_path):
+    from safetensors.torch import load_file
+
+    raw = torch.arange(256, dtype=torch.uint8)
+    kinds = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
+    state = {k: raw.view(getattr(torch, k)) for k in kinds}
+    deltackpt.save(state, tmp_path / "store", "c")
+    report = deltackpt.export(tmp_path / "store", "c", tmp_path / "c.safetensors", format="safetensors")
+    assert report.skipped == [] and report.num_tensors == len(kinds)
+    got = load_file(tmp_path / "c.safetensors")
+    for k in kinds:
+        assert got[k].dtype == getattr(torch, k) and torch.equal(got[k].view(torch.uint8), raw), k

@@ -209,7 +209,7 @@ def metadata_from_bytes(data: bytes) -> Metadata:
     except msgspec.ValidationError as e:
         try:
             where = _locate_dict_key(msgspec.msgpack.decode(data), e)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             where = str(e)
         raise ManifestFormatError(f"invalid DCP metadata blob: {where}") from None
     except (msgspec.DecodeError, RecursionError) as e:

@@ -13,7 +13,7 @@ import difflib
 
 import msgspec
 
-from ..errors import CheckpointNotFoundError, CorruptManifestError, InvalidNameError
+from ..errors import CheckpointNotFoundError, CorruptManifestError, InvalidNameError, UnsupportedFormatError
 from . import idset
 from .manifest import (LATEST, Manifest, ManifestRefs, is_checkpoint_name, manifest_body, manifest_from_body,
                        manifest_key, refs_from_body, validate_name)
@@ -51,14 +51,16 @@ class Catalog:
             if raw is not None:
                 try:
                     info = msgspec.msgpack.decode(raw, type=CheckpointInfo)
-                except (msgspec.ValidationError, msgspec.DecodeError):
+                except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
                     info = None
                 if info is not None and (info.manifest_bytes, info.manifest_mtime_s, info.manifest_version) != stamp:
                     info = None
             if info is None:
                 try:
                     m = self.read_manifest(name)
-                except CorruptManifestError as e:
+                except (CorruptManifestError, UnsupportedFormatError) as e:
+                    # Listed as unreadable, with why (a newer format says so): one such manifest does not
+                    # hide the others, and gc, which lists the damaged too, leaves the store alone.
                     if include_damaged:
                         out.append(damaged_info(name, obj, str(e)))
                     continue
@@ -115,14 +117,16 @@ class Catalog:
     def _newest(self, fallback: bool) -> tuple[CheckpointInfo, Manifest] | None:
         """The newest checkpoint's listing and manifest (see :meth:`resolve` for ``fallback``)."""
         for info in reversed(self.list_checkpoints(include_damaged=True)):
-            damage = info.damage
-            if damage is None:
-                try:
-                    return info, self.read_manifest(info.name)  # a cached summary does not prove it still decodes
-                except CheckpointNotFoundError:
-                    continue  # forgotten meanwhile
-                except CorruptManifestError as e:
-                    damage = str(e)
+            try:
+                return info, self.read_manifest(info.name)  # a cached summary does not prove it still decodes
+            except CheckpointNotFoundError:
+                continue  # forgotten meanwhile
+            except UnsupportedFormatError:
+                if not fallback:
+                    raise  # newer, not damaged: "upgrade deltackpt"
+                continue
+            except CorruptManifestError as e:
+                damage = str(e)
             if not fallback:
                 raise CorruptManifestError(f"the newest checkpoint is damaged: {damage}; load an older "
                                            "checkpoint by name", checkpoint=info.name)

@@ -117,7 +117,7 @@ def decode_commit_record(data: bytes, name: str, store_id: str) -> CommitRecord 
         return None
     try:
         record = _DECODER.decode(view[head:-_DIGEST.size])
-    except msgspec.DecodeError:  # ValidationError included
+    except (msgspec.DecodeError, RecursionError):  # ValidationError included
         return None
     if (record.store_id != store_id or record.name != name or not all(map(is_pack_name, record.packs))
             or not record.tables.keys() <= record.packs.keys()):

@@ -19,6 +19,7 @@ import uuid
 import msgspec
 
 from ..errors import ManifestFormatError, UnsupportedFormatError
+from .pack import MAX_CHUNK_BYTES
 
 FORMAT_VERSION = 2
 CONFIG_KEY = "config"
@@ -91,10 +92,12 @@ class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
         def bad(msg: str):
             raise ValueError(f"invalid store config: {msg}")
 
-        if self.chunk_size_bytes < 4096 or self.chunk_size_bytes % 8:
-            bad(f"chunk_size_bytes must be >= 4096 and a multiple of 8, got {self.chunk_size_bytes}")
-        if not (64 <= self.cdc_min_bytes <= self.cdc_avg_bytes <= self.cdc_max_bytes):
-            bad("need 64 <= cdc_min_bytes <= cdc_avg_bytes <= cdc_max_bytes")
+        # Above MAX_CHUNK_BYTES every reader refuses a chunk (and a ref): a save would commit what no load reads.
+        if not 4096 <= self.chunk_size_bytes <= MAX_CHUNK_BYTES or self.chunk_size_bytes % 8:
+            bad(f"chunk_size_bytes must be in [4096, {MAX_CHUNK_BYTES}] and a multiple of 8, "
+                f"got {self.chunk_size_bytes}")
+        if not (64 <= self.cdc_min_bytes <= self.cdc_avg_bytes <= self.cdc_max_bytes <= MAX_CHUNK_BYTES):
+            bad(f"need 64 <= cdc_min_bytes <= cdc_avg_bytes <= cdc_max_bytes <= {MAX_CHUNK_BYTES}")
         if self.cdc_avg_bytes & (self.cdc_avg_bytes - 1):
             bad("cdc_avg_bytes must be a power of two")
         if self.pack_target_bytes < self.chunk_size_bytes:
@@ -170,7 +173,7 @@ def decode_config(data: bytes) -> StoreConfig:
     # Check the version first so a newer store is reported as such, not as a schema mismatch.
     try:
         raw = msgspec.json.decode(data)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested past the stack
         raise ManifestFormatError(f"store config is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ManifestFormatError("store config must be a JSON object")

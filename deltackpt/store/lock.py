@@ -89,7 +89,7 @@ def _parse(data: bytes) -> dict | None:
     """A lock object's fields, or None for anything malformed (treated as garbage and removed)."""
     try:
         info = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         return None
     if not isinstance(info, dict) or info.get("kind") not in (SHARED, EXCLUSIVE):
         return None

@@ -256,10 +256,14 @@ def _manifest_problem(m: Manifest, totals) -> str | None:
         validate_name(m.name)
     except InvalidNameError as e:
         return str(e)
+    keys = set()
     for it, total in zip(m.items, totals):
         problem = item_problem(it, total)
         if problem:
             return problem
+        if it.key in keys:  # the writer refuses it; a load would take one of the two silently
+            return f"item {it.key!r} appears twice"
+        keys.add(it.key)
     return None
 
 

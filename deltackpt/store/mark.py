@@ -14,7 +14,6 @@ import numpy as np
 
 from ..errors import CheckpointNotFoundError
 from . import idset
-from .config import MAX_CHAIN
 from .pack import PackTable, read_pack_table
 from .progress import Progress, phase
 from .threads import ordered_map, table_read_threads
@@ -39,11 +38,12 @@ def manifest_ids(store, names=None) -> np.ndarray:
 def with_chain_bases(store, live: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
     """``live`` (sorted unique V16 ids) with ``ids`` (default: those of ``live`` itself) and the delta bases
     they need added, down each chain (a base is live while any live delta needs it): one batched index
-    look-up per level, down to ``MAX_CHAIN``: never the limit of the config this Store read at open, which
-    another process may have raised since (a base left unmarked is deleted)."""
+    look-up per level, to the end of every chain: not the limit of the config this Store read at open, which
+    another process may have raised since, nor even ``MAX_CHAIN``: a chain too deep to read is verify's to
+    report, and a base left unmarked is deleted for good. (It ends: each level adds ids not yet live.)"""
     frontier = live if ids is None else idset.unique(ids)
     live = live if ids is None else idset.union(live, frontier)
-    for _ in range(MAX_CHAIN):
+    while True:
         bases = idset.unique(store.index.locate(frontier).delta_base)
         frontier = bases[~idset.isin(live, bases)]
         if not frontier.size:
@@ -65,7 +65,7 @@ def mark_live(store, live: np.ndarray, pins: np.ndarray, ids: np.ndarray, bases:
     frontier = live = idset.union(live, pins)
     pos = idset.find(live, ids)
     fpos = pos  # each entry's position in the frontier
-    for _ in range(MAX_CHAIN):
+    while True:  # to the end of every chain, as with_chain_bases
         hit = fpos >= 0
         held = np.zeros(frontier.size, dtype=bool)
         held[fpos[hit]] = True

@@ -21,7 +21,7 @@ from operator import attrgetter, itemgetter
 import numpy as np
 
 from .backend import LocalFiles, local_root
-from ..errors import CorruptChunkError, MissingChunkError
+from ..errors import CorruptChunkError, CorruptManifestError, MissingChunkError
 from .config import chain_limit
 from .manifest import Item, Manifest
 from . import codec
@@ -269,10 +269,10 @@ class CheckpointReader:
         records) with one ranged read of the stretch of the pack that holds them (the bundle's gaps are
         small), and the bases of its deltas, into scratch; then check them all, copying raw chunks into place
         and decoding zstd keyframes in a batch (:meth:`ChunkSource.check_reads`: per-chunk work in arrays, an
-        8 KiB chunk costs a few us). A chunk that does not pass, and a delta, is checked on its own (``decode_read``), which
-        names the damage; one that fails that is read again on its own, which reports the damage as a
-        single chunk's read would (and looks again through an index rebuilt from the packs when the
-        cache's location was wrong)."""
+        8 KiB chunk costs a few us). A chunk that does not pass, and a delta, is checked on its own
+        (``decode_read``), which names the damage; one that fails that is read again on its own, which
+        reports the damage as a single chunk's read would (and looks again through an index rebuilt from the
+        packs when the cache's location was wrong)."""
         entries = {}
 
         def entry(i: int) -> PackEntry:  # built only for a chunk checked on its own
@@ -392,6 +392,10 @@ class CheckpointReader:
             # each chunk once. On an error that slice of the destination holds garbage.
             self.source.decode_chunk(ref.id, out=dst[dst_off : dst_off + n], **where)
             return
+        if src_off + n > entry.raw_len:  # the chunk is as its pack says (hashed on read): the ref is wrong
+            raise CorruptManifestError(f"manifest {self.name!r}: item {item.key!r} reads bytes {src_off}..{src_off + n}"
+                                       f" of chunk {ref.id.hex()}, which holds {entry.raw_len}",
+                                       checkpoint=self.name)
         # Part of a chunk: cached, since resharded loads read one chunk from several read items.
         raw = self.source.get(ref.id, **where)
         if src_off + n > len(raw):

@@ -69,6 +69,7 @@ class _Stream:
         self.tail = b""
         self.stage, self.staged = None, 0
         self.dobj, self.declared, self.body_bytes, self.done = None, 0, 0, False
+        self.keys: set[str] = set()  # item keys seen: one twice is refused, as the general read does
 
     def read(self, backend, key: str) -> tuple[np.ndarray, int] | bytes:
         buf = np.empty(_FIRST_READ, dtype=np.uint8)  # np.empty: a page is touched only when read into
@@ -186,8 +187,9 @@ class _Stream:
         if len(items) != n:
             raise _Refused
         for it, total in zip(items, self.recs[:n, 1].tolist()):
-            if bytes(it.chunks) != b"\xc0" or item_problem(it, total):
+            if bytes(it.chunks) != b"\xc0" or item_problem(it, total) or it.key in self.keys:
                 raise _Refused
+            self.keys.add(it.key)
         rest = int(at[_ITEMS_AT]) - end
         self.items[:rest] = self.items[end:end + rest]
         at[_ITEMS_AT], at[_ITEMS_END], at[_RECS_AT] = rest, 0, 0

@@ -374,8 +374,10 @@ class Store(Catalog):
                         out[key] = buf  # a dtype numpy does not know (e.g. bfloat16): raw bytes
                         continue
                     try:
+                        if dtype.hasobject:  # never saved (save refuses object arrays): bytes are not pointers
+                            raise ValueError("a dtype of Python objects")
                         out[key] = buf.view(dtype).reshape(item.shape)
-                    except ValueError as e:  # a shape or dtype that does not fit the item's bytes
+                    except (ValueError, TypeError) as e:  # a shape or dtype that does not fit the item's bytes
                         raise CorruptManifestError(f"item {key!r}: its bytes are not an array of shape "
                                                    f"{item.shape} and dtype {item.dtype} ({e})",
                                                    checkpoint=r.name) from None

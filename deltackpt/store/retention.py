@@ -72,7 +72,7 @@ def read_all_tags(store) -> dict[str, list[str]]:
 def _decode_tags(name: str, data: bytes) -> list[str]:
     try:
         tags = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return [DAMAGED_TAGS]
     if not isinstance(tags, list) or not all(isinstance(t, str) and _TAG_RE.fullmatch(t) for t in tags):
         return [DAMAGED_TAGS]  # also a tag no writer makes (a flipped bit): it still pins, and verify says so

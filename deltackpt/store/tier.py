@@ -46,7 +46,7 @@ def read_tier(store) -> dict | None:
         raw = json.loads(store.backend.get(TIER_KEY))
     except FileNotFoundError:
         return None
-    except ValueError:
+    except (ValueError, RecursionError):
         return None  # a damaged record only loses the tier column of `ls` (and the uploader re-checks)
     if not isinstance(raw, dict) or not isinstance(raw.get("remote"), str):
         return None

@@ -141,6 +141,9 @@ def test_init_missing_or_empty_dir_works(tmp_path):
     dict(chunk_size_bytes=1 << 20, pack_target_bytes=1 << 16),
     dict(zstd_level=99),
     dict(min_gain=1.0),
+    # Readers refuse chunks and refs above 1 GiB: a save in such a store committed what no load could read.
+    dict(chunk_size_bytes=(1 << 30) + 8, pack_target_bytes=1 << 31),
+    dict(cdc_max_bytes=1 << 31),
 ])
 def test_invalid_config_overrides(tmp_path, overrides):
     with pytest.raises(ValueError):

@@ -17,6 +17,7 @@ save first waits for the previous one, and a background failure is raised at the
 from __future__ import annotations
 
 import logging
+import re
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -58,6 +59,19 @@ STATE_KEY = "train"
 STATELESS_KEY = "stateless_optimizers"  # manifest metadata: optimizers that had no state when saved
 _DAMAGE = (CorruptChunkError, MissingChunkError, ManifestFormatError)
 _ASYNC_TYPES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+
+
+_PARAM_GROUP = re.compile(r"(.+\.optim)\.param_groups\.(\d+)\.params")
+
+
+def _param_groups(keys, prefixes: tuple[str, ...]) -> dict[str, int]:
+    """Number of param groups by optimizer state key (``train.<model>.optim``) among the flat ``keys``."""
+    found: dict[str, set[int]] = {}
+    for key in keys:
+        m = _PARAM_GROUP.fullmatch(key) if key.startswith(prefixes) else None
+        if m:
+            found.setdefault(m.group(1), set()).add(int(m.group(2)))
+    return {optim: len(indices) for optim, indices in found.items()}
 
 
 class CheckpointManager:
@@ -394,7 +408,10 @@ class CheckpointManager:
             dist.barrier(group=self.process_group)  # every rank then sees what the coordinator fetched
 
     def restore(self, name: str, *, store: Store | None = None) -> int:
-        """Load checkpoint ``name`` (of ``store``, default the local one) into the state; returns its step."""
+        """Load checkpoint ``name`` (of ``store``, default the local one) into the state; returns its step.
+
+        Waits for a background save first (its collectives and the load's would interleave on one group)."""
+        self._wait_save()
         store = store or self.store
         reader = DeltaStorageReader(store, name)
         manifest = store.read_manifest(reader.checkpoint_id)
@@ -452,6 +469,14 @@ class CheckpointManager:
         for key, md in saved.items():
             if key.startswith(model_prefixes) and isinstance(md, TensorStorageMetadata) and key not in flat:
                 problems.append(f"not in the model/optimizer now: {key}")
+        # The optimizers' param groups (each group's hyperparameters are plain values, not tensors): torch maps
+        # the groups by parameter name, so a group the optimizer now lacks was silently dropped with its lr and
+        # weight decay. By their ``params`` keys: a scheduler adds others (``initial_lr``) to every group.
+        saved_groups, groups = _param_groups(saved, model_prefixes), _param_groups(flat, model_prefixes)
+        for optim in sorted(saved_groups.keys() | groups.keys()):
+            if saved_groups.get(optim, 0) != groups.get(optim, 0):
+                problems.append(f"param groups of {optim}: checkpoint {saved_groups.get(optim, 0)}, "
+                                f"now {groups.get(optim, 0)}")
         if problems:
             shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
             raise CheckpointMismatchError(f"checkpoint {name!r} does not match the training state: "

@@ -22,6 +22,7 @@ the resumed run then differs from an uninterrupted run's.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -66,6 +67,65 @@ def _generators(loader) -> list[torch.Generator]:
     return found
 
 
+def _builds_iterators(loader) -> bool:
+    """Whether ``loader`` is a torchdata StatefulDataLoader (or alike): one that builds its iterator from a
+    loaded state at the next ``iter()`` (``next_iter_state``) through ``_get_iterator()``."""
+    return hasattr(loader, "next_iter_state")
+
+
+def _check_loader(loader) -> None:
+    """TypeError unless TrainState can restore ``loader`` bit-exactly (see :func:`_undo_next_build`)."""
+    if loader is not None and _builds_iterators(loader) and not callable(getattr(loader, "_get_iterator", None)):
+        raise TypeError(f"TrainState: the dataloader ({type(loader).__name__}) has next_iter_state but no "
+                        "_get_iterator() (a torchdata version this deltackpt does not know): its resume could "
+                        "not be made bit-exact")
+
+
+_UNDOES = "_deltackpt_undoes_draws"
+
+
+def _loader_state(loader) -> dict:
+    """``loader.state_dict()``; a loaded state not yet turned into an iterator as it was loaded (asked for its
+    state, StatefulDataLoader would build its iterator now, freezing a DistributedSampler's epoch before the
+    user's ``set_epoch``)."""
+    pending = getattr(loader, "next_iter_state", None) if _builds_iterators(loader) else None
+    if isinstance(pending, dict) and pending:
+        return copy.deepcopy(pending)  # a load's target is filled in place: not the pending state's tensors
+    return loader.state_dict()
+
+
+def _undo_next_build(loader) -> None:
+    """Make the next iterator ``loader`` builds (``_get_iterator()``, from ``iter()`` or ``state_dict()``) leave
+    torch's and Python's/NumPy's global RNGs and the loader's shuffling generators as it found them.
+
+    The iterator a resumed run builds from the loaded state redoes the draws the saved iterator's build made
+    (a base seed, a permutation); the saved generator and RNG states already include those. Only that one
+    build is affected: later epochs' iterators draw as in the uninterrupted run."""
+    build = getattr(loader, "_get_iterator", None)
+    if not callable(build):  # (checked by TrainState.__init__; a loader changed since)
+        raise TypeError(f"TrainState: the dataloader ({type(loader).__name__}) has no _get_iterator()")
+    if getattr(build, _UNDOES, False):
+        return  # armed by an earlier load: its build captures the states at build time
+    own = "_get_iterator" in vars(loader)
+
+    def build_undoing_draws():
+        if own:
+            loader._get_iterator = build
+        else:
+            del loader._get_iterator
+        rng, gens = capture_rng(), _generators(loader)
+        states = [g.get_state() for g in gens]
+        try:
+            return build()
+        finally:
+            restore_rng(rng)
+            for g, s in zip(gens, states):
+                g.set_state(s)
+
+    setattr(build_undoing_draws, _UNDOES, True)
+    loader._get_iterator = build_undoing_draws
+
+
 def _state_dict_names(model, name: str) -> set[str]:
     """The keys ``get_state_dict`` gives module attribute ``name`` (wrapper prefixes such as DDP's
     ``module.``, FSDP1's or torch.compile's dropped)."""
@@ -103,7 +163,14 @@ def _unwrapped_name(model, name: str) -> set[str]:
 def _keep_saved_state(osd: dict, prefix: str, saved_keys: frozenset[str]) -> None:
     """Drop from optimizer state dict ``osd`` the parameters whose state the checkpoint lacks (its keys
     ``saved_keys``; a parameter's are ``prefix + fqn + "." + state name``)."""
-    have = {k[len(prefix):].rsplit(".", 1)[0] for k in saved_keys if k.startswith(prefix)}
+    # A state value may be nested ({"bufs": {"m1": t}}: "<fqn>.bufs.m1"), so every dotted prefix of a key's
+    # rest may be the parameter's name (no parameter's name is a prefix of another's: a module's attribute is
+    # either a parameter or a submodule).
+    have = set()
+    for key in saved_keys:
+        if key.startswith(prefix):
+            parts = key[len(prefix):].split(".")
+            have.update(".".join(parts[:i]) for i in range(1, len(parts)))
     state = osd.get("state", {})
     for fqn in [f for f in state if f not in have]:
         del state[fqn]
@@ -133,6 +200,13 @@ class TrainState(Stateful):
 
     ``model`` / ``optimizer`` / ``scheduler`` may be single objects, lists or name -> object dicts; each
     optimizer is attached to the model whose parameters it updates.
+
+    ``dataloader``: a torchdata ``StatefulDataLoader`` (or any object with ``state_dict``/``load_state_dict``).
+    A restored one continues with the batches, and torch's RNG with the draws, of the uninterrupted run: the
+    iterator is built from the loaded state at the next ``iter(loader)``. With a ``DistributedSampler``, call
+    ``sampler.set_epoch(state.epoch)`` after the restore and before ``iter(loader)`` (as every epoch of the
+    usual loop does). A sampler that is neither torchdata's nor stateful is fast-forwarded, so it must give the
+    same order when iterated again (SequentialSampler, DistributedSampler: not torch's RandomSampler).
     """
 
     def __init__(self, model, optimizer=None, scheduler=None, dataloader=None, scaler=None,
@@ -144,6 +218,7 @@ class TrainState(Stateful):
         self.optimizers = _as_named(optimizer, "optim")
         self.schedulers = _as_named(scheduler, "scheduler")
         _check_names([*self.models, *self.schedulers])
+        _check_loader(dataloader)
         self.dataloader = dataloader
         self.scaler = scaler
         self.extra = dict(extra or {})
@@ -191,7 +266,17 @@ class TrainState(Stateful):
         for name, model in self.models.items():
             opts = self._owner[name]
             had = {id(p) for o in opts for p in o.state}
-            msd, osd = get_state_dict(model, opts, options=self.options)
+            try:
+                msd, osd = get_state_dict(model, opts, options=self.options)
+            except TypeError as e:
+                lbfgs = [n for n, o in self.optimizers.items() if o in opts and isinstance(o, torch.optim.LBFGS)]
+                if not lbfgs:
+                    raise
+                # torch gives an optimizer without state some by a step() with lr 0, without a closure.
+                raise TypeError(f"TrainState cannot checkpoint optimizer {lbfgs[0]!r} (torch.optim.LBFGS): torch's "
+                                "get_state_dict initializes a stateless optimizer by calling step() without the "
+                                "closure LBFGS needs, and LBFGS's history (lists that grow step by step) does not "
+                                "restore through DCP either") from e
             sd[name] = msd
             if opts:
                 # get_state_dict gives an optimizer without state some (a step with lr 0): the live one keeps
@@ -221,12 +306,14 @@ class TrainState(Stateful):
             # would end up holding whichever came last).
             sd[own] = {key: buf.detach().clone() for key, buf in self._own_buffers().items()}
         if rank < load_world:
-            sd[f"rank{rank}.rng"] = capture_rng()
             if self.dataloader is not None:
                 sd[f"rank{rank}.data"] = {
-                    "loader": self.dataloader.state_dict(),
+                    "loader": _loader_state(self.dataloader),
                     "generators": [g.get_state() for g in _generators(self.dataloader)],
                 }
+            # After the loader's state: a loader that has no iterator yet builds one for its state_dict(),
+            # drawing from torch's RNG (and its generators); the next iter() then uses that iterator.
+            sd[f"rank{rank}.rng"] = capture_rng()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -261,18 +348,15 @@ class TrainState(Stateful):
         data = state_dict.get(f"rank{rank}.data")
         if data is not None and self.dataloader is not None:
             self.dataloader.load_state_dict(data["loader"])
-            gens = _generators(self.dataloader)
-            if gens and hasattr(self.dataloader, "next_iter_state"):
-                # StatefulDataLoader restores the current epoch's order from its sampler state when the
-                # iterator is built, but that build draws from the generator again, so the *next* epoch
-                # would be shuffled differently than in the uninterrupted run. Build the iterator now
-                # (state_dict() does, and the next iter() reuses it), then put the generators back where
-                # they were at save time.
-                self.dataloader.state_dict()
-            for g, s in zip(gens, data["generators"]):
+            for g, s in zip(_generators(self.dataloader), data["generators"]):
                 g.set_state(s)
-        # The RNGs last: building the dataloader's iterator above draws its base seed from torch's global RNG
-        # when the loader has no generator of its own (restored first, the next torch.rand was one draw off).
+            if _builds_iterators(self.dataloader) and self.dataloader.next_iter_state is not None:
+                # The iterator is built from the loaded state at the next iter(), after the user's
+                # sampler.set_epoch (built now, a DistributedSampler's order would be that of the epoch it
+                # holds now). That build draws again what the saved iterator's build drew (its base seed from
+                # the loader's generator or torch's RNG, a permutation): undone, the generators and RNGs go on
+                # exactly as in the uninterrupted run.
+                _undo_next_build(self.dataloader)
         rng = state_dict.get(f"rank{rank}.rng")
         if rng is not None:
             restore_rng(rng)

@@ -211,6 +211,51 @@ def test_thread_mode_on_the_default_group_with_fsdp_saves_every_step(store_path)
     assert run_ranks(_thread_mode_fsdp, 2, store_path, timeout=300) == [True, True]
 
 
+def _restore_during_a_save(rank, world_size, path):
+    import torch.nn as nn
+
+    import deltackpt.dcp.writer as writer
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    optim = torch.optim.Adam(model.parameters())
+    state = TrainState(model=model, optimizer=optim)
+
+    def train(step):
+        model(torch.ones(2, 16)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+        state.step = step
+
+    with CheckpointManager(path, state, async_mode="thread") as mgr:
+        train(1)
+        ref = full_state(model, optim)
+        mgr.save(1)
+        mgr.wait()
+        train(2)
+        write = writer.DeltaStorageWriter._write_data
+
+        def slow_write(self, *args, **kwargs):  # a slow disk: the save is still in flight at the restore
+            time.sleep(2)
+            return write(self, *args, **kwargs)
+
+        writer.DeltaStorageWriter._write_data = slow_write
+        mgr.save(2)
+        step = mgr.restore("step-00000001")
+        saved = [i.name for i in mgr.store.list_checkpoints()]
+    assert_tree_equal(full_state(model, optim), ref)
+    return step, saved
+
+
+def test_a_restore_during_a_background_save_waits_for_it(store_path):
+    # restore(name) did not wait (restore_latest did): its load's collectives and the save thread's met on
+    # the manager's group, and every rank hung.
+    for step, saved in run_ranks(_restore_during_a_save, 2, store_path, timeout=120):
+        assert step == 1
+        assert saved == ["step-00000001", "step-00000002"]
+
+
 def _failed_manager_groups(rank, world_size, path):
     from torch.distributed import distributed_c10d as c10d
 

@@ -124,3 +124,125 @@ def test_a_loader_without_a_generator_leaves_the_restored_torch_rng_as_saved(tmp
     assert torch.equal(torch.get_rng_state(), saved)
     got = [torch.rand(3), next(iter(loader))]
     assert torch.equal(got[0], after[0]) and torch.equal(got[1], after[1])
+
+
+# -- every kind of loader, resumed at each kind of position: batches and torch's RNG as uninterrupted ----------
+# A loader without a generator of its own (shuffle=False, or a DistributedSampler: the usual DDP/FSDP setup)
+# draws its iterator's base seed from torch's RNG: restored before that draw, the RNG went on one draw off.
+# A loader with one was rebuilt while loading, before the loop's sampler.set_epoch: a DistributedSampler
+# resumed in epoch >= 1 replayed epoch 0's order.
+
+_KINDS = ["shuffle", "shuffle+generator", "sequential", "sequential+generator", "distributed",
+          "distributed+generator"]
+# (batches before the save, where): mid-epoch, at the last batch of an epoch (in the loop, or after the
+# epoch's end), before the first batch, mid-way through the second epoch.
+_POSITIONS = [(0, "batch"), (2, "batch"), (4, "batch"), (4, "epoch_end"), (6, "batch")]
+
+
+def _kind_loader(kind: str, num_workers: int = 0):
+    from torch.utils.data.distributed import DistributedSampler
+
+    torch.manual_seed(0)  # shuffle=True without a generator: the sampler seeds its own from torch's RNG
+    gen = torch.Generator().manual_seed(5) if kind.endswith("+generator") else None
+    if kind.startswith("distributed"):
+        data = list(range(16))  # 8 of them this rank's: 4 batches
+        sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+        return StatefulDataLoader(data, batch_size=2, sampler=sampler, generator=gen, num_workers=num_workers)
+    return StatefulDataLoader(list(range(8)), batch_size=2, shuffle=kind.startswith("shuffle"), generator=gen,
+                              num_workers=num_workers)
+
+
+def _kind_run(state, loader, seen, stop=None, where="batch", mgr=None) -> bool:
+    """Records each batch with a draw from torch's RNG (dropout's); saves and returns True at ``stop``."""
+    if stop == 0:
+        mgr.save(0)
+        return True
+    for epoch in range(state.epoch, EPOCHS):
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            seen.append((batch.tolist(), torch.rand(2).tolist()))
+            state.step += 1
+            if where == "batch" and state.step == stop:
+                mgr.save(state.step)
+                return True
+        state.epoch += 1
+        if where == "epoch_end" and state.step == stop:
+            mgr.save(state.step)
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _kind_reference(kind: str, num_workers: int):
+    loader = _kind_loader(kind, num_workers)
+    state = TrainState(model=nn.Linear(1, 1), dataloader=loader)
+    seen: list = []
+    torch.manual_seed(42)
+    assert not _kind_run(state, loader, seen)
+    assert len(seen) == EPOCHS * 4
+    return seen
+
+
+def _check_kind_resume(kind, k, where, num_workers, tmp_path):
+    reference = _kind_reference(kind, num_workers)
+    if kind.startswith(("shuffle", "distributed")):
+        assert [b for b, _ in reference[:4]] != [b for b, _ in reference[4:8]], "epochs must differ"
+    loader = _kind_loader(kind, num_workers)
+    state = TrainState(model=nn.Linear(1, 1), dataloader=loader)
+    seen: list = []
+    torch.manual_seed(42)
+    with CheckpointManager(tmp_path / "s", state) as mgr:
+        assert _kind_run(state, loader, seen, stop=k, where=where, mgr=mgr)
+    del loader, state
+    loader = _kind_loader(kind, num_workers)
+    state = TrainState(model=nn.Linear(1, 1), dataloader=loader)
+    torch.manual_seed(123)
+    with CheckpointManager(tmp_path / "s", state) as mgr:
+        assert mgr.restore_latest() == k
+    assert not _kind_run(state, loader, seen)
+    assert seen == reference, f"{kind}, resumed after {k} batches ({where}): {seen[k:]} != {reference[k:]}"
+
+
+@pytest.mark.parametrize("k,where", _POSITIONS)
+@pytest.mark.parametrize("kind", _KINDS)
+def test_every_kind_of_loader_resumes_with_the_uninterrupted_batches_and_rng(kind, k, where, tmp_path):
+    _check_kind_resume(kind, k, where, 0, tmp_path)
+
+
+@pytest.mark.parametrize("k,where", [(2, "batch"), (4, "epoch_end"), (6, "batch")])
+@pytest.mark.parametrize("kind", ["sequential", "distributed+generator"])
+def test_every_kind_of_loader_resumes_with_worker_processes(kind, k, where, tmp_path):
+    _check_kind_resume(kind, k, where, 2, tmp_path)
+
+
+def test_a_save_right_after_a_restore_keeps_the_loaded_position_and_the_next_epoch_order(tmp_path):
+    # Asked for its state before iter(), the loader built its iterator then: a DistributedSampler's order was
+    # frozen at the epoch it held before the loop's set_epoch.
+    loader = _kind_loader("distributed+generator")
+    state = TrainState(model=nn.Linear(1, 1), dataloader=loader)
+    seen: list = []
+    torch.manual_seed(42)
+    with CheckpointManager(tmp_path / "s", state) as mgr:
+        assert _kind_run(state, loader, seen, stop=6, mgr=mgr)
+    loader = _kind_loader("distributed+generator")
+    state = TrainState(model=nn.Linear(1, 1), dataloader=loader)
+    with CheckpointManager(tmp_path / "s", state) as mgr:
+        mgr.restore_latest()
+        mgr.save(7, metadata={"copy": True})  # a second checkpoint of the same position
+        assert not _kind_run(state, loader, seen)
+    assert seen == _kind_reference("distributed+generator", 0)
+
+
+def test_a_loader_whose_torchdata_lacks_get_iterator_is_refused_up_front():
+    class Loader:  # next_iter_state without _get_iterator: a torchdata this version does not know
+        next_iter_state = None
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, sd):
+            pass
+
+    with pytest.raises(TypeError, match="_get_iterator"):
+        TrainState(model=nn.Linear(1, 1), dataloader=Loader())

@@ -170,3 +170,27 @@ def test_a_tensor_in_the_optimizer_param_groups_restores(tmp_path):
     assert torch.equal(m2.weight, m.weight)
     assert torch.equal(o2.state[m2.weight]["exp_avg"], o.state[m.weight]["exp_avg"])
     assert torch.equal(o2.param_groups[0]["lr"], o.param_groups[0]["lr"])
+
+
+def test_a_param_group_the_optimizer_now_lacks_is_a_mismatch_and_nothing_is_restored(tmp_path):
+    # Torch maps param groups by parameter name: two groups saved, one now, and the second group's lr and
+    # weight decay were silently replaced by the first's (the check compared tensors only).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optim = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-3},
+                               {"params": model[1].parameters(), "lr": 0.5, "weight_decay": 0.3}])
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    with CheckpointManager(str(tmp_path / "s"), TrainState(model=model, optimizer=optim)) as mgr:
+        mgr.save(1)
+    torch.manual_seed(1)
+    model2 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optim2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    before = full_state(model2, optim2)
+    state = TrainState(model=model2, optimizer=optim2)
+    with CheckpointManager(str(tmp_path / "s"), state) as mgr:
+        with pytest.raises(CheckpointMismatchError, match=r"param groups of train\.model\.optim: checkpoint 2, "
+                                                          r"now 1"):
+            mgr.restore("step-00000001")
+    assert state.step == 0
+    assert_tree_equal(full_state(model2, optim2), before)

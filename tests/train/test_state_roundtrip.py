@@ -154,3 +154,61 @@ def test_parameters_without_optimizer_state_resume_bit_exact(tmp_path, stop):
 
         model, opt = _fresh()
         deltackpt.load({"train": TrainState(model=model, optimizer=opt)}, tmp_path / "s")
+
+
+class _NestedMomentum(torch.optim.Optimizer):
+    """Per-parameter state only in a nested dict (as Shampoo/SOAP-style optimizers keep theirs)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                bufs = self.state[p].setdefault("bufs", {"m1": torch.zeros_like(p), "m2": torch.zeros_like(p)})
+                bufs["m1"].mul_(0.9).add_(p.grad)
+                bufs["m2"].mul_(0.5).add_(p.grad)
+                p.add_(bufs["m1"] + bufs["m2"], alpha=-group["lr"])
+
+
+def test_an_optimizer_state_held_only_in_nested_dicts_restores(tmp_path):
+    # A parameter's name was taken as its state key minus the last part ("weight.bufs" for
+    # "weight.bufs.m1"): no parameter had state in the checkpoint, and the restore dropped it all.
+    def make():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        return model, _NestedMomentum(model.parameters())
+
+    def step(model, opt):
+        model(torch.ones(3, 4)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = make()
+    for _ in range(3):
+        step(model, opt)
+    with CheckpointManager(tmp_path / "s", TrainState(model=model, optimizer=opt)) as mgr:
+        mgr.save(3)
+    model2, opt2 = make()
+    with CheckpointManager(tmp_path / "s", TrainState(model=model2, optimizer=opt2)) as mgr:
+        assert mgr.restore_latest() == 3
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p2, p)
+        assert opt2.state[p2].keys() == {"bufs"}
+        for buf in ("m1", "m2"):
+            assert torch.equal(opt2.state[p2]["bufs"][buf], opt.state[p]["bufs"][buf])
+    step(model, opt)
+    step(model2, opt2)
+    assert torch.equal(model2.weight, model.weight)
+
+
+def test_an_lbfgs_optimizer_is_refused_with_an_error_that_names_it(tmp_path):
+    # torch's get_state_dict calls LBFGS.step() without a closure: a bare "'NoneType' object is not callable".
+    model = nn.Linear(4, 2)
+    state = TrainState(model=model, optimizer={"lbfgs": torch.optim.LBFGS(model.parameters())})
+    with CheckpointManager(tmp_path / "s", state) as mgr:
+        with pytest.raises(TypeError, match=r"'lbfgs' \(torch\.optim\.LBFGS\).*closure"):
+            mgr.save(1)

@@ -89,8 +89,9 @@ def markdown(results: dict) -> str:
                       for r in w["systems"].values() if "error" not in r} - {""})
     caches = sorted({c for w in results["workloads"].values() for r in w["systems"].values()
                      for c in r.get("page_cache", [])})
-    notes.append(f"peak RSS: {', '.join(methods)}; systems run {'each in its own subprocess' if cfg['isolate'] else 'in the training process'}; "
-                 f"restic child's peak added to the Python process's baseline; page cache before loads: {', '.join(caches)}")
+    where = "each in its own subprocess" if cfg["isolate"] else "in the training process"
+    notes.append(f"peak RSS: {', '.join(methods)}; systems run {where}; restic child's peak added to the Python "
+                 f"process's baseline; page cache before loads: {', '.join(caches)}")
     notes.append(f"total {results.get('elapsed_s', 0)} s")
     lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

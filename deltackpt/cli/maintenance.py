@@ -35,7 +35,8 @@ def register(add) -> None:
     sp.add_argument("--keep-last", type=count, help="keep the N newest")
     sp.add_argument("--keep-every", type=count,
                     help="keep those whose metadata 'step' (an int; CheckpointManager writes it) is a multiple of K")
-    sp.add_argument("--keep-within", type=duration, help="keep those created within this duration (e.g. 7d, 36h; more than 0)")
+    sp.add_argument("--keep-within", type=duration,
+                    help="keep those created within this duration (e.g. 7d, 36h; more than 0)")
     sp.add_argument("--keep-tag", action="append", help="keep those with this tag (repeatable)")
     sp.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     sp = add("tag", cmd_tag, "add or remove tags of a checkpoint; tagged checkpoints are never forgotten")
@@ -150,7 +151,8 @@ def cmd_gc(args) -> int:
         result = plan.execute(wait_s=args.wait, progress=progress)
     emit(args, result.as_dict(), lambda: (
         f"deleted {result.deleted_packs} pack(s), repacked {result.repacked_packs} and merged {result.merged_packs} "
-        f"small pack(s) into {result.new_packs} ({result.moved_chunks} chunks moved), removed {result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"))
+        f"small pack(s) into {result.new_packs} ({result.moved_chunks} chunks moved), removed "
+        f"{result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"))
     return EXIT_OK
 
 

@@ -419,10 +419,11 @@ def _live_entries(store, plan: GcPlan, tables: list[PackTable], owner: np.ndarra
                   num_live: int, pos: np.ndarray, num_old: int) -> np.ndarray:
     """A bool per entry of ``tables`` (entry ``j`` is row ``j - first[owner[j]]`` of ``tables[owner[j]]``, and
     ``pos[j]`` its chunk's position in the live set of ``num_live``, -1 when dead; ``pos`` goes on past
-    ``num_old`` with the young packs' entries): whether gc keeps it. An entry is kept if its chunk is live and no other entry holds that chunk. Of a live chunk with
-    copies in several packs (left by an interrupted repack, or by two saves writing it at once) the copy the
-    index locates is kept, or, when the index locates none that holds it, the first one, and the index is
-    pointed at it; the index is read only for these."""
+    ``num_old`` with the young packs' entries): whether gc keeps it. An entry is kept if its chunk is live
+    and no other entry holds that chunk. Of a live chunk with copies in several packs (left by an
+    interrupted repack, or by two saves writing it at once) the copy the index locates is kept, or, when the
+    index locates none that holds it, the first one, and the index is pointed at it; the index is read only
+    for these."""
     copies = np.bincount(pos[pos >= 0], minlength=num_live + 1)  # [-1]: entries of dead chunks, never read
     pos = pos[:num_old]
     keep = pos >= 0

@@ -19,6 +19,9 @@ from pathlib import Path
 from ..errors import DeltackptError, StorePermissionError
 from .backend import STORE_FOLDERS, TMP_MARK, Backend, LocalFiles, ObjectInfo, check_key, raise_if_disk_full
 
+# The temp files of the objects at the store's top level (the rest live in STORE_FOLDERS).
+_TOP_TEMPS = (f"config{TMP_MARK}", f"tier{TMP_MARK}", f"gc-epoch{TMP_MARK}")
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -266,7 +269,7 @@ class LocalBackend(Backend, LocalFiles):
         for dirpath, dirnames, filenames in os.walk(self.root):
             if dirpath == str(self.root):
                 dirnames[:] = [d for d in dirnames if d in STORE_FOLDERS]
-                filenames = [n for n in filenames if n.startswith((f"config{TMP_MARK}", f"tier{TMP_MARK}", f"gc-epoch{TMP_MARK}"))]
+                filenames = [n for n in filenames if n.startswith(_TOP_TEMPS)]
             for name in filenames:
                 if TMP_MARK in name:
                     path = os.path.join(dirpath, name)
@@ -279,7 +282,7 @@ class LocalBackend(Backend, LocalFiles):
     @_writes
     def delete_temp(self, rel_path: str) -> None:
         parts = rel_path.split(os.sep)
-        owned = parts[0] in STORE_FOLDERS or (len(parts) == 1 and parts[0].startswith((f"config{TMP_MARK}", f"tier{TMP_MARK}", f"gc-epoch{TMP_MARK}")))
+        owned = parts[0] in STORE_FOLDERS or (len(parts) == 1 and parts[0].startswith(_TOP_TEMPS))
         if TMP_MARK not in parts[-1] or ".." in parts or not owned:
             raise ValueError(f"not a temp file of the store: {rel_path!r}")
         (self.root / rel_path).unlink(missing_ok=True)

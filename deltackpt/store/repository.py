@@ -96,7 +96,8 @@ class Store(Catalog):
 
         ``storage_options`` go to the fsspec filesystem of a URL; ``config`` overrides the store's defaults.
         A directory may hold other files: the store only uses its own ``config``, ``packs/``, ``manifests/``,
-        ``locks/``, ``tags/``, ``commits/`` and ``cache/``. Packs or manifests without a config (a damaged store) are refused.
+        ``locks/``, ``tags/``, ``commits/`` and ``cache/``. Packs or manifests without a config (a damaged
+        store) are refused.
         """
         backend = open_backend(location, storage_options)
         cfg = create_store_config(backend, exist_ok, config)

@@ -92,7 +92,8 @@ class ChunkWriter:
         self._chain_limit = chain_limit(store.config)
         self._cache.note_use()
         self.num_threads = num_threads or default_write_threads()
-        self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB, 4 * self.num_threads * self.config.chunk_size_bytes)
+        self.max_inflight_bytes = max_inflight_bytes or max(64 * MiB,
+                                                            4 * self.num_threads * self.config.chunk_size_bytes)
         # One coding thread is no thread: a pool of one costs hand-offs and GIL switches with the caller
         # (one rank's 22 MiB shard saved with 1 coding thread: 0.095-0.104 s in a pool, 0.085-0.090 inline).
         self._pool = (ThreadPoolExecutor(self.num_threads, thread_name_prefix="deltackpt-write")

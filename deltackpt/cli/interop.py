@@ -22,10 +22,13 @@ def register(add) -> None:
                                    "(weights_only) or a safetensors file as a checkpoint, stored incrementally")
     sp.add_argument("store", help="the store (created if absent)")
     sp.add_argument("src", nargs="?", help="a DCP checkpoint directory, a torch.save or a safetensors file")
-    sp.add_argument("--name", help="checkpoint name (default: SRC's name)")
+    sp.add_argument("--name", help="checkpoint name (default: SRC's name less its suffix; needed when that is not "
+                                   "a valid checkpoint name)")
     sp.add_argument("--all", metavar="DIR",
                     help="import every DCP checkpoint directory under DIR in step order (names kept; names the "
-                         "store has are skipped)")
+                         "store has are skipped, and so are links to a directory imported anyway, e.g. latest -> "
+                         "step-200, and directories whose name cannot be a checkpoint's, with a note: import "
+                         "such a one alone with --name)")
     sp = add("diff", cmd_diff, "what changed from checkpoint A to B, per item: shape/dtype, added/removed, "
                                "changed elements, bytes and chunks, max |a-b|, relative L2 change")
     sp.add_argument("store")
@@ -73,16 +76,22 @@ def cmd_import(args) -> int:
     data = {"imported": [r.as_dict() for r in reports], "total": total}
 
     def text() -> str:
-        rows = [[r.name, fmt_bytes(r.source_bytes), "-" if r.skipped else fmt_bytes(r.stored_bytes),
-                 "exists, skipped" if r.skipped else fmt_ratio(r.ratio)] for r in reports]
+        rows = [[r.name, fmt_bytes(r.source_bytes) if r.source_bytes or not r.skipped else "-",
+                 "-" if r.skipped else fmt_bytes(r.stored_bytes), _skip_label(r) if r.skipped else fmt_ratio(r.ratio)]
+                for r in reports]
         out = table(rows, ["NAME", "SOURCE", "NEW STORED", "RATIO"])
         if len(reports) > 1:
             out += (f"\nimported {len(done)} checkpoint(s): {fmt_bytes(source)} of source stored in "
                     f"{fmt_bytes(stored)} ({fmt_ratio(source / stored if stored else float('inf'))})")
+        out += "".join(f"\nskipped {r.source}: {r.note}" for r in reports if r.skipped and r.note != "exists")
         return out
 
     emit(args, data, text)
     return EXIT_OK
+
+
+def _skip_label(report) -> str:
+    return "exists, skipped" if report.note == "exists" else "skipped (see below)"
 
 
 def cmd_diff(args) -> int:

@@ -45,6 +45,9 @@ def shard_placement(fqn: str, key: str, offsets: Sequence[int], sizes: Sequence[
 
 def unsupported_layout(value: torch.Tensor) -> str | None:
     """Why ``value``'s bytes cannot stand for it in a checkpoint, or None when they can."""
+    if value.is_meta:  # (checked first: a meta tensor has a layout and no bytes to copy out)
+        return ("a meta tensor has a shape and dtype but no data to store; materialize it first (e.g. "
+                "module.to_empty(device='cpu') and initialize or load its values)")
     if value.layout != torch.strided:
         return (f"a {str(value.layout).removeprefix('torch.')} tensor has no plain bytes to store; save its "
                 ".to_dense(), or its indices and values as tensors")

@@ -19,7 +19,8 @@ import
 diff
     :func:`diff`: per item what changed between two checkpoints, chunk by chunk; equal chunks are not read.
 
-``layout``, ``numeric``, ``safetensors``, ``diff`` and the ``safetensors`` path of ``export`` are torch-free;
+``layout``, ``numeric``, ``safetensors``, ``diff``, ``weightsonly`` (what a ``torch.load(weights_only=True)`` error
+means: a refused global, or a damaged file) and the ``safetensors`` path of ``export`` are torch-free;
 ``torchexport``, ``dcpsource`` and ``importer`` import torch. Names load on first use; the functions
 ``export`` and ``diff`` are ``deltackpt.export`` / ``deltackpt.diff`` (here those names are the modules).
 """

@@ -161,6 +161,13 @@ def _check_tiling(meta_path: Path, fqn: str, size: list[int], chunks) -> None:
         overlap = _overlapping(boxes, len(size))
         if overlap is not None:
             raise SourceFormatError(f"{meta_path}: chunks of {fqn} at offsets {overlap[0]} and {overlap[1]} overlap")
+    # Every dimension's chunks reach its size: for a tensor with elements the checks above imply it, for an
+    # empty one ([0, 4] described by a [0, 1] chunk) nothing else would, and the shape would come out wrong.
+    reach = [max((o[d] + n[d] for o, n in ((c.offsets, c.sizes) for c in chunks)), default=-1)
+             for d in range(len(size))]
+    if not chunks or reach != size:
+        raise SourceFormatError(f"{meta_path}: the chunks of {fqn} do not tile its size {size} ("
+                                + (f"they reach {reach})" if chunks else "it has no chunks)"))
 
 
 def _overlapping(boxes: list[tuple[list[int], list[int]]], ndim: int):

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import TargetExistsError
+from ..errors import ManifestFormatError, TargetExistsError
 from ..store import LocalFiles, Progress, Store
-from .layout import SLAB_BYTES, read_layout, select
+from .layout import DCP_LAYER, SLAB_BYTES, read_layout, select
 from .numeric import cast_target
 
 FORMATS = ("dcp", "torch", "safetensors")
@@ -59,13 +59,13 @@ def export(store, checkpoint: str, out, *, format: str = "dcp", only=None, dtype
     if slab_bytes < 1:
         raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
     out = Path(out)
-    _check_target(out)
     store = store if isinstance(store, Store) else Store.open(store, storage_options=storage_options)
-    root = store.backend.local_path() if isinstance(store.backend, LocalFiles) else None
-    if root is not None and out.parent.resolve() != root.resolve() and out.parent.resolve().is_relative_to(
-            root.resolve()):  # in the store's own folders (manifests/...): it would be taken for its data
-        raise ValueError(f"export target {out} is inside the store {root}'s folders; write it elsewhere")
+    _check_outside(out, store)
+    _check_target(out)
     manifest = store.read_manifest(store.resolve(checkpoint))
+    if format != "safetensors" and DCP_LAYER not in manifest.layer_data:
+        raise ManifestFormatError(f"checkpoint {manifest.name!r} was not saved through DCP (Store.save, say): "
+                                  f"--format {format} needs DCP's metadata; export it as safetensors")
     layout = read_layout(manifest)
     names = select([*layout.tensors, *layout.byte_items], only)
     if only and not names:
@@ -91,6 +91,20 @@ def export(store, checkpoint: str, out, *, format: str = "dcp", only=None, dtype
 
 def _prefixes(only) -> list[str]:
     return [only] if isinstance(only, str) else list(only)
+
+
+def _check_outside(out: Path, store: Store) -> None:
+    """The target is not in a local store's directory, at any depth. The store owns that directory: its
+    folders (some created only when first needed, as ``tags/``), its top-level objects (``config``, ``tier``,
+    ``gc-epoch``, ...) and the temporary files it cleans up; an export among them could be taken for store data
+    (and damage it) or be deleted by the store, now or in a later version. Anywhere outside it is fine."""
+    root = store.backend.local_path() if isinstance(store.backend, LocalFiles) else None
+    if root is None:
+        return
+    target = out.parent.resolve() / out.name  # (out itself may be a link: the name it makes is in out.parent)
+    if target == root.resolve() or target.is_relative_to(root.resolve()):
+        raise ValueError(f"export target {out} is inside the store {root}: the store owns everything in its "
+                         "directory; write the export outside it")
 
 
 def _check_target(out: Path) -> None:

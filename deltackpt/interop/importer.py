@@ -29,12 +29,15 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from ..dcp import LAYER_KEY, save
 from ..dcp.metadata_schema import encode_metadata
-from ..dcp.placement import add_shard, item_key
+from ..dcp.placement import add_shard, item_key, unsupported_layout
 from ..dcp.planner import first_line
 from ..dcp.writer import open_store
-from ..errors import CheckpointExistsError, SourceFormatError, UnsafeSourceError
+from ..errors import CheckpointExistsError, InvalidNameError, SourceFormatError, UnsafeSourceError
 from ..store import SHARED, Progress, Store, phase, validate_name
 from .dcpsource import DcpSource, read_dcp_dir
+from .weightsonly import describe_load_error, is_unsafe, refusal_reason
+
+MAX_DEPTH = 100  # containers nested deeper in an imported state dict are refused (real ones nest < 10)
 
 
 @dataclass
@@ -44,8 +47,9 @@ class ImportReport:
     source_bytes: int  # the files the checkpoint is made of
     logical_bytes: int
     stored_bytes: int  # what the store grew by: new packs and the manifest
-    skipped: bool = False  # --all: a checkpoint of this name was already there
+    skipped: bool = False  # --all: not imported; ``note`` says why
     seconds: float = 0.0
+    note: str = ""  # why it was skipped: "exists" (the store has this name), or what is wrong with the name
 
     @property
     def ratio(self) -> float:
@@ -62,7 +66,7 @@ def import_checkpoint(store, src, name: str | None = None, *, progress: Progress
     """Import ``src`` (a DCP checkpoint directory or a ``torch.save`` file) as checkpoint ``name`` (default:
     the directory's name, the file's name less its suffix) of ``store`` (created if absent)."""
     src = Path(src)
-    name = validate_name(name if name is not None else src.name if src.is_dir() else src.stem)
+    name = validate_name(name) if name is not None else _name_of(src)
     source = _read_source(src)  # every check on the source, before the store is touched
     store = open_store(store, storage_options)
     if store.exists(name):
@@ -70,32 +74,72 @@ def import_checkpoint(store, src, name: str | None = None, *, progress: Progress
     return _import(store, source, name, {"imported_from": str(src)}, progress)
 
 
+def _name_of(src: Path) -> str:
+    """The checkpoint name a source gives itself: a directory's name, a file's name less its suffix."""
+    name = src.name if src.is_dir() else src.stem
+    try:
+        return validate_name(name)
+    except InvalidNameError as e:
+        raise InvalidNameError(f"{e}; {src.name!r} cannot name the checkpoint: give it a name (--name NAME on "
+                               "the command line, name= in Python)") from None
+
+
 def import_all(store, directory, *, progress: Progress | None = None, storage_options: dict | None = None
                ) -> list[ImportReport]:
     """Import every DCP checkpoint directory directly under ``directory`` in step order (the last number in
     each name; names without one last, by name). Names already in the store are skipped (so an interrupted
-    run can be resumed). Every source is read and checked before the first is imported."""
+    run can be resumed). Every source is read and checked before the first is imported.
+
+    A link to a directory that is imported anyway (``latest -> step-200``) is skipped, and so is a directory
+    whose name cannot be a checkpoint's (``latest``, ``step 100``): each has a report with ``skipped`` and a
+    ``note`` saying why (import such a one alone, with a name: ``import_checkpoint(store, d, name=...)``)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise SourceFormatError(f"{directory} is not a directory")
-    dirs = [d for d in directory.iterdir() if d.is_dir() and (d / ".metadata").is_file()]
-    if not dirs:
+    found = [d for d in directory.iterdir() if d.is_dir() and (d / ".metadata").is_file()]
+    if not found:
         raise SourceFormatError(f"no DCP checkpoint directories (with a .metadata file) under {directory}")
+    passed, dirs, chosen = [], [], {}
+    # One directory reached by several names (a link to it): its own name first, then valid names, by name.
+    for d in sorted(found, key=lambda d: (d.is_symlink(), not _valid_name(d.name), d.name)):
+        real = d.resolve()
+        if real in chosen:
+            passed.append(ImportReport(d.name, str(d), 0, 0, 0, skipped=True,
+                                       note=f"a link to {chosen[real].name}, imported under that name"))
+        elif not _valid_name(d.name):
+            passed.append(ImportReport(d.name, str(d), 0, 0, 0, skipped=True,
+                                       note=f"{_name_problem(d.name)}; import it alone with --name NAME"))
+        else:
+            chosen[real] = d
+            dirs.append(d)
     dirs.sort(key=lambda d: (step_of(d.name) is None, step_of(d.name) or 0, d.name))
-    for d in dirs:
-        validate_name(d.name)
     sources = [read_dcp_dir(d) for d in dirs]
+    if not dirs:
+        raise SourceFormatError(f"no DCP checkpoint directory under {directory} has a name a checkpoint can have: "
+                                + "; ".join(f"{r.name}: {r.note}" for r in passed))
     store = open_store(store, storage_options)
     reports = []
     for d, source in zip(dirs, sources):
         if store.exists(d.name):
-            reports.append(ImportReport(d.name, str(d), source.nbytes, 0, 0, skipped=True))
+            reports.append(ImportReport(d.name, str(d), source.nbytes, 0, 0, skipped=True, note="exists"))
             continue
         meta = {"imported_from": str(d)}
         if step_of(d.name) is not None:
             meta["step"] = step_of(d.name)
         reports.append(_import(store, source, d.name, meta, progress))
-    return reports
+    return reports + passed
+
+
+def _valid_name(name: str) -> bool:
+    return _name_problem(name) is None
+
+
+def _name_problem(name: str) -> str | None:
+    try:
+        validate_name(name)
+    except InvalidNameError as e:
+        return str(e)
+    return None
 
 
 def step_of(name: str) -> int | None:
@@ -149,12 +193,12 @@ def _load_torch_file(path: Path) -> dict:
                 if "mmap" not in str(e):
                     raise
                 sd = torch.load(path, map_location="cpu", weights_only=True)  # the legacy (non-zip) format
-    except pickle.UnpicklingError as e:
-        raise UnsafeSourceError(f"{path}: refused, it needs unpickling beyond plain data "
-                                f"({first_line(e)}); nothing in it was run") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise SourceFormatError(f"{path} is neither a DCP checkpoint directory nor a torch.save file "
-                                f"({first_line(e)})") from None
+    except MemoryError:
+        raise
+    except OSError as e:
+        raise SourceFormatError(f"{path} cannot be read ({first_line(e)})") from None
+    except Exception as e:  # noqa: BLE001 - whatever a damaged file makes torch.load raise is a damaged source
+        raise _load_error(str(path), e, "it is not a readable torch.save file (damaged or truncated?)") from None
     if not isinstance(sd, dict) or not sd:
         raise SourceFormatError(f"{path} holds a {type(sd).__name__}{' (empty)' if sd == {} else ''}, not a "
                                 "state dict")
@@ -166,22 +210,57 @@ def _load_torch_file(path: Path) -> dict:
     return sd
 
 
-def _check_layouts(path: Path, obj, key: str = "") -> None:
-    """Sparse (and other non-strided) tensors have no plain bytes to store, a quantized one's bytes lose its
-    scale and zero point: refused, naming the key."""
-    if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided:
-            raise SourceFormatError(f"{path}: {key or 'the value'} is a {str(obj.layout).removeprefix('torch.')} "
-                                    "tensor, which a checkpoint cannot hold (DCP saves plain tensors only)")
-        if obj.is_quantized:
-            raise SourceFormatError(f"{path}: {key or 'the value'} is a quantized tensor, whose scale and zero "
-                                    "point a checkpoint would not hold (DCP saves plain tensors only)")
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _check_layouts(path, v, f"{key}.{k}" if key else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _check_layouts(path, v, f"{key}.{i}" if key else str(i))
+def _load_error(where: str, e: Exception, damaged: str) -> SourceFormatError:
+    """The error for ``torch.load(weights_only=True)`` failing with ``e``: UnsafeSourceError when it refused
+    a global, class or function the pickle asks for; otherwise the file is damaged (torch reports an
+    unparsable stream as an UnpicklingError too), a SourceFormatError saying ``damaged``."""
+    if isinstance(e, pickle.UnpicklingError) and is_unsafe(refusal_reason(e)):
+        return UnsafeSourceError(f"{where}: refused, it needs unpickling beyond plain data ({refusal_reason(e)}); "
+                                 "nothing in it was run")
+    return SourceFormatError(f"{where}: {damaged}: {describe_load_error(e)}")
+
+
+def _check_layouts(path: Path, sd: dict) -> None:
+    """Every tensor's bytes can stand for it (not a meta, sparse or quantized tensor: see
+    ``unsupported_layout``), and the containers form a tree no deeper than MAX_DEPTH: a state dict that
+    contains itself (a pickle can say so, and weights_only loads it) or nests deeper is refused, naming the key.
+    A container found again under another key (shared, not an ancestor) is checked once; one shared so often
+    that its keys multiply (a few bytes of pickle can name 2**60 paths) is refused before DCP walks them."""
+    ancestors: set[int] = set()
+    paths: dict[int, int] = {}  # container id -> the number of values under it, counted once per container
+    edges = 0
+
+    def visit(obj, key: str, depth: int) -> int:
+        nonlocal edges
+        if isinstance(obj, torch.Tensor):
+            why = unsupported_layout(obj)
+            if why is not None:
+                raise SourceFormatError(f"{path}: {key or 'the value'}: {why}")
+            return 1
+        if isinstance(obj, dict):
+            items = list(obj.items())
+        elif isinstance(obj, (list, tuple)):
+            items = list(enumerate(obj))
+        else:
+            return 1
+        if id(obj) in ancestors:
+            raise SourceFormatError(f"{path}: the value at {key!r} is a container it is inside of (the state dict "
+                                    "contains itself); a checkpoint is a tree of values")
+        if id(obj) in paths:
+            return paths[id(obj)]
+        if depth >= MAX_DEPTH:
+            raise SourceFormatError(f"{path}: {key} is nested more than {MAX_DEPTH} containers deep")
+        ancestors.add(id(obj))
+        edges += len(items)
+        n = sum(visit(v, f"{key}.{k}" if key else str(k), depth + 1) for k, v in items)
+        ancestors.discard(id(obj))
+        paths[id(obj)] = max(n, 1)
+        return paths[id(obj)]
+
+    total = visit(sd, "", 0)
+    if total > 4 * edges + (1 << 20):
+        raise SourceFormatError(f"{path}: its containers are shared so often that it names {total} values in "
+                                f"{edges} container entries (a checkpoint is a tree of values)")
 
 
 def _load_safetensors(path: Path) -> dict:
@@ -244,14 +323,16 @@ def _add_tensor(writer, source: DcpSource, index, key: str, smd: TensorStorageMe
     where = f"{source.path}: {index.fqn} at offset {list(index.offset)}"
     try:
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise UnsafeSourceError(f"{where}: refused, it needs unpickling beyond a tensor ({first_line(e)}); "
-                                "nothing in it was run") from None
-    except (RuntimeError, EOFError, ValueError) as e:
-        raise SourceFormatError(f"{where} is not a torch.save payload ({first_line(e)})") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a damaged payload makes torch.load raise is a damaged source
+        raise _load_error(where, e, "its slice is not a torch.save payload (damaged?)") from None
     sizes = source.chunk_sizes(index)
     if not isinstance(value, torch.Tensor) or value.dtype != smd.properties.dtype or tuple(value.shape) != sizes:
         got = f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise SourceFormatError(f"{where}: holds {got}, the metadata says {smd.properties.dtype} {list(sizes)}")
+    why = unsupported_layout(value)
+    if why is not None:
+        raise SourceFormatError(f"{where}: {why}")
     add_shard(writer, key, index.fqn, value, index.offset, sizes, smd.size)
 

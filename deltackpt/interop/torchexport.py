@@ -14,6 +14,7 @@ loads that way.
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import pickle
 import uuid
@@ -38,6 +39,7 @@ from ..errors import ManifestFormatError, UnsafeSourceError
 from ..store import Progress, phase
 from .layout import Layout, read_rows, slabs
 from .numeric import FLOATS
+from .weightsonly import refusal_reason
 
 DATA_FILE = "__0_0.distcp"  # FileSystemWriter's name for rank 0's first file
 
@@ -139,6 +141,12 @@ def write_torch(tmp, store, layout: Layout, names: list[str], target: str | None
         report.converted = _cast_tree(sd, dst)
     report.num_tensors = sum(n in layout.tensors for n in names)
     report.num_values = len(names) - report.num_tensors
+    refused = _refused_values(sd)
+    if refused:  # before anything is written: the file could not be loaded the way it promises
+        shown = ", ".join(f"{key} ({kind})" for key, kind in refused[:5]) + (", ..." if len(refused) > 5 else "")
+        raise UnsafeSourceError(f"checkpoint {report.checkpoint!r} holds values torch.load(weights_only=True) "
+                                f"refuses: {shown}; export it as dcp instead (it keeps them as saved), or leave "
+                                "them out with --only")
     with phase(progress, "write", total, "B") as prog, open(tmp, "xb") as f:
         torch.save(sd, f)
         f.flush()
@@ -148,10 +156,36 @@ def write_torch(tmp, store, layout: Layout, names: list[str], target: str | None
     del sd
     try:
         torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except pickle.UnpicklingError as e:  # (what _refused_values missed: the file is checked as a whole too)
         raise UnsafeSourceError(f"checkpoint {report.checkpoint!r} holds values torch.load(weights_only=True) "
-                                f"refuses ({first}); export it as dcp instead") from None
+                                f"refuses ({refusal_reason(e)}); export it as dcp instead") from None
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.Tensor)
+
+
+def _refused_values(obj, key: str = "") -> list[tuple[str, str]]:
+    """(dotted key, type) of each value in a loaded state dict that ``torch.load(weights_only=True)`` would
+    refuse once ``torch.save`` pickled it (an ``io.BytesIO``: DCP saves its bytes, torch.save the object);
+    each value not plain data is tried on its own, so the refusal names it."""
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        if isinstance(obj, _PLAIN):
+            return []
+        buf = io.BytesIO()
+        try:
+            torch.save(obj, buf)
+            buf.seek(0)
+            torch.load(buf, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - whatever the reason, the exported file would not load it
+            kind = type(obj).__qualname__
+            module = type(obj).__module__
+            return [(key or "the value", kind if module == "builtins" else f"{module}.{kind}")]
+        return []
+    return [found for k, v in items for found in _refused_values(v, f"{key}.{k}" if key else str(k))]
 
 
 def _cast_tree(obj, dst: torch.dtype) -> int:

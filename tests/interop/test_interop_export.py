@@ -85,8 +85,9 @@ def test_an_existing_target_is_refused_and_left_alone(tmp_path, capsys):
 
 
 def test_a_target_inside_the_store_is_refused(tmp_path, capsys):
-    """An export into the store's own folders (manifests/) made a damaged checkpoint that stopped gc (a file
-    beside them, at the store's top, is fine)."""
+    """An export into the store's own folders (manifests/) made a damaged checkpoint that stopped gc; one at
+    the store's top (``tags``, a folder made only when first needed) damaged it too: anywhere in the store's
+    directory is refused, whatever the name."""
     store = Store.init(tmp_path / "store")
     store.save("c", {"w": np.ones(10, np.float32)})
     with pytest.raises(ValueError, match="inside the store"):
@@ -94,8 +95,48 @@ def test_a_target_inside_the_store_is_refused(tmp_path, capsys):
     code, _out, err = run(capsys, "export", tmp_path / "store", "c", tmp_path / "store" / "packs" / "x.safetensors",
                           "--format", "safetensors")
     assert code == 2 and "inside the store" in err
+    (tmp_path / "link").symlink_to(tmp_path / "store")
+    for target in ("tags", "top.safetensors", "config.tmp-x", "link/tags", "."):
+        out = tmp_path / ("link" if target.startswith("link") else "store") / target.removeprefix("link/")
+        with pytest.raises(ValueError, match="inside the store.*write the export outside it"):
+            deltackpt.export(store, "c", out, format="safetensors")
+        code, _out, err = run(capsys, "export", tmp_path / "store", "c", out, "--format", "safetensors")
+        assert code == 2 and "inside the store" in err and len(err.strip().splitlines()) == 1, target
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["cache", "commits", "config", "locks",
+                                                                       "manifests", "packs"]
     assert Store.open(tmp_path / "store").checkpoint_names() == ["c"]
-    deltackpt.export(store, "c", tmp_path / "store" / "top.safetensors", format="safetensors")
+    deltackpt.export(store, "c", tmp_path / "beside.safetensors", format="safetensors")
+
+
+def test_dcp_export_into_the_stores_tags_folder_leaves_the_store_sound(tmp_path, capsys):
+    deltackpt.save({"w": torch.ones(4)}, tmp_path / "store", "c")
+    assert not (tmp_path / "store" / "tags").exists()
+    code, _out, err = run(capsys, "export", tmp_path / "store", "c", tmp_path / "store" / "tags", "--format", "dcp")
+    assert code == 2 and "inside the store" in err and not (tmp_path / "store" / "tags").exists()
+    code, out, _err = run(capsys, "verify", tmp_path / "store")
+    assert code == 0 and "no problems" in out
+
+
+def test_a_refused_torch_export_names_the_key_and_type_in_one_plain_line(tmp_path, capsys):
+    import io
+
+    deltackpt.save({"w": torch.ones(2), "opt": {"bio": io.BytesIO(b"x")}}, tmp_path / "store", "c")
+    with pytest.raises(UnsafeSourceError, match=r"opt\.bio \(_io\.BytesIO\); export it as dcp"):
+        deltackpt.export(tmp_path / "store", "c", tmp_path / "out.pt", format="torch")
+    code, out, err = run(capsys, "export", tmp_path / "store", "c", tmp_path / "out.pt", "--format", "torch")
+    assert code == 3 and out == "" and len(err.strip().splitlines()) == 1 and "opt.bio" in err
+    assert "\x1b" not in err and "weights_only=False" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    deltackpt.export(tmp_path / "store", "c", tmp_path / "w.pt", format="torch", only=["w"])
+    assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("fmt", ["dcp", "torch"])
+def test_a_store_save_checkpoint_is_pointed_to_safetensors(tmp_path, capsys, fmt):
+    Store.init(tmp_path / "store").save("c", {"w": np.ones(3, np.float32)})
+    code, _out, err = run(capsys, "export", tmp_path / "store", "c", tmp_path / "out", "--format", fmt)
+    assert code == 3 and "export it as safetensors" in err and "Store.save" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
 
 
 class Opaque:
@@ -156,7 +197,7 @@ s.save("a", a)
 a["w"][3, 3] = 9
 s.save("b", a)
 r = deltackpt.diff(s, "a", "b")
-rep = deltackpt.export(s, "b", sys.argv[1] + "/b.safetensors", format="safetensors", dtype="bf16")
+rep = deltackpt.export(s, "b", sys.argv[1] + "-b.safetensors", format="safetensors", dtype="bf16")
 print({"torch": "torch" in sys.modules, "changed": [i.name for i in r.items if i.status != "unchanged"],
        "skipped": rep.skipped, "converted": rep.converted})
 """
@@ -171,7 +212,7 @@ def test_safetensors_export_and_diff_never_import_torch(tmp_path):
                                                                      "only)"], "converted": 1}
     from safetensors.torch import load_file
 
-    got = load_file(tmp_path / "s" / "b.safetensors")
+    got = load_file(tmp_path / "s-b.safetensors")
     assert sorted(got) == ["i", "w"] and got["w"].dtype == torch.bfloat16 and got["i"].dtype == torch.int64
     assert got["w"][3, 3].item() == 9
 

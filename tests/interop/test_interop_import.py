@@ -141,7 +141,8 @@ def _bad_sources(tmp_path: Path) -> dict[str, tuple[Path, type]]:
     torch.save({"q": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)}, tmp_path / "quant.pt")
     torch.save({"w.x": torch.ones(2), "w": {"x": torch.zeros(2)}}, tmp_path / "twice.pt")  # one DCP key twice
     return {"quantized tensor": (tmp_path / "quant.pt", SourceFormatError),
-            "one key twice": (tmp_path / "twice.pt", SourceFormatError),"empty dir": (empty, SourceFormatError), "truncated .distcp": (truncated, SourceFormatError),
+            "one key twice": (tmp_path / "twice.pt", SourceFormatError), "empty dir": (empty, SourceFormatError),
+            "truncated .distcp": (truncated, SourceFormatError),
             "lying safetensors": (tmp_path / "lying.safetensors", SourceFormatError),
             "sparse tensor": (tmp_path / "sparse.pt", SourceFormatError),
             "pickle payload": (tmp_path / "evil.pt", UnsafeSourceError),

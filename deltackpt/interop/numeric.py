@@ -46,7 +46,8 @@ def cast(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
     if src == "bfloat16":
         f32 = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
-        f32 = raw.view(np.dtype(src)).astype(np.float32)  # float64 -> float32 rounds to nearest even
+        with np.errstate(over="ignore"):  # past float32's range: inf, as torch casts it (numpy warned)
+            f32 = raw.view(np.dtype(src)).astype(np.float32)  # float64 -> float32 rounds to nearest even
     if dst == "float32":
         return f32.view(np.uint8)
     u = f32.view(np.uint32)

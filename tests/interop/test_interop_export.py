@@ -46,6 +46,18 @@ def test_bf16_cast_matches_torch_bit_for_bit_except_nan_payloads():
                           equal_nan=True)
 
 
+def test_a_float64_past_float32s_range_casts_to_inf_quietly_as_torch_does():
+    import warnings
+
+    values = np.array([1e300, -1e300, 1.5, 3.5e38], dtype=np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow RuntimeWarning reached the CLI's stderr
+        for dst in ("float32", "bfloat16"):
+            ours = cast(values.view(np.uint8), "float64", dst)
+            ref = torch.from_numpy(values).to(getattr(torch, dst)).view(-1)
+            assert ours.tobytes() == ref.view(torch.uint8).numpy().tobytes(), dst
+
+
 def _peak_exporting(tmp_path: Path, fmt: str, n: int, mib: int = 8) -> int:
     """Peak traced bytes exporting ``n`` float32 tensors of ``mib`` MiB each (saved through DCP)."""
     root = tmp_path / f"{fmt}-{n}"

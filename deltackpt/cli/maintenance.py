@@ -115,7 +115,8 @@ def cmd_verify(args) -> int:
         if report.orphan_packs:
             lines.append(f"  {len(report.orphan_packs)} orphan pack(s) no checkpoint uses (removed by gc)")
         if not report.complete:
-            why = "the sample" if report.skipped_by == "sample" else "the time limit (--max-duration)"
+            why = {"sample": "the sample", "concurrent-gc": "a gc that moved them meanwhile (run verify again)"
+                   }.get(report.skipped_by, "the time limit (--max-duration)")
             lines.append(f"partial: checked {report.packs_checked} of {report.packs_checked + report.packs_skipped}"
                          f" packs; {report.packs_skipped} pack(s) and {report.chunks_skipped} chunk(s) not checked"
                          f" because of {why}")

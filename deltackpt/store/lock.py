@@ -57,7 +57,13 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # A killed process its parent has not reaped yet (a zombie) still answers kill(0), but holds nothing.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]  # the field after "(comm)", which may hold ")"
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
 
 
 @functools.cache

@@ -55,7 +55,7 @@ class VerifyReport:
     complete: bool = True  # False when sample / max_duration_s left packs unchecked
     packs_skipped: int = 0  # packs in use that were not read (sample or time limit)
     chunks_skipped: int = 0  # chunks in use whose pack was not read
-    skipped_by: str | None = None  # "sample" or "max_duration" when incomplete
+    skipped_by: str | None = None  # "sample", "max_duration" or "concurrent-gc" (a pack gone) when incomplete
     duration_s: float = 0.0
     problems: list[Problem] = field(default_factory=list)
     orphan_packs: list[str] = field(default_factory=list)  # packs no checkpoint uses (gc removes them)

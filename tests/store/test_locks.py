@@ -263,3 +263,24 @@ def test_a_lock_of_another_pid_namespace_on_this_host_is_not_judged_by_its_pid(t
     assert not lock_mod._is_stale({**info, "space": lock_mod._process_space().split(":")[0] + ":1"}, now, STALE_AFTER_S)
     assert not lock_mod._is_stale(info, now, STALE_AFTER_S)
     assert lock_mod._is_stale({**info, "time": now - 2 * STALE_AFTER_S}, now, STALE_AFTER_S)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_a_killed_process_not_yet_reaped_holds_no_lock():
+    """A zombie answers kill(pid, 0); a save killed before its parent waits on it must not hold gc back."""
+    from deltackpt.store.lock import _pid_alive
+
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert _pid_alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _pid_alive(child.pid) and time.monotonic() < deadline:  # dead once the kernel made it a zombie
+            time.sleep(0.01)
+        assert not _pid_alive(child.pid)
+        with open(f"/proc/{child.pid}/stat", "rb") as f:  # not yet reaped: still there, as a zombie
+            assert f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    finally:
+        child.kill()
+        child.wait()
+    assert _pid_alive(os.getpid())

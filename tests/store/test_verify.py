@@ -581,3 +581,27 @@ def test_damage_in_a_chunk_no_checked_checkpoint_needs_is_not_blamed_on_them(tmp
     sub = verify_store(s, level=level, checkpoints=["a_only"])
     assert sub.damaged_checkpoints == [] and not sub.clean  # the damage is reported, on no checkpoint
     np.testing.assert_array_equal(s.load("a_only")["a"], a)
+
+
+def test_a_pack_a_gc_replaced_during_verify_leaves_the_report_incomplete_not_clean(tmp_path, monkeypatch):
+    """verify takes no lock: a pack gc repacked after verify listed it is not read, so it is not verified."""
+    from deltackpt.store import verify as verify_mod
+    from deltackpt.store.gc import plan_gc
+
+    rng = np.random.default_rng(1)
+    a, b = rng.standard_normal(20_000).astype(np.float32), rng.standard_normal(20_000).astype(np.float32)
+    store = Store.init(tmp_path / "s")
+    store.save("c0", {"a": a, "b": b})  # one pack holding a and b
+    store.save("c1", {"a": a})  # a deduplicated: c1 lives in c0's pack
+    real = verify_mod._check_packs
+
+    def gc_meanwhile(*args, **kwargs):
+        other = Store.open(tmp_path / "s", cache_dir=tmp_path / "other-cache")  # another process
+        other.forget(["c0"])
+        assert plan_gc(other, grace_s=0, max_unused=0.0).execute().repacked_packs == 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify_mod, "_check_packs", gc_meanwhile)
+    report = verify_store(Store.open(tmp_path / "s", cache_dir=tmp_path / "cache"), level=2)
+    assert report.packs_checked == 0 and not report.complete and not report.clean
+    assert report.skipped_by == "concurrent-gc" and report.packs_skipped == 1

@@ -100,15 +100,16 @@ def import_all(store, directory, *, progress: Progress | None = None, storage_op
     if not found:
         raise SourceFormatError(f"no DCP checkpoint directories (with a .metadata file) under {directory}")
     passed, dirs, chosen = [], [], {}
+    problem = {d: _name_problem(d.name) for d in found}
     # One directory reached by several names (a link to it): its own name first, then valid names, by name.
-    for d in sorted(found, key=lambda d: (d.is_symlink(), not _valid_name(d.name), d.name)):
+    for d in sorted(found, key=lambda d: (d.is_symlink(), problem[d] is not None, d.name)):
         real = d.resolve()
         if real in chosen:
             passed.append(ImportReport(d.name, str(d), 0, 0, 0, skipped=True,
                                        note=f"a link to {chosen[real].name}, imported under that name"))
-        elif not _valid_name(d.name):
+        elif problem[d] is not None:
             passed.append(ImportReport(d.name, str(d), 0, 0, 0, skipped=True,
-                                       note=f"{_name_problem(d.name)}; import it alone with --name NAME"))
+                                       note=f"{problem[d]}; import it alone with --name NAME"))
         else:
             chosen[real] = d
             dirs.append(d)
@@ -128,10 +129,6 @@ def import_all(store, directory, *, progress: Progress | None = None, storage_op
             meta["step"] = step_of(d.name)
         reports.append(_import(store, source, d.name, meta, progress))
     return reports + passed
-
-
-def _valid_name(name: str) -> bool:
-    return _name_problem(name) is None
 
 
 def _name_problem(name: str) -> str | None:
@@ -214,8 +211,9 @@ def _load_error(where: str, e: Exception, damaged: str) -> SourceFormatError:
     """The error for ``torch.load(weights_only=True)`` failing with ``e``: UnsafeSourceError when it refused
     a global, class or function the pickle asks for; otherwise the file is damaged (torch reports an
     unparsable stream as an UnpicklingError too), a SourceFormatError saying ``damaged``."""
-    if isinstance(e, pickle.UnpicklingError) and is_unsafe(refusal_reason(e)):
-        return UnsafeSourceError(f"{where}: refused, it needs unpickling beyond plain data ({refusal_reason(e)}); "
+    reason = refusal_reason(e) if isinstance(e, pickle.UnpicklingError) else None
+    if reason is not None and is_unsafe(reason):
+        return UnsafeSourceError(f"{where}: refused, it needs unpickling beyond plain data ({reason}); "
                                  "nothing in it was run")
     return SourceFormatError(f"{where}: {damaged}: {describe_load_error(e)}")
 

@@ -113,6 +113,10 @@ class CheckpointManager:
             # rank makes the manager (a collective: before anything that may fail on one rank only), so
             # every rank makes this group, in the same order; close() destroys it.
             process_group = self._own_group = dist.new_group(backend="gloo")
+            # gloo connects a new group's ranks pairwise: one that destroyed the group (a manager that failed
+            # to open its store, or one closed at once) while a peer was still connecting failed that peer
+            # with "Connection closed by peer". After this barrier every rank is connected.
+            dist.barrier(group=process_group)
         self._uploader: Uploader | None = None
         try:
             self.store: Store = open_store(store, storage_options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
@@ -200,12 +202,15 @@ def test_a_manifest_rewritten_within_a_second_is_summarized_again(tmp_path, rng)
 
     store = Store.init(SecondsBackend(), cache_dir=tmp_path / "cache")
     x = random_array(rng, "float32", (1000,))
-    store.save("c", {"x": x}, metadata={"run": "a", "pad": "p" * 32})
+    # The manifest is compressed: a pad of incompressible text makes its size grow by about a byte a character,
+    # so some pad length gives the replacement the same size whatever x's chunks compress to.
+    noise = "".join(chr(0x21 + n % 94) for n in random.Random(7).choices(range(256), k=256))
+    store.save("c", {"x": x}, metadata={"run": "a", "pad": noise[:96]})
     assert store.list_checkpoints()[0].metadata["run"] == "a"
     size = store.backend.size("manifests/c")
     other = Store.open(store.backend, cache_dir=tmp_path / "other")  # another host replaces it
-    for pad in range(64):  # with a manifest of the same size
-        other.save("c", {"x": x + 1}, metadata={"run": "b", "pad": "p" * pad}, overwrite=True)
+    for pad in range(256):  # with a manifest of the same size
+        other.save("c", {"x": x + 1}, metadata={"run": "b", "pad": noise[:pad]}, overwrite=True)
         if store.backend.size("manifests/c") == size:
             break
     assert store.backend.size("manifests/c") == size

@@ -35,13 +35,16 @@ class StoreLockedError(DeltackptError):
 class CheckpointNotFoundError(DeltackptError, KeyError):
     """No committed checkpoint has this name."""
 
-    def __init__(self, name: str, nearby: list[str] | None = None):
+    def __init__(self, name: str, nearby: list[str] | None = None, reason: str | None = None):
         self.name = name
         self.nearby = list(nearby or [])
+        self.reason = reason
         super().__init__(name)
 
     def __str__(self) -> str:
         msg = f"no checkpoint named {self.name!r}"
+        if self.reason:
+            msg += f" ({self.reason})"
         if self.nearby:
             msg += f"; nearby names: {', '.join(self.nearby)}"
         return msg

@@ -43,6 +43,8 @@ def cmd_copy(args) -> int:
         if report.damaged:
             lines.append(f"not copied, manifest damaged in the source: {', '.join(report.damaged)} (`deltackpt "
                          "verify` the source)")
+        if report.forgotten:
+            lines.append(f"not copied, forgotten in the source during the copy: {', '.join(report.forgotten)}")
         if report.verified:
             lines.append("verify: " + ("; ".join(report.problems) if report.problems else "every copied checkpoint "
                                        "read back and re-hashed: no problems"))

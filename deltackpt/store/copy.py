@@ -24,7 +24,8 @@ import numpy as np
 from . import codec
 from .chains import chain_entries, chain_packs, needed_ids
 from .config import CHAINS_FEATURE, MAX_CHAIN, chain_limit, data_features
-from ..errors import CheckpointExistsError, CorruptChunkError, DeltackptError, MissingChunkError
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChunkError, DeltackptError,
+                      MissingChunkError)
 from .lock import SHARED
 from .manifest import Manifest, Stats, encode_manifest
 from .pack import HEADER_SIZE, PackBuilder, PackEntry, pack_bytes_ok, pack_key, read_pack_entries
@@ -47,6 +48,7 @@ class CopyReport:
     bytes_skipped: int = 0  # stored bytes of the chunks the destination already had
     seconds: float = 0.0
     damaged: list[str] = field(default_factory=list)  # of all checkpoints (names None): not copied, unreadable
+    forgotten: list[str] = field(default_factory=list)  # of all checkpoints: forgotten in the source meanwhile
     verified: bool = False  # whether the copied checkpoints were read back from the destination
     problems: list[str] = field(default_factory=list)  # what that read-back found
 
@@ -59,7 +61,9 @@ def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite:
     """Copy checkpoints ``names`` (default: all, oldest first) from Store ``src`` to Store ``dst``.
 
     A named checkpoint whose manifest is damaged raises CorruptManifestError when its turn comes; of all
-    checkpoints, the damaged ones are left out and listed in ``report.damaged``.
+    checkpoints, the damaged ones are left out and listed in ``report.damaged``. A checkpoint forgotten in the
+    source while the copy runs (retention, a gc since) is not damage: of all checkpoints it is left out and
+    listed in ``report.forgotten``; a named one raises CheckpointNotFoundError.
     ``progress`` hears of each checkpoint sent (a phase ``copy NAME``), in stored bytes, pack by pack."""
     start = time.perf_counter()
     report = CopyReport()
@@ -75,7 +79,14 @@ def copy_checkpoints(src, dst, names: Iterable[str] | None = None, *, overwrite:
     with dst.lock(SHARED) as lock:
         dst.index.sync()
         for name in order:
-            _copy_one(src, dst, name, overwrite, lock, report, progress)
+            try:
+                _copy_one(src, dst, name, overwrite, lock, report, progress)
+            except (CheckpointNotFoundError, MissingChunkError, CorruptChunkError):
+                if src.exists(name):
+                    raise  # still there: its chunks really are missing or damaged
+                if names is not None:
+                    raise CheckpointNotFoundError(name, reason="forgotten in the source during the copy") from None
+                report.forgotten.append(name)
     report.seconds = time.perf_counter() - start
     return report
 

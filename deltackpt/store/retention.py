@@ -9,6 +9,13 @@ forgets exactly the named checkpoints, refusing tagged ones. Forgetting removes 
 reclaims chunks nothing else needs.
 
 Tags live in ``tags/<checkpoint>`` (a small JSON list, replaced atomically), outside the immutable manifest.
+
+A tag and a forget of the same checkpoint from two processes: each writes first and checks after. A forget
+puts ``forgetting/<id>`` (the names, the time) before it reads the tags, and deletes it when done; a tag
+put is followed by a look for such an intent naming its checkpoint (and for the manifest): if one is there,
+the tag is taken back and refused. Whatever the order, a checkpoint is either kept or its tag refused, never
+forgotten with a tag its writer was told it has. An intent a crash left behind stops counting after
+``INTENT_TTL_S``.
 """
 
 from __future__ import annotations
@@ -16,10 +23,14 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointPinnedError
+from ..errors import CheckpointNotFoundError, CheckpointPinnedError
 from .manifest import validate_name
+
+FORGETTING_PREFIX = "forgetting/"
+INTENT_TTL_S = 600.0  # a forget's intent older than this is a crashed forget's: it no longer refuses tags
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -90,9 +101,30 @@ def set_tags(store, name: str, tags: list[str]) -> list[str]:
     tags = sorted(set(tags))
     if tags:
         store.backend.put(_tag_key(name), json.dumps(tags).encode())
+        forgetting = _being_forgotten(store, name)
+        if forgetting or not store.exists(name):  # a forget raced this tag: see the module's docstring
+            store.backend.delete(_tag_key(name))
+            raise CheckpointNotFoundError(name, reason="a forget running in another process is removing it; "
+                                          "not tagged (tag it again once that forget is done)"
+                                          if forgetting else "forgotten while it was being tagged")
     else:
         store.backend.delete(_tag_key(name))
     return tags
+
+
+def _being_forgotten(store, name: str) -> bool:
+    """Whether a running forget (an intent younger than ``INTENT_TTL_S``) names checkpoint ``name``."""
+    now = time.time()
+    for info in store.backend.list(FORGETTING_PREFIX):
+        try:
+            intent = json.loads(store.backend.get(info.key))
+        except (FileNotFoundError, ValueError, RecursionError):
+            continue  # done since the listing, or not an intent a forget wrote
+        if (isinstance(intent, dict) and isinstance(intent.get("time"), (int, float))
+                and isinstance(intent.get("names"), list) and now - intent["time"] < INTENT_TTL_S
+                and name in intent["names"]):
+            return True
+    return False
 
 
 @dataclass
@@ -107,14 +139,21 @@ class ForgetPlan:
     def execute(self) -> list[str]:
         """Remove the manifests (and tags) of the planned checkpoints; returns the names removed. A checkpoint
         tagged since the plan was made (``deltackpt tag`` from another process) is kept instead."""
-        now_tagged = {i.key[len("tags/"):] for i in self.store.backend.list("tags/")}  # one listing
-        tagged = [n for n in self.forget if n in now_tagged]  # a pin set after the plan read the tags
-        for name in tagged:
-            self.forget.remove(name)
-            self.keep[name] = ["tagged since the plan"]
-        removed = self.store.forget(self.forget)  # one index transaction for all, not one per checkpoint
-        for name in self.forget:
-            self.store.backend.delete(_tag_key(name))
+        if not self.forget:
+            return []
+        intent = f"{FORGETTING_PREFIX}{uuid.uuid4().hex}"  # before the tags are read: see the module's docstring
+        self.store.backend.put(intent, json.dumps({"names": self.forget, "time": time.time()}).encode())
+        try:
+            now_tagged = {i.key[len("tags/"):] for i in self.store.backend.list("tags/")}  # one listing
+            tagged = [n for n in self.forget if n in now_tagged]  # a pin set after the plan read the tags
+            for name in tagged:
+                self.forget.remove(name)
+                self.keep[name] = ["tagged since the plan"]
+            removed = self.store.forget(self.forget)  # one index transaction for all, not one per checkpoint
+            for name in self.forget:
+                self.store.backend.delete(_tag_key(name))
+        finally:
+            self.store.backend.delete(intent)
         return removed
 
 

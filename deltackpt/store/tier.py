@@ -218,14 +218,20 @@ class Uploader:
                 self._queue.task_done()
 
     def _upload(self, name: str) -> None:
-        if not self.local.exists(name):
-            return  # forgotten locally before its turn (retention): nothing to send
-        created_ns = self.local.read_manifest(name).created_ns
+        try:
+            created_ns = self.local.read_manifest(name).created_ns
+        except CheckpointNotFoundError:
+            return  # forgotten locally before its turn (a `deltackpt forget` of the local store): nothing to send
         write_tier(self.local, self.remote_url, self.remote.config.store_id, uploading=name, uploaded=self._uploaded)
         with self._lock:
             replace = name in self._damaged_remote
         try:
             report = copy_checkpoints(self.local, self.remote, [name], overwrite=replace)
+        except CheckpointNotFoundError:
+            if self.local.exists(name):
+                raise
+            log.info("checkpoint %r was forgotten locally during its upload: not sent", name)
+            return
         except CheckpointExistsError:
             # The remote holds an older checkpoint of this name: the run went back (a restore of an earlier
             # step) and saved it again, replacing it locally too. A newer remote one is not ours to replace.

@@ -305,3 +305,52 @@ def test_a_damaged_chunk_of_a_pack_copied_in_part_is_refused(tmp_path, rng, delt
         copy(src, tmp_path / "dst", ["c2"])
     assert ei.value.pack == e.pack and ei.value.checkpoint == "c2"
     assert not Store.open(tmp_path / "dst").exists("c2")
+
+
+class _ForgetDuring:
+    """A progress sink that forgets checkpoint ``name`` in the source and gc's it (another process's
+    retention) when the copy starts sending that checkpoint's chunks."""
+
+    def __init__(self, path, name: str) -> None:
+        self.path, self.name, self.gc = path, name, None
+
+    def start(self, label: str, total: int, unit: str) -> None:
+        from deltackpt.store.gc import plan_gc
+
+        if label == f"copy {self.name}" and self.gc is None:
+            other = Store.open(self.path)
+            other.forget([self.name])
+            self.gc = plan_gc(other, grace_s=0).execute()
+
+    def advance(self, n=1) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+def test_a_checkpoint_forgotten_in_the_source_during_copy_all_is_left_out_not_damage(tmp_path, rng):
+    # It aborted the whole copy with a MissingChunkError that read like damage of the source.
+    src = Store.init(tmp_path / "src", **SMALL)
+    saved = _history(src, rng, n=4)
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    hook = _ForgetDuring(tmp_path / "src", "step-2")
+    report = copy(src, dst, None, progress=hook)
+    assert hook.gc is not None and hook.gc.deleted_packs + hook.gc.repacked_packs >= 1  # its chunks went
+    assert report.forgotten == ["step-2"] and report.damaged == []
+    assert report.copied == ["step-0", "step-1", "step-3"]
+    again = Store.open(tmp_path / "dst")
+    for name in report.copied:
+        assert_items_equal(saved[name], again.load(name))
+    assert verify_store(again, level=2).ok
+
+
+def test_a_named_checkpoint_forgotten_in_the_source_during_its_copy_is_not_found(tmp_path, rng):
+    from deltackpt.errors import CheckpointNotFoundError
+
+    src = Store.init(tmp_path / "src", **SMALL)
+    _history(src, rng, n=4)
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    with pytest.raises(CheckpointNotFoundError, match="forgotten in the source during the copy"):
+        copy(src, dst, ["step-1", "step-2"], progress=_ForgetDuring(tmp_path / "src", "step-2"))
+    assert [i.name for i in Store.open(tmp_path / "dst").list_checkpoints()] == ["step-1"]

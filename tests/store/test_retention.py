@@ -289,3 +289,69 @@ def test_a_checkpoint_tagged_after_the_plan_is_kept(six):
     assert removed == ["s1", "s2", "s3"] and plan.keep["s0"] == ["tagged since the plan"]
     assert read_tags(store, "s0") == ["best"]
     assert_items_equal(saved["s0"], store.load("s0"))
+
+
+def test_a_tag_that_lands_after_forget_read_the_tags_is_refused_not_lost(six, monkeypatch):
+    # It landed between forget's listing of the tags and its deletion of the manifest: the tagger was told
+    # the tag was set, then forget removed the checkpoint and the tag.
+    store, _, _ = six
+    plan = plan_forget(store, keep_last=2)
+    real, raised = store.forget, []
+
+    def forget(names):
+        try:
+            set_tags(store, "s1", ["best"])  # another process, now
+        except CheckpointNotFoundError as e:
+            raised.append(str(e))
+        return real(names)
+
+    monkeypatch.setattr(store, "forget", forget)
+    assert plan.execute() == ["s0", "s1", "s2", "s3"]
+    assert raised and "a forget running in another process" in raised[0]
+    assert read_all_tags(store) == {}
+    assert not list(store.backend.list("forgetting/"))  # the intent is gone with the forget
+
+
+def test_a_forget_that_runs_between_a_tags_write_and_its_check_keeps_the_checkpoint(six, monkeypatch):
+    from deltackpt.store import retention
+
+    store, saved, _ = six
+    plan = plan_forget(store, keep_last=2)
+    real, removed = retention._being_forgotten, []
+
+    def check(store_, name):  # the tag is written; the whole forget runs before the tagger looks
+        if not removed:
+            removed.append(plan.execute())
+        return real(store_, name)
+
+    monkeypatch.setattr(retention, "_being_forgotten", check)
+    assert set_tags(store, "s1", ["best"]) == ["best"]
+    assert removed == [["s0", "s2", "s3"]] and plan.keep["s1"] == ["tagged since the plan"]
+    assert read_tags(store, "s1") == ["best"]
+    assert_items_equal(saved["s1"], store.load("s1"))
+
+
+def test_a_crashed_forgets_intent_expires_and_a_foreign_one_is_ignored(six, monkeypatch):
+    import json
+
+    from deltackpt.store import retention
+
+    store, _, _ = six
+    store.backend.put("forgetting/old", json.dumps({"names": ["s1"], "time": time.time() - 700}).encode())
+    store.backend.put("forgetting/junk", b"{not json")
+    assert set_tags(store, "s1", ["a"]) == ["a"]
+    store.backend.put("forgetting/new", json.dumps({"names": ["s2"], "time": time.time()}).encode())
+    with pytest.raises(CheckpointNotFoundError, match="forget running"):
+        set_tags(store, "s2", ["a"])
+    assert read_all_tags(store) == {"s1": ["a"]}
+    monkeypatch.setattr(retention, "INTENT_TTL_S", 0.0)
+    assert set_tags(store, "s2", ["a"]) == ["a"]
+
+
+def test_a_forget_that_fails_takes_its_intent_back(six, monkeypatch):
+    store, _, _ = six
+    plan = plan_forget(store, keep_last=2)
+    monkeypatch.setattr(store, "forget", lambda names: (_ for _ in ()).throw(OSError("disk gone")))
+    with pytest.raises(OSError):
+        plan.execute()
+    assert not list(store.backend.list("forgetting/"))

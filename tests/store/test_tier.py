@@ -279,3 +279,34 @@ def test_ls_finds_a_relative_remote_from_any_directory_and_only_the_store_upload
     out = capsys.readouterr()
     assert [(r["name"], r["location"]) for r in json.loads(out.out)] == [("s1", "?"), ("s2", "?")]
     assert "not the one uploaded to" in out.err
+
+
+def test_a_checkpoint_forgotten_locally_during_its_upload_is_not_an_error(tmp_path, rng, monkeypatch):
+    # A `deltackpt forget` of the hot store while the uploader sent that checkpoint: the copy failed on its
+    # vanished chunks, a permanent error raised into the training loop at the next submit.
+    from deltackpt.store import copy as copy_mod
+    from deltackpt.store.gc import plan_gc
+
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"))
+    real = copy_mod._send_chunks
+
+    def send(src, dst, name, *args, **kw):
+        if name == "b":
+            other = Store.open(tmp_path / "hot")
+            other.forget(["b"])
+            plan_gc(other, grace_s=0).execute()
+        return real(src, dst, name, *args, **kw)
+
+    monkeypatch.setattr(copy_mod, "_send_chunks", send)
+    state = _save(local, rng, "a")
+    _save(local, rng, "b")
+    up.submit("b")
+    up._queue.join()
+    _save(local, rng, "c")
+    up.submit("c")  # raised the error of 'b'
+    up.close()
+    up.raise_if_failed()
+    assert _names(tmp_path / "cold") == ["c"]
+    assert _names(local) == ["a", "c"]
+    assert_items_equal(state, local.load("a"))

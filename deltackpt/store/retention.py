@@ -21,15 +21,18 @@ forgotten with a tag its writer was told it has. An intent a crash left behind s
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointNotFoundError, CheckpointPinnedError
+from ..errors import CheckpointNotFoundError, CheckpointPinnedError, DiskFullError
+from .location import describe
 from .manifest import validate_name
 
 FORGETTING_PREFIX = "forgetting/"
+log = logging.getLogger("deltackpt.retention")
 INTENT_TTL_S = 600.0  # a forget's intent older than this is a crashed forget's: it no longer refuses tags
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
@@ -142,7 +145,12 @@ class ForgetPlan:
         if not self.forget:
             return []
         intent = f"{FORGETTING_PREFIX}{uuid.uuid4().hex}"  # before the tags are read: see the module's docstring
-        self.store.backend.put(intent, json.dumps({"names": self.forget, "time": time.time()}).encode())
+        try:
+            self.store.backend.put(intent, json.dumps({"names": self.forget, "time": time.time()}).encode())
+        except DiskFullError:
+            # forget is how a full disk gets its space back (with gc): it goes on, and a tag racing it is
+            # caught only by the tag's own look for the manifest
+            log.warning("%s: no room for a forget's intent; forgetting without it", describe(self.store.backend))
         try:
             now_tagged = {i.key[len("tags/"):] for i in self.store.backend.list("tags/")}  # one listing
             tagged = [n for n in self.forget if n in now_tagged]  # a pin set after the plan read the tags

@@ -14,6 +14,13 @@ what it skipped and is never ``clean``, even when it found no problems. The repo
 damage upward: chunk -> pack -> every checkpoint and item that depends on it, directly or as a delta base.
 Damage is reported as data; ``verify`` raises only when it cannot run at all.
 
+verify takes no lock, so a gc may run meanwhile: move a delta's base to a new pack, delete a pack after it was
+listed, drop the chunks of checkpoints forgotten meanwhile. gc writes a new gc epoch before it deletes a pack
+and again once every one is gone (and holds the exclusive lock in between), so verify reads the epoch first and
+again at the end; when it changed, every finding a gc could have caused is checked again against the store as
+it is then (:func:`_settle_after_gc`), and only what holds there is reported, and its pack marked damaged. What
+cannot be settled so is reported as not checked (``skipped_by="concurrent-gc"``), never as damage.
+
 Phases (restic's checker: index, structure, packs, read data), each a function below: needed chunks (the
 manifests), cache refresh, structure (:mod:`.verifystructure`), then per pack its hash and the decoding of
 its chunks, and last the attribution of every finding to the checkpoints and items it affects. The report
@@ -26,10 +33,13 @@ import time
 
 import numpy as np
 
-from ..errors import (CorruptChunkError, DeltackptError, ManifestFormatError, MissingChunkError,
-                      UnsupportedFormatError)
+from ..errors import (CheckpointNotFoundError, CorruptChunkError, DeltackptError, ManifestFormatError,
+                      MissingChunkError, UnsupportedFormatError)
 from . import idset
 from .config import chain_limit
+from .index import read_gc_epoch
+from .lock import EXCLUSIVE, list_locks
+from .mark import with_chain_bases
 from .pack import PackTable, list_packs, pack_bytes_ok, pack_key, pack_stamps, read_pack_table, walk_entries
 from .progress import Progress, phase
 from .retention import DAMAGED_TAGS, read_all_tags
@@ -50,11 +60,12 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     if sample is not None and not (0.0 < sample <= 1.0):
         raise ValueError("sample must be a fraction in (0, 1]")
     start = time.monotonic()
+    watch = _GcWatch(store.backend)  # first: a gc that deletes a pack after this is seen at the end
     report = VerifyReport(level=level)
     found = Findings()
     store.refresh_config()  # its chain limit as it is now (a copy may have added chains since the open)
     names = checkpoints if checkpoints is not None else store.checkpoint_names()
-    _needed_chunks(store, names, found, report, progress)
+    _needed_chunks(store, names, found, report, progress, listed=checkpoints is None)
     packs, seen, records = _refresh_cache(store, found.users, level, progress)
     report.num_packs = len(packs)
     check_structure(store, found, seen, packs, level, records, progress)
@@ -65,6 +76,7 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     if level >= 1:
         deadline = None if max_duration_s is None else start + max_duration_s
         _check_packs(store, found, packs, level, sample, deadline, report, progress)
+    _settle_after_gc(store, watch, found, report, level)  # before any pack is marked damaged
     _attribute(store, found, report)
     # The next save writes their chunks again rather than reuse them (ChunkIndex.damaged_packs).
     store.index.mark_damaged({p.pack for p in report.problems
@@ -77,8 +89,10 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     return report
 
 
-def _needed_chunks(store, names: list[str], found: Findings, report: VerifyReport, progress) -> None:
-    """Which chunks the checkpoints reference (a manifest that does not read is a problem)."""
+def _needed_chunks(store, names: list[str], found: Findings, report: VerifyReport, progress,
+                   listed: bool = False) -> None:
+    """Which chunks the checkpoints reference (a manifest that does not read is a problem; one ``listed``
+    and gone when read was forgotten meanwhile: a checkpoint exists only while its manifest does)."""
     users = idset.Collector()
     with phase(progress, "verify manifests", len(names), "checkpoint") as bar:
         for name in names:
@@ -86,6 +100,11 @@ def _needed_chunks(store, names: list[str], found: Findings, report: VerifyRepor
                 store.add_manifest_ids(name, users)
             except UnsupportedFormatError:
                 raise  # written by a newer deltackpt: not damage, and nothing here can check it
+            except CheckpointNotFoundError as e:
+                if listed:
+                    continue  # forgotten since the listing (forget takes no lock), as gc's mark takes it
+                report.problems.append(Problem(ProblemKind.MANIFEST, str(e), checkpoints=[name]))
+                continue
             except (ManifestFormatError, DeltackptError) as e:
                 report.problems.append(Problem(ProblemKind.MANIFEST, str(e), checkpoints=[name]))
                 continue
@@ -212,22 +231,30 @@ def _decode_chunks(source, table: PackTable, found: Findings, report, every: boo
     """Decode the needed chunks of a pack (deltas through their bases) and re-hash them; ``every``: all of
     them (a pack whose hash failed: the damage is pinned to a chunk where one accounts for it, instead of
     being blamed on every checkpoint with a chunk in the pack, when it lies in a chunk none of them needs)."""
-    name = table.name
     rows = np.arange(len(table)) if every else np.flatnonzero(found.needed(table.chunk_ids))
     for e in table.entries(rows):
         report.chunks_checked += 1
-        try:
-            # Decode this pack's copy, as its table describes it, not whatever the cache points at.
-            source.decode_entry(e)
-        except (CorruptChunkError, MissingChunkError, ManifestFormatError) as err:
-            located = _other_good_copy(source, e)
-            if located is not None:
-                found.stray.append(Problem(
-                    ProblemKind.BAD_CHUNK, f"{err}; a stray copy: reads use the copy in pack {located}, which "
-                    "decodes (the next gc drops this one)", pack=name, chunk_id=e.chunk_id.hex()))
-            elif e.chunk_id not in found.bad:
-                found.bad[e.chunk_id] = Problem(ProblemKind.BAD_CHUNK, str(err), pack=name,
-                                                chunk_id=e.chunk_id.hex())
+        _decode_copy(source, e, found.bad, found.stray, found.copies)
+
+
+def _decode_copy(source, e, bad: dict, stray: list, copies: dict) -> bool:
+    """Decode the copy of a chunk at pack entry ``e`` (as its table describes it, not whatever the cache points
+    at); whether it decodes. A copy that does not is a problem in ``bad`` (chunk id -> the first one found),
+    or in ``stray`` when the index locates another copy that decodes; ``copies`` keeps the entry (verify
+    decodes it again when a gc ran meanwhile)."""
+    try:
+        source.decode_entry(e)
+        return True
+    except (CorruptChunkError, MissingChunkError, ManifestFormatError) as err:
+        copies[(e.pack, e.chunk_id)] = e
+        located = _other_good_copy(source, e)
+        if located is not None:
+            stray.append(Problem(
+                ProblemKind.BAD_CHUNK, f"{err}; a stray copy: reads use the copy in pack {located}, which "
+                "decodes (the next gc drops this one)", pack=e.pack, chunk_id=e.chunk_id.hex()))
+        elif e.chunk_id not in bad:
+            bad[e.chunk_id] = Problem(ProblemKind.BAD_CHUNK, str(err), pack=e.pack, chunk_id=e.chunk_id.hex())
+        return False
 
 
 def _other_good_copy(source, entry) -> str | None:
@@ -241,6 +268,134 @@ def _other_good_copy(source, entry) -> str | None:
     except (CorruptChunkError, MissingChunkError, ManifestFormatError):
         return None
     return located.pack
+
+
+class _GcWatch:
+    """Whether a gc may have moved or dropped chunks since this was made: gc writes a new gc epoch before it
+    deletes a pack and again once every one is gone (repair one before), and holds the exclusive lock
+    meanwhile (one held now may be deleting already, under the epoch just read)."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.epoch = read_gc_epoch(backend)  # before the locks: a gc that locks after this changes the epoch
+        self.running = any(lk.get("kind") == EXCLUSIVE and not lk.get("stale") for lk in list_locks(backend))
+
+    def moved(self) -> bool:
+        return self.running or read_gc_epoch(self.backend) != self.epoch
+
+
+_SETTLE_TRIES = 3  # windows in which to check the findings again, while gcs keep running
+
+
+def _settle_after_gc(store, watch: _GcWatch, found: Findings, report: VerifyReport, level: int) -> None:
+    """When a gc ran meanwhile, check each finding again against the store as it is now (the index refreshed,
+    the manifests and packs listed again), in a window no gc touches (the epoch unchanged from before it to
+    after, and no gc running at its start): a chunk the gc moved (a delta whose base went to another pack, a
+    pack gone between the listing and its read) or dropped with checkpoints forgotten meanwhile is no damage,
+    and only what holds is reported, its pack then marked damaged. What no such window settles is reported as
+    not checked (``skipped_by="concurrent-gc"``). Without a gc, every finding stands as it is."""
+    if not watch.moved():
+        return
+    if not (found.bad or found.stray or any(p.kind is ProblemKind.MANIFEST for p in report.problems)):
+        return  # nothing a gc could have caused (a pack it deleted before its read is skipped already)
+    for _ in range(_SETTLE_TRIES):
+        window = _GcWatch(store.backend)
+        if window.running:
+            break  # it may be deleting still: nothing found now would hold either
+        listed = list_packs(store.backend)
+        store.refresh_index(pack_stamps(listed))
+        store.index.set_meta(b"gc_epoch", window.epoch)  # the cache says what the packs say as of this epoch
+        again = _Recheck(store, found, report, _sizes(listed), level)
+        if not window.moved():
+            again.apply(found, report)
+            return
+    # A gc kept moving chunks: what it may have caused was not checked.
+    report.chunks_skipped += len(found.bad) + len(found.stray)
+    found.bad, found.stray = {}, []
+    report.complete = False
+    report.skipped_by = report.skipped_by or "concurrent-gc"
+
+
+class _Recheck:
+    """Each finding of ``found`` checked again against the store as it is now (``packs``: name -> size, listed
+    after the index was refreshed); :meth:`apply` puts what holds in its place, once no gc ran meanwhile."""
+
+    def __init__(self, store, found: Findings, report: VerifyReport, packs: dict[str, int], level: int) -> None:
+        self.store, self.packs = store, packs
+        now = set(store.checkpoint_names())
+        self.gone = {n for n in found.names if n not in now} | {
+            c for p in report.problems if p.kind is ProblemKind.MANIFEST for c in p.checkpoints if c not in now}
+        self.bad: dict[bytes, Problem] = {}
+        self.stray: list[Problem] = []
+        self.skipped = self.checked = 0
+        source = ChunkSource(store, cache_bytes=0)
+        elsewhere: list[bytes] = []
+        for cid, p in found.bad.items():
+            copy = found.copies.get((p.pack, cid))
+            if copy is not None and copy.pack in packs:  # the copy found bad is still there: decode it again
+                _decode_copy(source, copy, self.bad, self.stray, {})
+            elif copy is None and p.kind is ProblemKind.BAD_CHUNK and p.pack in packs:
+                self.bad[cid] = p  # its pack's table does not read: no gc's doing
+            else:
+                elsewhere.append(cid)
+        for p in found.stray:
+            copy = found.copies.get((p.pack, bytes.fromhex(p.chunk_id)))
+            if copy is not None and copy.pack in packs:
+                _decode_copy(source, copy, self.bad, self.stray, {})
+            # else that copy is gone; reads used another one, found good
+        if elsewhere:
+            needed, sure = self._needed(found.names, idset.from_ids(elsewhere))
+            located = [cid for cid, n in zip(elsewhere, needed.tolist()) if n]
+            # What nothing needs now was dropped with the checkpoints forgotten meanwhile: no damage, unless a
+            # manifest changed since (then what it needs is not known: not checked).
+            self.skipped = 0 if sure else len(elsewhere) - len(located)
+            if located:
+                self._locate(source, found, located, level)
+
+    def _needed(self, names: list[str], ids: np.ndarray) -> tuple[np.ndarray, bool]:
+        """(a bool per id of ``ids``: whether a checkpoint of ``names`` still present needs it, directly or down
+        a delta chain; whether every one of them read as before)."""
+        refs, sure = idset.Collector(), True
+        for name in names:
+            if name in self.gone:
+                continue
+            try:
+                self.store.add_manifest_ids(name, refs)
+            except CheckpointNotFoundError:
+                self.gone.add(name)  # forgotten since the listing above
+            except DeltackptError:
+                sure = False  # it read before: replaced since (forgotten and saved again)
+        return idset.isin(with_chain_bases(self.store, refs.result()), ids), sure
+
+    def _locate(self, source, found: Findings, ids: list[bytes], level: int) -> None:
+        """Level 0's checks of ``ids`` against the refreshed index and the packs present; at levels 1-2 each
+        one that passes them is also decoded where the index locates it now."""
+        again = Findings(users=idset.unique(idset.from_ids(ids)))
+        was = {cid: found.bad[cid].pack for cid in ids}  # a pack gone is named in the report
+        check_structure(self.store, again, lambda _i, cid: was.get(cid), self.packs, 0, self.store.index, None)
+        self.bad.update(again.bad)
+        for cid in ids if level >= 1 else ():
+            if cid in again.bad:
+                continue
+            try:
+                source.decode_chunk(cid)
+                self.checked += 1  # in a pack this run did not read
+            except (CorruptChunkError, MissingChunkError, ManifestFormatError) as err:
+                entry = self.store.index.lookup(cid)
+                self.bad[cid] = Problem(ProblemKind.BAD_CHUNK, str(err), pack=entry.pack if entry else None,
+                                        chunk_id=cid.hex())
+
+    def apply(self, found: Findings, report: VerifyReport) -> None:
+        found.bad, found.stray = self.bad, self.stray
+        report.chunks_checked += self.checked
+        found.names = [n for n in found.names if n not in self.gone]
+        report.problems = [p for p in report.problems
+                           if not (p.kind is ProblemKind.MANIFEST and set(p.checkpoints) & self.gone)]
+        report.orphan_packs = [p for p in report.orphan_packs if p in self.packs]  # gc removed the others
+        if self.skipped:
+            report.chunks_skipped += self.skipped
+            report.complete = False
+            report.skipped_by = report.skipped_by or "concurrent-gc"
 
 
 def _attribute(store, found: Findings, report: VerifyReport) -> None:

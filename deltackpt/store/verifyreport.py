@@ -52,10 +52,12 @@ class VerifyReport:
     packs_checked: int = 0
     chunks_checked: int = 0
     bytes_checked: int = 0
-    complete: bool = True  # False when sample / max_duration_s left packs unchecked
+    complete: bool = True  # False when sample / max_duration_s / a concurrent gc left something unchecked
     packs_skipped: int = 0  # packs in use that were not read (sample or time limit)
-    chunks_skipped: int = 0  # chunks in use whose pack was not read
-    skipped_by: str | None = None  # "sample", "max_duration" or "concurrent-gc" (a pack gone) when incomplete
+    chunks_skipped: int = 0  # chunks in use whose pack was not read, or whose finding a gc left unsettled
+    # "sample", "max_duration" or "concurrent-gc" (a pack gone, or a gc still moving chunks while verify checked
+    # its findings again: run verify again) when incomplete
+    skipped_by: str | None = None
     duration_s: float = 0.0
     problems: list[Problem] = field(default_factory=list)
     orphan_packs: list[str] = field(default_factory=list)  # packs no checkpoint uses (gc removes them)

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import idset
 from .config import chain_limit
-from .pack import PackTable
+from .pack import PackEntry, PackTable
 from .progress import phase
 from .verifyreport import Problem, ProblemKind
 
@@ -47,6 +47,8 @@ class Findings:
     chunks_in: dict[str, int] = field(default_factory=dict)  # pack -> needed chunks it holds
     # Packs whose hash or table is bad: their problem, and the entries found in them.
     damaged_packs: dict[str, tuple[Problem, PackTable]] = field(default_factory=dict)
+    # (pack, chunk id) -> the entry of each copy that did not decode (decoded again when a gc ran meanwhile).
+    copies: dict[tuple[str, bytes], PackEntry] = field(default_factory=dict)
 
     def needed(self, ids: np.ndarray) -> np.ndarray:
         """A bool per id: whether a checkpoint needs it (references it, or a delta it references has it as base)."""

@@ -394,20 +394,22 @@ static PyObject *py_gear_table(PyObject *self, PyObject *noargs)
 }
 
 PyDoc_STRVAR(chunk_refs_doc,
-"chunk_refs(refs, out, offset) -> (count, total length) or None\n\n"
+"chunk_refs(refs, out, offset, ends=None) -> (count, total length) or None\n\n"
 "The ids of a msgpack array of chunk refs in deltackpt's canonical form, written to the writable buffer\n"
 "out from byte offset on (16 bytes each), and the sum of their lengths; None where the refs are in\n"
-"another form or do not fit in out (decode those the general way).");
+"another form or do not fit in out (decode those the general way). ends: a writable uint32 buffer with an\n"
+"entry per 16 bytes of out, receiving beside each id its ref's end (skip + length).");
 static PyObject *py_chunk_refs(PyObject *self, PyObject *args)
 {
-    PyObject *refs_obj, *out_obj;
+    PyObject *refs_obj, *out_obj, *ends_obj = Py_None;
     Py_ssize_t offset;
-    Py_buffer refs, out;
+    Py_buffer refs, out, ends;
     int64_t n = -1;
     uint64_t total = 0;
+    int has_ends = 0;
 
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOn:chunk_refs", &refs_obj, &out_obj, &offset))
+    if (!PyArg_ParseTuple(args, "OOn|O:chunk_refs", &refs_obj, &out_obj, &offset, &ends_obj))
         return NULL;
     if (get_in(refs_obj, &refs, "refs") < 0)
         return NULL;
@@ -415,34 +417,55 @@ static PyObject *py_chunk_refs(PyObject *self, PyObject *args)
         PyBuffer_Release(&refs);
         return NULL;
     }
-    if (offset >= 0 && offset <= out.len)
+    if (ends_obj != Py_None) {
+        if (get_out(ends_obj, &ends) < 0) {
+            PyBuffer_Release(&refs);
+            PyBuffer_Release(&out);
+            return NULL;
+        }
+        has_ends = 1;
+        if ((size_t)ends.len / sizeof(uint32_t) < (size_t)out.len / 16 || (uintptr_t)ends.buf % 4) {
+            PyBuffer_Release(&refs);
+            PyBuffer_Release(&out);
+            PyBuffer_Release(&ends);
+            PyErr_SetString(PyExc_ValueError, "chunk_refs: ends must hold a 4-byte aligned uint32 per id of out");
+            return NULL;
+        }
+    }
+    if (offset >= 0 && (!has_ends || offset % 16 == 0) && offset <= out.len)
         n = dc_chunk_refs((const uint8_t *)refs.buf, (size_t)refs.len, (uint8_t *)out.buf + offset,
-                          (size_t)(out.len - offset) / 16, &total);
+                          has_ends ? (uint32_t *)ends.buf + offset / 16 : NULL, (size_t)(out.len - offset) / 16,
+                          &total);
     PyBuffer_Release(&refs);
     PyBuffer_Release(&out);
+    if (has_ends)
+        PyBuffer_Release(&ends);
     if (n < 0)
         Py_RETURN_NONE;
     return Py_BuildValue("LK", (long long)n, (unsigned long long)total);
 }
 
 PyDoc_STRVAR(walk_refs_doc,
-"walk_refs(state, piece, top, items, ids, recs, at) -> (status, consumed)\n\n"
+"walk_refs(state, piece, top, items, ids, recs, at, ends=None) -> (status, consumed)\n\n"
 "One step of a resumable walk over a manifest's msgpack body (dc_walk in dc_kernels.h). state: a\n"
 "zeroed writable buffer of WALKER_BYTES kept between calls; top, items: writable byte buffers; ids:\n"
 "writable, 16 bytes an id; recs: writable uint64, two a record; at: writable int64 [top, items,\n"
 "items_end, ids, recs], the fill of each output, read and updated. status: -1 not canonical (read the\n"
-"manifest the general way), 0 piece used up, 1 an output full, 2 the manifest ended.");
+"manifest the general way), 0 piece used up, 1 an output full, 2 the manifest ended. ends: writable\n"
+"uint32, an entry per id of ids: each ref's end (skip + length) beside its id.");
 static PyObject *py_walk_refs(PyObject *self, PyObject *args)
 {
-    PyObject *objs[7];
-    Py_buffer v[7];
-    int taken = 0, rc;
+    PyObject *objs[8] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, Py_None};
+    Py_buffer v[8];
+    int taken = 0, rc, num = 7;
     size_t consumed = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOO:walk_refs", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
-                          &objs[5], &objs[6]))
+    if (!PyArg_ParseTuple(args, "OOOOOOO|O:walk_refs", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &objs[6], &objs[7]))
         return NULL;
-    for (; taken < 7; taken++) {
+    if (objs[7] != Py_None)
+        num = 8;
+    for (; taken < num; taken++) {
         if ((taken == 1 ? get_in(objs[taken], &v[taken], "piece") : get_out(objs[taken], &v[taken])) < 0)
             goto fail;
     }
@@ -468,6 +491,14 @@ static PyObject *py_walk_refs(PyObject *self, PyObject *args)
     w->ids_cap = (size_t)v[4].len / 16;
     w->recs = (uint64_t *)v[5].buf;
     w->recs_cap = (size_t)v[5].len / (2 * sizeof(uint64_t));
+    w->ends = NULL;
+    if (num == 8) {
+        if ((size_t)v[7].len / sizeof(uint32_t) < w->ids_cap || (uintptr_t)v[7].buf % 4) {
+            PyErr_SetString(PyExc_ValueError, "walk_refs: ends must hold a 4-byte aligned uint32 per id of ids");
+            goto fail;
+        }
+        w->ends = (uint32_t *)v[7].buf;
+    }
     size_t *fill[5] = {&w->top_at, &w->items_at, &w->items_end, &w->ids_at, &w->recs_at};
     size_t caps[5] = {w->top_cap, w->items_cap, w->items_cap, w->ids_cap, w->recs_cap};
     for (int i = 0; i < 5; i++) {
@@ -488,6 +519,7 @@ static PyObject *py_walk_refs(PyObject *self, PyObject *args)
         at[i] = (int64_t)*fill[i];
     w->top = w->items = w->ids = NULL;
     w->recs = NULL;
+    w->ends = NULL;
     while (taken-- > 0)
         PyBuffer_Release(&v[taken]);
     return Py_BuildValue("in", rc, (Py_ssize_t)consumed);
@@ -863,26 +895,35 @@ static PyObject *py_find_bucketed(PyObject *self, PyObject *args)
  * counted, then filled by swaps in place; no second buffer), an insertion sort for small buckets. Ids are
  * hashes, so two byte levels leave buckets of a few ids: O(n), where numpy's comparison sort of V16 is
  * O(n log n) and compares through a generic void path. */
-static void insertion16(uint8_t *base, size_t n)
+static void insertion16(uint8_t *base, uint32_t *pay, size_t n)
 {
     size_t i, j;
     uint8_t key[16];
+    uint32_t p = 0;
     for (i = 1; i < n; i++) {
         memcpy(key, base + 16 * i, 16);
-        for (j = i; j > 0 && memcmp(base + 16 * (j - 1), key, 16) > 0; j--)
+        if (pay)
+            p = pay[i];
+        for (j = i; j > 0 && memcmp(base + 16 * (j - 1), key, 16) > 0; j--) {
             memcpy(base + 16 * j, base + 16 * (j - 1), 16);
+            if (pay)
+                pay[j] = pay[j - 1];
+        }
         memcpy(base + 16 * j, key, 16);
+        if (pay)
+            pay[j] = p;
     }
 }
 
-static void flag_sort16(uint8_t *base, size_t n, int depth)
+/* pay: NULL, or a uint32 per id, moved with it. */
+static void flag_sort16(uint8_t *base, uint32_t *pay, size_t n, int depth)
 {
     size_t count[256] = {0}, start[256], next[256], i;
     int b;
     if (depth >= 16)
         return;  /* every byte equal: repeats */
     if (n <= 32) {
-        insertion16(base, n);
+        insertion16(base, pay, n);
         return;
     }
     for (i = 0; i < n; i++)
@@ -900,40 +941,59 @@ static void flag_sort16(uint8_t *base, size_t n, int depth)
                 next[b]++;
             } else {  /* to the next free place of its bucket, and what was there here */
                 uint8_t tmp[16];
-                uint8_t *y = base + 16 * next[v]++;
+                size_t k = next[v]++;
+                uint8_t *y = base + 16 * k;
                 memcpy(tmp, x, 16);
                 memcpy(x, y, 16);
                 memcpy(y, tmp, 16);
+                if (pay) {
+                    uint32_t t = pay[next[b]];
+                    pay[next[b]] = pay[k];
+                    pay[k] = t;
+                }
             }
         }
     }
     for (b = 0; b < 256; b++)
         if (count[b] > 1)
-            flag_sort16(base + 16 * start[b], count[b], depth + 1);
+            flag_sort16(base + 16 * start[b], pay ? pay + start[b] : NULL, count[b], depth + 1);
 }
 
 PyDoc_STRVAR(sort_ids_doc,
-"sort_ids(ids) -> None\n\n"
+"sort_ids(ids, pay=None) -> None\n\n"
 "Sort the 16-byte ids of the writable buffer ids in place, in memcmp order (numpy's order for V16): a\n"
-"radix sort, no second buffer. ValueError when its length is not a multiple of 16.");
+"radix sort, no second buffer. pay: a writable uint32 buffer of as many entries, each moved with its id\n"
+"(the order among repeated ids is unspecified). ValueError when its length is not a multiple of 16.");
 static PyObject *py_sort_ids(PyObject *self, PyObject *args)
 {
-    PyObject *ids_obj;
-    Py_buffer ids;
+    PyObject *ids_obj, *pay_obj = Py_None;
+    Py_buffer ids, pay;
+    int has_pay = 0;
 
     (void)self;
-    if (!PyArg_ParseTuple(args, "O:sort_ids", &ids_obj))
+    if (!PyArg_ParseTuple(args, "O|O:sort_ids", &ids_obj, &pay_obj))
         return NULL;
     if (get_out(ids_obj, &ids) < 0)
         return NULL;
+    if (pay_obj != Py_None) {
+        if (get_out(pay_obj, &pay) < 0) {
+            PyBuffer_Release(&ids);
+            return NULL;
+        }
+        has_pay = 1;
+    }
     if (ids.len % 16) {
         PyErr_SetString(PyExc_ValueError, "ids must be 16-byte ids");
+    } else if (has_pay && (pay.len != ids.len / 4 || (uintptr_t)pay.buf % 4)) {
+        PyErr_SetString(PyExc_ValueError, "pay must hold a 4-byte aligned uint32 per id");
     } else {
         Py_BEGIN_ALLOW_THREADS
-        flag_sort16((uint8_t *)ids.buf, (size_t)ids.len / 16, 0);
+        flag_sort16((uint8_t *)ids.buf, has_pay ? (uint32_t *)pay.buf : NULL, (size_t)ids.len / 16, 0);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&ids);
+    if (has_pay)
+        PyBuffer_Release(&pay);
     if (PyErr_Occurred())
         return NULL;
     Py_RETURN_NONE;

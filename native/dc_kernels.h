@@ -116,26 +116,29 @@ size_t dc_fastcdc_cuts(const uint8_t *data, size_t len, size_t min_size,
                        size_t avg_size, size_t max_size, int64_t *cuts,
                        size_t cap);
 
-/* Chunk refs (refs.c): the ids of a msgpack array of refs into ids (room for cap) and the sum of their
- * lengths; the count, or -1 where the refs are not in the canonical form (the caller decodes those the
- * general way). */
-int64_t dc_chunk_refs(const uint8_t *buf, size_t len, uint8_t *ids, size_t cap, uint64_t *total);
+/* Chunk refs (refs.c): the ids of a msgpack array of refs into ids (room for cap), each ref's end (skip +
+ * length, the chunk bytes it needs) into ends (room for cap; NULL: none) and the sum of their lengths; the
+ * count, or -1 where the refs are not in the canonical form (the caller decodes those the general way). */
+int64_t dc_chunk_refs(const uint8_t *buf, size_t len, uint8_t *ids, uint32_t *ends, size_t cap, uint64_t *total);
 
 /*
  * A resumable walk over a manifest's msgpack body fed piece by piece (refs.c: dc_walk). The caller zeroes
- * the struct, points the four outputs at buffers (with their capacities) and calls dc_walk with each piece;
- * the walker consumes whole values only (the caller keeps the unconsumed tail and puts it before the next
- * piece) and returns when the piece is used up (DC_WALK_NEED_INPUT), an output is full (empty or grow it,
- * fix the *_at counts, call again with the rest), the manifest ended (DC_WALK_DONE), or what it reads is not
- * in the canonical form (DC_WALK_FAILED: read the manifest the general way). Outputs: top, the top-level map
+ * the struct, points the four outputs (and ends, or NULL) at buffers (with their capacities) and calls
+ * dc_walk with each piece; the walker consumes whole values only (the caller keeps the unconsumed tail and
+ * puts it before the next piece) and returns when the piece is used up (DC_WALK_NEED_INPUT), an output is
+ * full (empty or grow it, fix the *_at counts, call again with the rest), the manifest ended (DC_WALK_DONE),
+ * or what it reads is not in the canonical form (DC_WALK_FAILED: read the manifest the general way).
+ * Outputs: top, the top-level map
  * with the items array empty; items, the items one after another with their chunk refs replaced by nil
- * (items_end: where the last whole one ends); ids, the refs' 16-byte ids; recs, per whole item (number of
+ * (items_end: where the last whole one ends); ids, the refs' 16-byte ids; ends (NULL: not wanted), beside
+ * each id the ref's end (skip + length: the chunk bytes it needs; <= 2^31); recs, per whole item (number of
  * refs, sum of their lengths).
  */
 #define DC_WALK_DEPTH 64
 enum { DC_WALK_FAILED = -1, DC_WALK_NEED_INPUT = 0, DC_WALK_OUTPUT_FULL = 1, DC_WALK_DONE = 2 };
 typedef struct {
     uint8_t *top, *items, *ids;
+    uint32_t *ends;
     uint64_t *recs;
     size_t top_cap, top_at, items_cap, items_at, items_end, ids_cap, ids_at, recs_cap, recs_at;
     /* private */

@@ -83,7 +83,7 @@ static int64_t refs_count(const uint8_t *buf, size_t len, size_t *header)
     return (int64_t)n;
 }
 
-int64_t dc_chunk_refs(const uint8_t *buf, size_t len, uint8_t *ids, size_t cap, uint64_t *total)
+int64_t dc_chunk_refs(const uint8_t *buf, size_t len, uint8_t *ids, uint32_t *ends, size_t cap, uint64_t *total)
 {
     size_t pos;
     int64_t n = refs_count(buf, len, &pos);
@@ -99,8 +99,12 @@ int64_t dc_chunk_refs(const uint8_t *buf, size_t len, uint8_t *ids, size_t cap, 
         pos += 19;
         if (!read_uint(buf, len, &pos, &length) || (fields == 3 && !read_uint(buf, len, &pos, &skip)))
             return -1;
-        if (length > DC_MAX_REF_BYTES || (fields == 3 && skip > DC_MAX_REF_BYTES) || sum + length < sum)
+        if (fields == 2)
+            skip = 0;
+        if (length > DC_MAX_REF_BYTES || skip > DC_MAX_REF_BYTES || sum + length < sum)
             return -1;
+        if (ends)
+            ends[i] = (uint32_t)(skip + length);
         sum += length;
     }
     if (pos != len)
@@ -296,6 +300,8 @@ int dc_walk(dc_walker *w, const uint8_t *buf, size_t len, size_t *consumed)
             if (length > DC_MAX_REF_BYTES || skip > DC_MAX_REF_BYTES || w->item_total + length < w->item_total)
                 return DC_WALK_FAIL(w);
             memcpy(w->ids + 16 * w->ids_at, buf + pos + 3, 16);
+            if (w->ends)
+                w->ends[w->ids_at] = (uint32_t)(skip + length);
             w->ids_at++;
             w->item_refs++;
             w->item_total += length;

@@ -973,6 +973,23 @@ def test_sort_ids_sorts_in_place_in_numpys_order(sort, n, values):
 def test_sort_ids_refuses_a_buffer_of_no_whole_ids(sort):
     with pytest.raises(ValueError):
         sort(bytearray(17))
+    with pytest.raises(ValueError):  # a payload of another length than the ids'
+        sort(bytearray(32), np.zeros(3, dtype=np.uint32))
+
+
+@pytest.mark.parametrize("sort", _SORTERS)
+@pytest.mark.parametrize("n,values", [(0, 256), (1, 256), (31, 256), (33, 2), (5000, 256), (5000, 3), (300, 1)])
+def test_sort_ids_moves_a_payload_with_its_id(sort, n, values):
+    """Each uint32 of ``pay`` goes where its id goes (among repeated ids in any order): ids sorted as without."""
+    rng = np.random.default_rng(n * 7 + values)
+    raw = rng.integers(0, values, (n, 16), dtype=np.uint8)
+    raw[::4, 10:] = 0
+    ids = np.ascontiguousarray(raw).view("V16").ravel()
+    pay = rng.integers(0, 2**32, n, dtype=np.uint32)
+    pairs = sorted(zip([i.tobytes() for i in ids], pay.tolist()))
+    sort(ids, pay)
+    assert ids.tobytes() == np.sort(ids.copy()).tobytes()
+    assert sorted(zip([i.tobytes() for i in ids], pay.tolist())) == pairs
 
 
 _GUARD_PAGE = textwrap.dedent("""
@@ -1019,7 +1036,7 @@ def test_walk_refs_refuses_a_state_that_is_not_a_walkers():
     from deltackpt import _native
 
     state = np.zeros(_native.WALKER_BYTES, np.uint8)
-    depth_at = 4 * 8 + 9 * 8 + 64 * 8 + 64  # after the pointers, sizes, left[64] and kind[64]
+    depth_at = 5 * 8 + 9 * 8 + 64 * 8 + 64  # after the pointers (top, items, ids, ends, recs), sizes, left, kind
     state[depth_at:depth_at + 4] = np.frombuffer(np.uint32(100_000).tobytes(), np.uint8)
     out = [np.zeros(64, np.uint8) for _ in range(3)]
     with pytest.raises(ValueError, match="not a walker's"):

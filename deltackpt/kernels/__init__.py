@@ -115,13 +115,14 @@ def _numpy_unshuffle_into(src, elem_size: int, out) -> None:
 # checked), never overlapping (not checked); the wrapper's checks cost 2 us, 8x the kernel, on an 8 KiB chunk.
 unshuffle_into = _native.unshuffle if BACKEND == "native" else _numpy_unshuffle_into
 
-# chunk_refs(refs, out, offset) -> (count, total length) | None: a manifest item's chunk ids read from its
-# msgpack in C with no object per ref (native only: store/manifest.py decodes with msgspec where it is None).
+# chunk_refs(refs, out, offset, ends=None) -> (count, total length) | None: a manifest item's chunk ids (and into
+# ends, uint32, each ref's skip + length) read from its msgpack in C with no object per ref (native only:
+# store/manifest.py decodes with msgspec where it is None).
 # getattr: an extension built before native/refs.c existed lacks it; then refs are read the general way.
 chunk_refs = getattr(_native, "chunk_refs", None) if BACKEND == "native" else None
-# walk_refs(state, piece, top, items, ids, recs, at) -> (status, consumed): a resumable walk over a whole manifest
-# body fed in pieces (native only; store/refstream.py reads manifests whole where it is None). WALKER_BYTES: the
-# size of its state.
+# walk_refs(state, piece, top, items, ids, recs, at, ends=None) -> (status, consumed): a resumable walk over a
+# whole manifest body fed in pieces (ends: uint32, each ref's skip + length beside its id; native only:
+# store/refstream.py reads manifests whole where it is None). WALKER_BYTES: the size of its state.
 walk_refs = getattr(_native, "walk_refs", None) if BACKEND == "native" else None
 WALKER_BYTES = getattr(_native, "WALKER_BYTES", 0) if BACKEND == "native" else 0
 
@@ -148,5 +149,5 @@ xxh3_64_rows = _batch_kernel("xxh3_64_rows", twins.xxh3_64_rows)
 find_sorted = _batch_kernel("find_sorted", twins.find_sorted)
 # find_bucketed(ids, starts, bits, keys, out): the same, keys in any order, through a bucket table (idset).
 find_bucketed = _batch_kernel("find_bucketed", twins.find_bucketed)
-# sort_ids(ids): 16-byte ids sorted in place, in memcmp order (idset's sets).
+# sort_ids(ids, pay=None): 16-byte ids sorted in place, in memcmp order (idset's sets); pay: uint32 moved along.
 sort_ids = _batch_kernel("sort_ids", twins.sort_ids)

@@ -77,11 +77,22 @@ def find_bucketed(ids, starts, bits, keys, out) -> None:
     find_sorted(ids, keys, out)
 
 
-def sort_ids(ids) -> None:
-    """The twin of the native ``sort_ids``: the 16-byte ids of the writable buffer ``ids`` sorted in place."""
+def sort_ids(ids, pay=None) -> None:
+    """The twin of the native ``sort_ids``: the 16-byte ids of the writable buffer ``ids`` sorted in place;
+    ``pay`` (a writable uint32 buffer, an entry per id) moved with them."""
     nbytes = memoryview(ids).nbytes
     if nbytes % 16:
         raise ValueError("ids must be 16-byte ids")
-    if nbytes:
-        np.frombuffer(ids, dtype="V16").sort()
+    if pay is not None and memoryview(pay).nbytes != nbytes // 4:
+        raise ValueError("pay must hold a 4-byte aligned uint32 per id")
+    if not nbytes:
+        return
+    view = np.frombuffer(ids, dtype="V16")
+    if pay is None:
+        view.sort()
+        return
+    order = np.argsort(view, kind="stable")
+    view[:] = view[order]
+    pays = np.frombuffer(pay, dtype=np.uint32)
+    pays[:] = pays[order]
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import difflib
+from functools import partial
 
 import msgspec
 
@@ -135,21 +136,24 @@ class Catalog:
     def read_manifest(self, name: str) -> Manifest:
         return self._read_manifest_as(name, manifest_from_body)
 
-    def read_manifest_refs(self, name: str) -> ManifestRefs:
-        """The chunk refs of checkpoint ``name`` in arrays (see ManifestRefs), its manifest held to every check
-        of read_manifest: for verify and gc, which need no object per item or per ref."""
-        return self._read_manifest_as(name, refs_from_body)
+    def read_manifest_refs(self, name: str, with_ends: bool = False) -> ManifestRefs:
+        """The chunk refs of checkpoint ``name`` in arrays (see ManifestRefs; ``with_ends``: each ref's end too),
+        its manifest held to every check of read_manifest: for verify and gc, which need no object per item or
+        per ref."""
+        return self._read_manifest_as(name, partial(refs_from_body, with_ends=with_ends))
 
     def add_manifest_ids(self, name: str, collector: idset.Collector) -> None:
         """Add every chunk id checkpoint ``name`` references to ``collector`` (verify's and gc's sets), its
         manifest held to every check of read_manifest_refs: nothing is added when one fails, and the same error
         is raised. Read as a stream in bounded memory (see :mod:`.refstream`) where it can be."""
         name = self.resolve(name) if name == LATEST else validate_name(name)
-        staged = stream_manifest_ids(self.backend, manifest_key(name), name, collector.fresh)
+        ends = collector.with_ends  # each ref's skip + length too (verify's check of the refs against chunk sizes)
+        staged = stream_manifest_ids(self.backend, manifest_key(name), name, collector.fresh, ends)
         if isinstance(staged, tuple):
             collector.take(*staged)
         else:  # any doubt, or a small manifest read whole: the general reading decides
-            collector.add(self._read_manifest_as(name, refs_from_body, staged).ids)
+            refs = self._read_manifest_as(name, partial(refs_from_body, with_ends=ends), staged)
+            collector.add(refs.ids, refs.ends)
 
     def _read_manifest_as(self, name: str, from_body, data: bytes | None = None):
         """``from_body`` of checkpoint ``name``'s manifest, its stored bytes ``data`` when already read."""

@@ -16,6 +16,7 @@ ID = np.dtype("V16")
 _BLOCK = 1 << 14  # ids per vectorised pass where a pass's temporaries would otherwise grow with the input
 _SORTED_SEARCH_ABOVE = 1 << 17  # ids (2 MiB) in a set past which a block is searched in sorted order
 _BUCKET_IDS = 8  # ids per bucket of a set's bucket table (bucket_starts)
+_ENDS_BLOCK = 1 << 10  # ids of a batch whose ends are folded into a Collector's at once
 _HALVES = np.dtype(">u8")  # an id as two big-endian integers: their order is the ids' memcmp order
 
 
@@ -142,101 +143,182 @@ class Collector:
     repeats (each checkpoint of a history). An added batch is first cut to the ids not in the set yet; they
     are merged in whenever they pass a quarter of it, into the room the set's buffer has past its end (grown
     in place, realloc, when that is used up) and sorted in place, so a merge never holds the set twice.
-    Time O(total log unique)."""
+    Time O(total log unique).
 
-    def __init__(self) -> None:
+    ``with_ends``: each id comes with an end (uint32: the chunk bytes a reference to it needs), and the set
+    keeps, aligned with its ids, the largest end given for each (4 bytes more an id; an end given for an id
+    already in the set is folded in where it is)."""
+
+    def __init__(self, with_ends: bool = False) -> None:
         # The set is the first _n ids of _buf, which owns its memory; the rest is room (never touched, no
         # memory, until merged into). No view of _buf is handed out while the collector has it.
         self._buf, self._n = np.empty(0, dtype=ID), 0
+        self._ends = np.empty(0, dtype=np.uint32) if with_ends else None  # beside _buf, as it is
         self._waiting: list[np.ndarray] = []
+        self._waiting_ends: list[np.ndarray] = []
         self._num_waiting = 0
         self._room: np.ndarray | None = None  # a buffer handed over with take(), to hold the set as it grows
+        self._room_ends: np.ndarray | None = None
         self._buckets: tuple[np.ndarray, int] | None = None  # the set's bucket table, once it is large
 
-    def _isin(self, ids: np.ndarray) -> np.ndarray:
-        """isin against the set: a large one through its bucket table (made once per merge: batches of a few
-        thousand ids searched in sorted order each missed the cache at every step, ~0.7 us an id at 1.2M)."""
+    @property
+    def with_ends(self) -> bool:
+        return self._ends is not None
+
+    def _find(self, ids: np.ndarray) -> np.ndarray:
+        """find against the set (-1: not in it): a large one through its bucket table (made once per merge:
+        batches of a few thousand ids searched in sorted order each missed the cache at every step, ~0.7 us
+        an id at 1.2M)."""
         if self._n < _SORTED_SEARCH_ABOVE:
-            return isin(self._set, ids)
+            return find(self._set, ids)
         if self._buckets is None:
             self._buckets = bucket_starts(self._set)
-        return isin(self._set, ids, self._buckets)
+        return find(self._set, ids, self._buckets)
+
+    def _isin(self, ids: np.ndarray) -> np.ndarray:
+        return self._find(ids) >= 0
 
     @property
     def _set(self) -> np.ndarray:
         return self._buf[:self._n]
 
-    def add(self, ids: np.ndarray) -> None:
-        """Add ``ids``; the collector may keep the array and reorder it."""
-        if self._n:
+    def _cut(self, ids: np.ndarray, ends: np.ndarray | None):
+        """(ids, ends) of those of ``ids`` not in the set: ``ids`` itself when that is all of them, else a copy;
+        the ends of the others folded into the set's."""
+        if not self._n:
+            return ids, ends
+        if ends is None:
             keep = ~self._isin(ids)
-            ids = ids if keep.all() else ids[keep]
+        else:
+            keep = np.empty(ids.size, dtype=bool)
+            for lo in range(0, ids.size, _ENDS_BLOCK):  # a block at a time: its positions are 8 bytes an id
+                pos = self._find(ids[lo:lo + _ENDS_BLOCK])
+                new = keep[lo:lo + pos.size] = pos < 0
+                if not new.all():
+                    np.maximum.at(self._ends, pos[~new], ends[lo:lo + pos.size][~new])
+        if keep.all():
+            return ids, ends
+        return ids[keep], (None if ends is None else ends[keep])
+
+    def _check_ends(self, ends) -> None:
+        if (ends is None) != (self._ends is None):
+            raise ValueError("ends are given exactly when the collector was made with_ends")
+
+    def add(self, ids: np.ndarray, ends: np.ndarray | None = None) -> None:
+        """Add ``ids`` (and their ``ends``, uint32, when made with_ends); the collector may keep the arrays and
+        reorder them."""
+        self._check_ends(ends)
+        ids, ends = self._cut(ids, ends)
         if ids.size:
             self._waiting.append(ids)
+            if ends is not None:
+                self._waiting_ends.append(ends)
             self._num_waiting += ids.size
         if self._num_waiting > (max(self._n // 4, 1 << 14) if self._n else 0):
             self._merge()  # at once when the set is empty: the batches after the first are cut against it
 
-    def take(self, buf: np.ndarray, n: int) -> None:
-        """Add ``buf[:n]`` (``buf``: an array of ids of its own, not a view), handing ``buf`` over: the first
-        becomes the set's buffer, which later ids grow into; any later one is shrunk to its ids."""
+    def take(self, buf: np.ndarray, n: int, ends: np.ndarray | None = None) -> None:
+        """Add ``buf[:n]`` (``buf``: an array of ids of its own, not a view; ``ends``: theirs, as large as
+        ``buf``, when made with_ends), handing ``buf`` over: the first becomes the set's buffer, which later ids
+        grow into; any later one is shrunk to its ids."""
+        self._check_ends(ends)
         if self._n or self._waiting:
             buf.resize(n, refcheck=False)  # in place: its room would only be held while it waits
-            self.add(buf)
+            if ends is not None:
+                ends.resize(n, refcheck=False)
+            self.add(buf, ends)
         else:
-            self._room = buf
-            self.add(buf[:n])
+            self._room, self._room_ends = buf, ends
+            self.add(buf[:n], None if ends is None else ends[:n])
 
-    def fresh(self, ids: np.ndarray) -> np.ndarray:
+    def fresh(self, ids: np.ndarray, ends: np.ndarray | None = None):
         """The ones of ``ids`` not in the set yet (ids waiting to be merged are not looked at): ``ids`` itself
-        when that is all of them, else a copy."""
-        if not self._n:
-            return ids
-        keep = ~self._isin(ids)
-        return ids if keep.all() else ids[keep]
+        when that is all of them, else a copy. With ``ends`` (a collector made with_ends): (those ids, their
+        ends), the ends of the others folded into the set's."""
+        self._check_ends(ends)
+        ids, ends = self._cut(ids, ends)
+        return ids if ends is None else (ids, ends)
 
     def _merge(self) -> None:
         waiting, self._waiting, self._num_waiting = self._waiting, [], 0
+        waiting_ends, self._waiting_ends = self._waiting_ends, []
         self._buckets = None  # the set changes
         room, self._room = self._room, None
+        room_ends, self._room_ends = self._room_ends, None
         if not waiting:
             return
+        tracked = self._ends is not None
         first, size = waiting[0], self._n
         need = size + sum(w.size for w in waiting)
-        if not size and len(waiting) == 1 and (room is not None or (first.base is None and first.flags.writeable)):
+        first_ends = room_ends if room_ends is not None else (waiting_ends[0] if tracked else None)
+        own = room is not None or (first.base is None and first.flags.writeable)
+        own_ends = not tracked or (first_ends.base is None and first_ends.flags.writeable and first_ends.size >= need)
+        if not size and len(waiting) == 1 and own and own_ends:
             buf = room if room is not None else first  # the first batch becomes the set where it is: no copy
+            ends = first_ends
             waiting = []
         else:
             buf, self._buf, self._n = self._buf, np.empty(0, dtype=ID), 0
+            ends, self._ends = self._ends, (np.empty(0, dtype=np.uint32) if tracked else None)
             if need > buf.size:
                 buf.resize(need, refcheck=False)  # ours alone; only as far as is written now (it zero-fills)
-            for w in waiting:
+            if tracked and need > ends.size:
+                ends.resize(need, refcheck=False)
+            for k, w in enumerate(waiting):
                 buf[size:size + w.size] = w
+                if tracked:
+                    ends[size:size + w.size] = waiting_ends[k]
                 size += w.size
-        del waiting, first, room
+        del waiting, waiting_ends, first, first_ends, room, room_ends
         view = buf[:need]
-        kernels.sort_ids(view)  # in place (a radix sort), unlike np.unique
-        self._buf, self._n = buf, _drop_repeats(view)
+        if tracked:
+            ends_view = ends[:need]
+            kernels.sort_ids(view, ends_view)  # in place (a radix sort), each end moved with its id
+            self._buf, self._ends, self._n = buf, ends, _drop_repeats(view, ends_view)
+        else:
+            kernels.sort_ids(view)  # in place (a radix sort), unlike np.unique
+            self._buf, self._n = buf, _drop_repeats(view)
 
     def result(self) -> np.ndarray:
         """The set (sorted unique, an array of its own); the collector is empty after."""
+        return self.result_with_ends()[0]
+
+    def result_with_ends(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the set, as :meth:`result`; beside each id the largest end given for it, uint32, when made
+        with_ends, else None); the collector is empty after."""
         self._merge()
-        out, n = self._buf, self._n
+        out, ends, n = self._buf, self._ends, self._n
         self._buf, self._n = np.empty(0, dtype=ID), 0
         out.resize(n, refcheck=False)  # the room given back (shrunk in place)
-        return out
+        if ends is not None:
+            self._ends = np.empty(0, dtype=np.uint32)
+            ends.resize(n, refcheck=False)
+        return out, ends
 
 
-def _drop_repeats(ids: np.ndarray) -> int:
-    """Compact ``ids`` (sorted) in place, block by block, to its first occurrences; returns how many."""
+def _drop_repeats(ids: np.ndarray, ends: np.ndarray | None = None) -> int:
+    """Compact ``ids`` (sorted) in place, block by block, to its first occurrences; returns how many. ``ends``
+    (one per id) compacted with them, each first occurrence's the largest of its repeats'."""
     if ids.size < 2:
         return ids.size
     keep = ids[1:] != ids[:-1]
     if keep.all():
         return ids.size
+    if ends is not None:
+        head = 0  # the first occurrence of the id just before the block
+        for start in range(0, keep.size, _BLOCK):
+            k = keep[start:start + _BLOCK]  # of ids[1 + start:1 + start + _BLOCK]
+            at = np.arange(1 + start, 1 + start + k.size)
+            heads = np.maximum(np.maximum.accumulate(np.where(k, at, 0)), head)
+            if not k.all():
+                np.maximum.at(ends, heads[~k], ends[at[~k]])
+            head = int(heads[-1])
     at = 1
     for start in range(0, keep.size, _BLOCK):
-        kept = ids[1 + start:1 + start + _BLOCK][keep[start:start + _BLOCK]]  # read before anything past it is written
+        k = keep[start:start + _BLOCK]
+        kept = ids[1 + start:1 + start + _BLOCK][k]  # read before anything past it is written
         ids[at:at + kept.size] = kept
+        if ends is not None:
+            ends[at:at + kept.size] = ends[1 + start:1 + start + _BLOCK][k]
         at += kept.size
     return at

@@ -104,9 +104,12 @@ class LocalBackend(Backend, LocalFiles):
         return self.root / check_key(key)
 
     def _read_path(self, key: str) -> str:
-        """``_path(key)`` as a string, remembered: building and checking it took 15 us a read."""
+        """``_path(key)`` as a string, remembered for packs: building and checking it took 15 us a read (other
+        keys, a manifest's, are read about once: remembering them would only hold memory)."""
         path = self._read_paths.get(key)
         if path is None:
+            if not key.startswith("packs/"):
+                return os.path.join(self.root, check_key(key))
             if len(self._read_paths) >= 65536:
                 self._read_paths.clear()
             path = self._read_paths[key] = os.path.join(self.root, check_key(key))

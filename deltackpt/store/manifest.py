@@ -147,6 +147,7 @@ class ManifestRefs(NamedTuple):
     name: str
     ids: np.ndarray  # V16: every ref's chunk id, item after item, in manifest order
     item_end: np.ndarray  # int64 per item: its refs are ids[item_end[i - 1]:item_end[i]]
+    ends: np.ndarray | None = None  # uint32 per ref, when asked for: the chunk bytes it needs (skip + length)
 
 
 def decode_manifest_refs(data: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> ManifestRefs:
@@ -154,16 +155,21 @@ def decode_manifest_refs(data: bytes, where: str = "manifest", *, checkpoint: st
     return refs_from_body(manifest_body(data, where, checkpoint=checkpoint), where, checkpoint=checkpoint)
 
 
-def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | None = None) -> ManifestRefs:
-    """:func:`decode_manifest_refs` of the body :func:`manifest_body` took out of a stored manifest."""
+def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | None = None,
+                   with_ends: bool = False) -> ManifestRefs:
+    """:func:`decode_manifest_refs` of the body :func:`manifest_body` took out of a stored manifest; ``with_ends``:
+    each ref's end (skip + length) kept too."""
     corrupt = _corrupt(where, checkpoint)
     m = _decode(body, RefsManifest, corrupt)
     # Room for the ids at the fewest bytes a ref takes (20), written in place by the C reader: no join.
     ids = np.empty(len(body) // 20, dtype=idset.ID)
+    extents = np.empty(ids.size, dtype=np.uint32) if with_ends else None
     native, ends, totals, at = kernels.chunk_refs, [], [], 0
     for it in m.items:
-        got = native(it.chunks, ids, 16 * at) if native is not None else None
-        n, total = got if got is not None else _read_refs(it, ids, at, corrupt)
+        got = None
+        if native is not None:
+            got = native(it.chunks, ids, 16 * at) if extents is None else native(it.chunks, ids, 16 * at, extents)
+        n, total = got if got is not None else _read_refs(it, ids, at, corrupt, extents)
         at += n
         ends.append(at)
         totals.append(total)
@@ -173,17 +179,22 @@ def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | No
     name = m.name
     del m  # the items' raw refs (views of the body)
     ids.resize(at, refcheck=False)  # in place: no view of it was kept; an owning array (idset.Collector grows it)
-    return ManifestRefs(name, ids, np.array(ends, dtype=np.int64))
+    if extents is not None:
+        extents.resize(at, refcheck=False)
+    return ManifestRefs(name, ids, np.array(ends, dtype=np.int64), extents)
 
 
-def _read_refs(item, out: np.ndarray, at: int, corrupt) -> tuple[int, int]:
-    """(number of refs, sum of their lengths) of ``item`` (a RefsItem), their ids written to ``out[at:]``,
-    decoded and validated by msgspec against ChunkRef: refs the C reader left (not in the canonical form)."""
+def _read_refs(item, out: np.ndarray, at: int, corrupt, extents: np.ndarray | None = None) -> tuple[int, int]:
+    """(number of refs, sum of their lengths) of ``item`` (a RefsItem), their ids written to ``out[at:]`` (and
+    their ends, skip + length, to ``extents[at:]`` when given), decoded and validated by msgspec against
+    ChunkRef: refs the C reader left (not in the canonical form)."""
     try:
         refs = _REFS_DECODER.decode(item.chunks)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as e:
         raise corrupt(f"item {item.key!r}: chunks: {e}") from None
     out[at:at + len(refs)] = idset.from_ids([ref.id for ref in refs])  # fits: a ref takes 20 bytes or more
+    if extents is not None:
+        extents[at:at + len(refs)] = [ref.skip + ref.length for ref in refs]
     return len(refs), sum(map(_LENGTH, refs))
 
 

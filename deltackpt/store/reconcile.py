@@ -102,12 +102,15 @@ class Reconciling:
                 pack_of = np.full(keys.size, -1, dtype=np.int32)
                 pack_of[pos[match]] = owner[match]  # a matching copy's pack is the one its record names
                 base, delta = have["base"].copy(), is_delta_codec(have["codec"])
+                raw_len = have["raw_len"].astype(np.uint32)
                 at = pos[stale]
                 base[at], delta[at] = recs["base"][stale], is_delta_codec(recs["codec"][stale])
+                raw_len[at] = recs["raw_len"][stale]
                 pack_of[at] = owner[stale]
                 snap_ids = keys
                 if not held.all():
                     snap_ids, base, delta, pack_of = keys[held], base[held], delta[held], pack_of[held]
+                    raw_len = raw_len[held]
                 if absent.size:  # chunks the cache lacked, now written: merged in, in order
                     snap_ids = np.concatenate([snap_ids, ids[absent]])
                     order = idset.argsort(snap_ids)
@@ -115,7 +118,8 @@ class Reconciling:
                     base = np.concatenate([base, recs["base"][absent]])[order]
                     delta = np.concatenate([delta, is_delta_codec(recs["codec"][absent])])[order]
                     pack_of = np.concatenate([pack_of, owner[absent]])[order]
-                out.append(RecordSnapshot(snap_ids, base, delta, names, pack_of, self.locate))
+                    raw_len = np.concatenate([raw_len, recs["raw_len"][absent].astype(np.uint32)])[order]
+                out.append(RecordSnapshot(snap_ids, base, delta, names, pack_of, self.locate, raw_len))
             del pos, inside, match, settled
             # A record of a chunk in no table read is wrong, unless its pack was published since the listing.
             known = {bytes(k): bytes(v) for k, v in txn.cursor(db=packs_db)}

@@ -108,19 +108,21 @@ class Located:
     pack_of: np.ndarray  # int32 per chunk: its pack's number, -1 when not indexed
     delta_at: np.ndarray  # int32: positions of the chunks stored as deltas
     delta_base: np.ndarray  # V16: the base of each of those deltas
+    raw_len: np.ndarray | None = None  # uint32 per chunk: its decoded size, 0 when not indexed
 
 
 class RecordSnapshot:
     """What the index held for each of a sorted set of chunks at one moment (right after a reconcile wrote
     it: every chunk the pack tables hold), as arrays: located with a vectorised search instead of a B-tree
     look-up each (1.2M chunks: ~1.1 s of LMDB gets). A chunk it lacks (its pack published since) is looked
-    up with ``fallback`` (e.g. ``ChunkIndex.locate``). 37 bytes a chunk."""
+    up with ``fallback`` (e.g. ``ChunkIndex.locate``). 41 bytes a chunk."""
 
     def __init__(self, ids: np.ndarray, base: np.ndarray, delta: np.ndarray, packs: list[str], pack_of: np.ndarray,
-                 fallback) -> None:
-        """``ids``: sorted unique V16; of each, its record's ``base`` (V16), whether it is a ``delta``, and the
-        number in ``packs`` of its pack."""
+                 fallback, raw_len: np.ndarray) -> None:
+        """``ids``: sorted unique V16; of each, its record's ``base`` (V16), whether it is a ``delta``, the
+        number in ``packs`` of its pack, and its ``raw_len``."""
         self.ids = ids
+        self._raw_len = np.ascontiguousarray(raw_len, dtype=np.uint32)
         self._packs = list(packs)
         self._pack_of = np.ascontiguousarray(pack_of, dtype=np.int32)
         self._delta = delta
@@ -137,6 +139,7 @@ class RecordSnapshot:
         names, pack_of = _block_packs(np.where(hit, self._pack_of[np.maximum(pos, 0)], -1), self._packs)
         delta_at = np.flatnonzero(hit & self._delta[np.maximum(pos, 0)]).astype(np.int32)
         delta_base = self._base[pos[delta_at]]
+        raw_len = np.where(hit, self._raw_len[np.maximum(pos, 0)], 0).astype(np.uint32)
         miss = np.flatnonzero(~hit)
         if miss.size:
             other = self._fallback(np.ascontiguousarray(ids[miss]))
@@ -145,10 +148,11 @@ class RecordSnapshot:
                 renumber = np.array([numbers.setdefault(n, len(numbers)) for n in other.packs] + [-1], dtype=np.int32)
                 names = list(numbers)
                 pack_of[miss] = renumber[other.pack_of]
+            raw_len[miss] = other.raw_len
             order = np.argsort(np.concatenate([delta_at, miss[other.delta_at].astype(np.int32)]), kind="stable")
             delta_at = np.concatenate([delta_at, miss[other.delta_at].astype(np.int32)])[order]
             delta_base = np.concatenate([delta_base, other.delta_base])[order]
-        return Located(names, pack_of, delta_at, delta_base)
+        return Located(names, pack_of, delta_at, delta_base, raw_len)
 
     def locate_each(self, ids: np.ndarray, fn, block: int = 1 << 16) -> list:
         """As ``ChunkIndex.locate_each``."""
@@ -165,6 +169,7 @@ def locate_in(get, ids: np.ndarray) -> Located:
     ids = np.ascontiguousarray(ids)
     names: dict[bytes, int] = {}
     pack_of = np.full(ids.size, -1, dtype=np.int32)
+    raw_len = np.zeros(ids.size, dtype=np.uint32)
     delta_at, bases = [np.empty(0, dtype=np.int32)], [np.empty(0, dtype="V16")]
     for start in range(0, ids.size, _LOCATE_BLOCK):
         block = ids[start:start + _LOCATE_BLOCK]
@@ -185,9 +190,10 @@ def locate_in(get, ids: np.ndarray) -> Located:
         packs, which = np.unique(recs["pack"], return_inverse=True)
         number = np.array([names.setdefault(p.tobytes(), len(names)) for p in packs], dtype=np.int32)
         pack_of[at] = number[which]
+        raw_len[at] = recs["raw_len"]
         delta_at.append(at[delta])
         bases.append(recs["base"][delta])
-    return Located([n.hex() for n in names], pack_of, np.concatenate(delta_at), np.concatenate(bases))
+    return Located([n.hex() for n in names], pack_of, np.concatenate(delta_at), np.concatenate(bases), raw_len)
 
 
 _WALK_BLOCK = 1 << 12  # cache records read per step of a walk (~0.4 MiB of bytes objects held)
@@ -247,10 +253,12 @@ def locate_walk(txn, ids: np.ndarray, fn, block: int) -> list:
         is_delta[hit] = delta
         base = np.zeros(part.size, dtype="V16")
         base[hit] = recs["base"]
+        raw_len = np.zeros(part.size, dtype=np.uint32)
+        raw_len[hit] = recs["raw_len"]
         for start in range(0, part.size, block):
             d = np.flatnonzero(is_delta[start:start + block]).astype(np.int32)
             out.append(fn(done + start, Located(*_block_packs(pack_of[start:start + block], names), d,
-                                                base[start + d])))
+                                                base[start + d], raw_len[start:start + block])))
         done = max(done, upto)
 
     for ks, vs, _ in cache_blocks(txn, _WALK_BLOCK):  # a key of another length is never one of ids

@@ -43,35 +43,39 @@ class _Refused(Exception):
     """The stream cannot prove the manifest good: read it the general way."""
 
 
-def stream_manifest_ids(backend, key: str, name: str, fresh) -> tuple[np.ndarray, int] | bytes | None:
+def stream_manifest_ids(backend, key: str, name: str, fresh, with_ends: bool = False) -> tuple | bytes | None:
     """``(buf, n)``: in ``buf[:n]`` the ids manifest ``key`` of checkpoint ``name`` references that ``fresh``
     keeps (``fresh(ids)``: those of a batch not known yet; it may return ``ids`` itself), in manifest order, all
-    checks of read_manifest_refs made (``buf``: an array of its own with room past ``n``, never touched). Else
+    checks of read_manifest_refs made (``buf``: an array of its own with room past ``n``, never touched).
+    ``with_ends``: ``(buf, n, ends)``, ``ends`` (uint32, as large as ``buf``) beside each id its ref's end
+    (skip + length), and ``fresh(ids, ends)`` returns (ids, ends) of a batch. Else
     the manifest is to be read the general way: from these bytes, the whole object when it came in one small
     read (streaming it would cost more than it saves), or None (not the native kernels, damage, anything
     unusual)."""
     if kernels.walk_refs is None:
         return None
     try:
-        return _Stream(name, fresh).read(backend, key)
+        return _Stream(name, fresh, with_ends).read(backend, key)
     except (_Refused, OSError, zstandard.ZstdError):
         return None
 
 
 class _Stream:
-    def __init__(self, name: str, fresh) -> None:
+    def __init__(self, name: str, fresh, with_ends: bool = False) -> None:
         self.name, self.fresh = name, fresh
         self.state = bytearray(kernels.WALKER_BYTES)
         self.top, self.items = bytearray(_TOP), bytearray(_ITEMS)
         self.ids = np.empty(_IDS, dtype=idset.ID)
+        self.ends = np.empty(_IDS, dtype=np.uint32) if with_ends else None  # each ref's skip + length
         self.recs = np.empty((_RECS, 2), dtype=np.uint64)
         self.at = np.zeros(5, dtype=np.int64)
         self.tail = b""
         self.stage, self.staged = None, 0
+        self.stage_ends = None
         self.dobj, self.declared, self.body_bytes, self.done = None, 0, 0, False
         self.keys: set[str] = set()  # item keys seen: one twice is refused, as the general read does
 
-    def read(self, backend, key: str) -> tuple[np.ndarray, int] | bytes:
+    def read(self, backend, key: str) -> tuple | bytes:
         buf = np.empty(_FIRST_READ, dtype=np.uint8)  # np.empty: a page is touched only when read into
         n = backend.get_range_into(key, 0, [buf])
         if n < _FIRST_READ:
@@ -109,6 +113,7 @@ class _Stream:
         self.declared = declared
         self.dobj = zstandard.ZstdDecompressor().decompressobj()
         self.stage = np.empty(0, dtype=idset.ID)
+        self.stage_ends = None if self.ends is None else np.empty(0, dtype=np.uint32)
 
     def _decompress(self, view: memoryview) -> None:
         for start in range(0, len(view), _FEED):
@@ -137,8 +142,12 @@ class _Stream:
         """Walk ``view`` as far as it holds whole values; the bytes used."""
         done = 0
         while True:
-            status, used = kernels.walk_refs(self.state, view[done:], self.top, self.items, self.ids, self.recs,
-                                             self.at)
+            if self.ends is None:
+                status, used = kernels.walk_refs(self.state, view[done:], self.top, self.items, self.ids,
+                                                 self.recs, self.at)
+            else:
+                status, used = kernels.walk_refs(self.state, view[done:], self.top, self.items, self.ids,
+                                                 self.recs, self.at, self.ends)
             done += used
             if status == _FAILED:
                 raise _Refused
@@ -153,10 +162,15 @@ class _Stream:
         at = self.at
         if at[_IDS_AT]:
             batch = self.ids[:at[_IDS_AT]]
-            new = self.fresh(batch)
+            if self.ends is None:
+                new, new_ends = self.fresh(batch), None
+            else:
+                new, new_ends = self.fresh(batch, self.ends[:at[_IDS_AT]])
             if self.staged + new.size > self.stage.size:
                 self._grow(self.staged + new.size, all_new=new is batch)
             self.stage[self.staged:self.staged + new.size] = new
+            if new_ends is not None:
+                self.stage_ends[self.staged:self.staged + new.size] = new_ends
             self.staged += new.size
             at[_IDS_AT] = 0
         if at[_RECS_AT]:
@@ -176,6 +190,10 @@ class _Stream:
         stage = np.empty(size, dtype=idset.ID)  # not resize(): it writes zeros over the room, touching it all
         stage[:self.staged] = self.stage[:self.staged]
         self.stage = stage
+        if self.stage_ends is not None:
+            ends = np.empty(size, dtype=np.uint32)
+            ends[:self.staged] = self.stage_ends[:self.staged]
+            self.stage_ends = ends
 
     def _check_items(self) -> None:
         """Decode the whole items in the buffer against the schema and check each (their refs were walked)."""
@@ -194,7 +212,7 @@ class _Stream:
         self.items[:rest] = self.items[end:end + rest]
         at[_ITEMS_AT], at[_ITEMS_END], at[_RECS_AT] = rest, 0, 0
 
-    def _finish(self) -> tuple[np.ndarray, int]:
+    def _finish(self) -> tuple:
         if not (self.done and self.dobj.eof and not self.tail and self.body_bytes == self.declared):
             raise _Refused
         self._drain()
@@ -206,4 +224,7 @@ class _Stream:
         if m.items or m.name != self.name:
             raise _Refused
         stage, self.stage = self.stage, None
-        return stage, self.staged
+        if self.stage_ends is None:
+            return stage, self.staged
+        ends, self.stage_ends = self.stage_ends, None
+        return stage, self.staged, ends

@@ -15,7 +15,7 @@ puts ``forgetting/<id>`` (the names, the time) before it reads the tags, and del
 put is followed by a look for such an intent naming its checkpoint (and for the manifest): if one is there,
 the tag is taken back and refused. Whatever the order, a checkpoint is either kept or its tag refused, never
 forgotten with a tag its writer was told it has. An intent a crash left behind stops counting after
-``INTENT_TTL_S``.
+``INTENT_TTL_S``, and the next forget deletes it once it is older than ``STALE_INTENT_S``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .manifest import validate_name
 FORGETTING_PREFIX = "forgetting/"
 log = logging.getLogger("deltackpt.retention")
 INTENT_TTL_S = 600.0  # a forget's intent older than this is a crashed forget's: it no longer refuses tags
+STALE_INTENT_S = 6 * INTENT_TTL_S  # a crashed forget's intent older than this is deleted by the next forget
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -162,7 +163,21 @@ class ForgetPlan:
                 self.store.backend.delete(_tag_key(name))
         finally:
             self.store.backend.delete(intent)
+        _drop_stale_intents(self.store)
         return removed
+
+
+def _drop_stale_intents(store) -> None:
+    """Delete intents crashed forgets left (written over ``STALE_INTENT_S`` ago by the listing's clock): they
+    stopped counting after ``INTENT_TTL_S`` already, so this changes no decision, only what lies in the store.
+    Best effort: a forget that did its work never fails for its cleanup."""
+    now = time.time()
+    try:
+        for info in store.backend.list(FORGETTING_PREFIX):
+            if info.mtime_s and now - info.mtime_s > STALE_INTENT_S:
+                store.backend.delete(info.key)
+    except OSError as e:
+        log.warning("%s: left old forget intents in place: %s", describe(store.backend), e)
 
 
 def plan_forget(store, *, keep_last: int | None = None, keep_every: int | None = None,

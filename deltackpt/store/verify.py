@@ -45,7 +45,8 @@ from .progress import Progress, phase
 from .retention import DAMAGED_TAGS, read_all_tags
 from .source import ChunkSource
 from .verifyreport import Problem, ProblemKind, VerifyReport
-from .verifystructure import Findings, check_structure, node_id, pack_numbers, reconciled, user_deltas
+from .verifystructure import Findings, check_structure, node_id, overrun_problems, pack_numbers, reconciled, \
+    user_deltas
 
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "verify_store"]
 
@@ -69,6 +70,7 @@ def verify_store(store, *, level: int = 1, sample: float | None = None, max_dura
     packs, seen, records = _refresh_cache(store, found.users, level, progress)
     report.num_packs = len(packs)
     check_structure(store, found, seen, packs, level, records, progress)
+    report.problems.extend(overrun_problems(store, found))  # refs past their chunk's end: the manifest's fault
     # Orphans only when every manifest was read: a pack of one that was not would be called unused (and gc
     # refuses to run while a manifest is damaged, so "removed by gc" would not hold either).
     all_read = checkpoints is None and len(found.names) == len(names)
@@ -93,7 +95,7 @@ def _needed_chunks(store, names: list[str], found: Findings, report: VerifyRepor
                    listed: bool = False) -> None:
     """Which chunks the checkpoints reference (a manifest that does not read is a problem; one ``listed``
     and gone when read was forgotten meanwhile: a checkpoint exists only while its manifest does)."""
-    users = idset.Collector()
+    users = idset.Collector(with_ends=True)  # beside each chunk, the most of it a ref reads (checked at level 0)
     with phase(progress, "verify manifests", len(names), "checkpoint") as bar:
         for name in names:
             try:
@@ -112,7 +114,7 @@ def _needed_chunks(store, names: list[str], found: Findings, report: VerifyRepor
                 bar.advance(1)
             report.num_checkpoints += 1
             found.names.append(name)
-    found.users = users.result()
+    found.users, found.user_ends = users.result_with_ends()
 
 
 def _refresh_cache(store, users: np.ndarray, level: int, progress):
@@ -123,12 +125,16 @@ def _refresh_cache(store, users: np.ndarray, level: int, progress):
     index = store.index
     if level == 0:
         known, listed = index.known_packs(), list_packs(store.backend)  # known first: see ChunkIndex.refresh
+        none_gone = known <= listed.keys()
+        del known  # a string a pack: not held through the refresh
         if not index.check_records():
-            if known <= listed.keys():
+            if none_gone:
                 # Sound records, and no pack gone: the refresh only indexes the packs new since (a cache of
                 # another store is rebuilt: where it located them says nothing); no record moves.
-                store.refresh_index(pack_stamps(listed))
-                return _sizes(listed), _nowhere, index
+                stamps = pack_stamps(listed)
+                del listed  # the listing's objects, ~400 bytes a pack, not held through the refresh
+                store.refresh_index(stamps)
+                return {name: size for name, (size, _) in stamps.items()}, _nowhere, index
             # A pack gone: the cache is rebuilt, so where it located each chunk is taken first.
             try:
                 names, pack_of = pack_numbers(index, users)

@@ -5,7 +5,9 @@ at a time; a user in no pack present is reported by what became of it. The bases
 needed too, and in a store with delta chains the chunks down their chains: each gets a *node* number (the
 users, then those extra bases), and the chains are walked a level at a time in arrays of node numbers
 (:class:`Findings`), never a Python object per chunk. A delta whose chain does not end in a keyframe in a
-pack present, within the store's chain limit, is a ``bad-base`` problem.
+pack present, within the store's chain limit, is a ``bad-base`` problem. A chunk some ref reads past its end
+(the largest end of its refs, gathered with the ids, against its size in the index) is a ``manifest`` problem
+of each checkpoint with such a ref: the chunk is sound, the manifest is not (a load refuses it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import DeltackptError
 from . import idset
 from .config import chain_limit
 from .pack import PackEntry, PackTable
@@ -33,6 +36,10 @@ class Findings:
 
     names: list[str] = field(default_factory=list)  # checkpoints whose manifest reads
     users: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # chunks the manifests reference
+    # uint32 per user: the largest end (skip + length) of a ref to it; compared with its size as the structure
+    # check locates it, then its memory holds the user's base node (:class:`_Bases`).
+    user_ends: np.ndarray | None = None
+    overruns: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # chunk read past its end -> (end, size)
     extra_bases: np.ndarray = field(default_factory=lambda: idset.from_ids(b""))  # other chunks down their chains
     # Per node (users, then extra_bases): whether it is in a pack present, and the node of its base when it is a
     # delta in a pack present (_KEYFRAME: none; _UNFOLLOWED: a delta whose base was not looked up). 5 bytes a
@@ -74,17 +81,19 @@ def check_structure(store, found: Findings, seen, packs, level: int, records, pr
     """Level 0: every needed chunk is indexed, in an existing pack, with an intact base; and which packs
     hold the needed chunks. ``records``: what locates chunks (the index, or a snapshot of its records)."""
     index, users = store.index, found.users
+    bases = _Bases(found)
     with phase(progress, "verify structure", users.size, "chunk") as bar:
-        base, present, held, absent, outside = _locate_users(records, users, packs)
+        base, present, held, absent, outside = _locate_users(records, users, packs, bases)
         if level == 0 and absent:
             # After a refresh the cache knows exactly the packs present; a record missing or pointing elsewhere
             # may mean the cache itself is damaged (a record well-formed but wrong, or under a wrong key),
             # which is not damage to the store: check it against the pack tables and look again.
             moved: dict[bytes, str] = {}
             records = reconciled(index, moved, progress)
-            base, present, held, absent, outside = _locate_users(records, users, packs)
+            base, present, held, absent, outside = _locate_users(records, users, packs, bases)
             seen = _moved_first(moved, seen)
         bar.advance(users.size)
+    del bases
     unreadable = _absent(found, absent, seen, packs)
     # Deltas in a pack present: their bases are needed too, and must be keyframes in a pack present.
     base[~present] = _KEYFRAME
@@ -123,10 +132,11 @@ def pack_numbers(index, ids: np.ndarray) -> tuple[list[str], np.ndarray]:
     return list(names), pack_of
 
 
-def _locate(index, ids: np.ndarray, packs, deltas):
+def _locate(index, ids: np.ndarray, packs, deltas, sizes=None):
     """(a bool per id: indexed in a pack present; pack -> ids it holds; [(position, pack or None)] of the
     others; what ``deltas(positions, base ids)`` returned for each block's deltas, None left out). Located a
-    block at a time: no pass holds every delta's base id, nor a pack number per id."""
+    block at a time: no pass holds every delta's base id, nor a pack number per id. ``sizes(start, indexed,
+    raw_len)``: told each block's chunks' sizes (``indexed``: a bool per id of the block), before ``deltas``."""
     present = np.empty(ids.size, dtype=bool)
     held: Counter = Counter()
     absent: list[tuple[int, str | None]] = []
@@ -142,6 +152,8 @@ def _locate(index, ids: np.ndarray, packs, deltas):
         held.update(dict(zip(loc.packs, counts.tolist())))
         absent.extend((start + i, loc.packs[loc.pack_of[i]] if loc.pack_of[i] >= 0 else None)
                       for i in np.flatnonzero(~here).tolist())
+        if sizes is not None:  # first: deltas may write over what it reads
+            sizes(start, loc.pack_of >= 0, loc.raw_len)
         out = deltas(loc.delta_at + start, loc.delta_base)
         if out is not None:
             told.append(out)
@@ -150,10 +162,48 @@ def _locate(index, ids: np.ndarray, packs, deltas):
     return present, held, absent, told
 
 
-def _locate_users(index, users: np.ndarray, packs):
+class _Bases:
+    """The users' base nodes, an int32 each, in the memory of their ends (``found.user_ends``) where there
+    are any: a block's ends are compared with its chunks' sizes (:meth:`sizes`, which ``_locate`` calls
+    first), then the block's bases are written over them; 4 bytes a user for both. Each indexed user a ref
+    reads past its end goes to ``found.overruns``."""
+
+    def __init__(self, found: Findings) -> None:
+        self.found, self.base = found, found.user_ends
+        found.user_ends = None
+        if self.base is not None:
+            self.base.dtype = np.int32  # the same memory; each block's ends are read before it is written
+        self.upto = 0  # the users compared: their ends are gone (a second locate: the cache was repaired)
+        self.later: dict[int, int] = {}  # user -> its end, of the users not indexed when compared
+
+    def start(self, n: int) -> tuple[np.ndarray, object]:
+        """(the bases, the ``sizes`` callback or None) for a locate of the ``n`` users."""
+        if self.base is None:
+            return np.full(n, _KEYFRAME, dtype=np.int32), None
+        return self.base, self.sizes
+
+    def sizes(self, start: int, indexed: np.ndarray, raw_len: np.ndarray) -> None:
+        # A chunk's size is its content's: a record of a pack since repacked still tells it right.
+        found, base, n = self.found, self.base, indexed.size
+        if start >= self.upto:
+            need = base[start:start + n].view(np.uint32)
+            for i in np.flatnonzero(indexed & (need > raw_len)).tolist():  # rare: damage
+                found.overruns[found.users[start + i].tobytes()] = (int(need[i]), int(raw_len[i]))
+            self.later.update(zip((start + np.flatnonzero(~indexed)).tolist(), need[~indexed].tolist()))
+            self.upto = start + n
+        else:
+            for k in [k for k in self.later if start <= k < start + n and indexed[k - start]]:  # indexed now
+                end = self.later.pop(k)
+                if end > raw_len[k - start]:
+                    found.overruns[found.users[k].tobytes()] = (end, int(raw_len[k - start]))
+        base[start:start + n] = _KEYFRAME
+
+
+def _locate_users(index, users: np.ndarray, packs, bases: _Bases):
     """(the node of each user's base when it is a user, else _KEYFRAME; then as :func:`_locate`, the last part
-    the (positions, base ids) of the deltas whose base is no user)."""
-    base = np.full(users.size, _KEYFRAME, dtype=np.int32)
+    the (positions, base ids) of the deltas whose base is no user); ``bases``: where the bases go, and the
+    check of the users' sizes."""
+    base, sizes = bases.start(users.size)
 
     def deltas(at, ids):
         pos = idset.find(users, ids)
@@ -161,7 +211,7 @@ def _locate_users(index, users: np.ndarray, packs):
         base[at[inside]] = pos[inside]
         return (at[~inside], ids[~inside]) if not inside.all() else None
 
-    return (base, *_locate(index, users, packs, deltas))
+    return (base, *_locate(index, users, packs, deltas, sizes))
 
 
 def _down_the_chains(index, users: np.ndarray, roots: np.ndarray, limit: int) -> np.ndarray:
@@ -267,3 +317,31 @@ def _chain_problem(found: Findings, d: int, limit: int) -> str:
         seen.add(cur)
         cur, depth = int(base[cur]), depth + 1
 
+
+def overrun_problems(store, found: Findings) -> list[Problem]:
+    """A ``manifest`` problem for each checkpoint with a ref that reads a chunk past its end (``found.overruns``),
+    naming its items that do: the manifests are read again, only when there is such a chunk (rare)."""
+    if not found.overruns:
+        return []
+    wanted = idset.unique(idset.from_ids(list(found.overruns)))
+    size_of = np.array([found.overruns[w.tobytes()][1] for w in wanted], dtype=np.int64)
+    problems = []
+    for name in found.names:
+        try:
+            refs = store.read_manifest_refs(name, with_ends=True)
+            pos = idset.find(wanted, refs.ids)
+            hits = np.flatnonzero(pos >= 0)
+            hits = hits[refs.ends[hits] > size_of[pos[hits]]]
+            items = store.read_manifest(name).items if hits.size else []
+        except DeltackptError:
+            continue  # forgotten or damaged since the first read
+        if not hits.size or len(items) != refs.item_end.size:
+            continue  # none past its chunk's end, or replaced between the two reads
+        at = np.searchsorted(refs.item_end, hits, side="right").tolist()
+        first = int(hits[0])
+        cid = refs.ids[first].tobytes()
+        problems.append(Problem(
+            ProblemKind.MANIFEST, f"item {items[at[0]].key!r}: a chunk ref reads bytes up to "
+            f"{int(refs.ends[first])} of chunk {cid.hex()} of {found.overruns[cid][1]} bytes", checkpoints=[name],
+            items=sorted({f"{name}:{items[i].key}" for i in at})))
+    return problems

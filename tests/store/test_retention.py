@@ -355,3 +355,37 @@ def test_a_forget_that_fails_takes_its_intent_back(six, monkeypatch):
     with pytest.raises(OSError):
         plan.execute()
     assert not list(store.backend.list("forgetting/"))
+
+
+def test_the_next_forget_deletes_intents_crashed_forgets_left_and_keeps_recent_ones(six, monkeypatch):
+    import dataclasses
+    import json
+
+    from deltackpt.store.retention import STALE_INTENT_S
+
+    store, _, _ = six
+    for key in ("forgetting/crashed", "forgetting/recent", "forgetting/junk"):
+        store.backend.put(key, json.dumps({"names": ["s1"], "time": time.time()}).encode())
+    # Their ages as the listing tells them (written that long ago; what one holds does not matter).
+    age = {"forgetting/crashed": STALE_INTENT_S + 60, "forgetting/junk": STALE_INTENT_S + 60,
+           "forgetting/recent": STALE_INTENT_S - 120}
+    real = store.backend.list
+    monkeypatch.setattr(store.backend, "list", lambda prefix: [
+        dataclasses.replace(i, mtime_s=time.time() - age[i.key]) if i.key in age else i for i in real(prefix)])
+    assert plan_forget(store, keep_last=5).execute() == ["s0"]
+    assert sorted(i.key for i in store.backend.list("forgetting/")) == ["forgetting/recent"]
+
+
+def test_a_forget_whose_cleanup_of_old_intents_fails_still_reports_what_it_forgot(six, monkeypatch, caplog):
+    store, _, _ = six
+    real = store.backend.list
+
+    def listing(prefix):
+        if prefix == "forgetting/":
+            raise OSError("listing refused")
+        return real(prefix)
+
+    monkeypatch.setattr(store.backend, "list", listing)
+    assert plan_forget(store, keep_last=5).execute() == ["s0"]
+    assert "left old forget intents in place" in caplog.text
+    assert [i.name for i in store.list_checkpoints()] == ["s1", "s2", "s3", "s4", "s5"]

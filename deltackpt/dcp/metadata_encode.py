@@ -30,16 +30,23 @@ from .metadata_records import (
 )
 
 
-def _dims(value: Any, path) -> tuple[int, ...]:
-    """``value`` as a tuple of non-negative ints. ``path`` (a str, or a function making it: the paths of
-    thousands of chunks are only formatted when one is wrong) names it in the error."""
+def _valid_dims(value: Any) -> tuple[int, ...] | None:
+    """``value`` as a tuple of non-negative ints, or None when it is not one (:func:`_dims` says why)."""
     if type(value) in (torch.Size, tuple, list):
         out = tuple(value)
         for d in out:
             if type(d) is not int or d < 0:
-                break
-        else:
-            return out
+                return None
+        return out
+    return None
+
+
+def _dims(value: Any, path) -> tuple[int, ...]:
+    """``value`` as a tuple of non-negative ints. ``path`` (a str, or a function making it: the paths of
+    thousands of chunks are only formatted when one is wrong) names it in the error."""
+    out = _valid_dims(value)
+    if out is not None:
+        return out
     path = path() if callable(path) else path
     if not isinstance(value, (torch.Size, tuple, list)):
         raise TypeError(f"{path}: expected torch.Size, got {type(value).__name__}")
@@ -95,13 +102,19 @@ def _storage_to_record(v: Any, path) -> TensorStorageRecord | BytesStorageRecord
         return BytesStorageRecord()
     if type(v) is not TensorStorageMetadata:
         raise TypeError(f"{_path(path)}: unsupported storage metadata type {type(v).__name__}")
-    size = _dims(v.size, lambda: f"{_path(path)}.size")
+    # The paths are formatted only for an error (no closure per field of every tensor and chunk).
+    size = _valid_dims(v.size)
+    if size is None:
+        size = _dims(v.size, f"{_path(path)}.size")
     chunks = []
     for i, c in enumerate(v.chunks):
         if type(c) is not ChunkStorageMetadata:
             raise TypeError(f"{_path(path)}.chunks[{i}]: expected ChunkStorageMetadata, got {type(c).__name__}")
-        offsets = _dims(c.offsets, lambda: f"{_path(path)}.chunks[{i}].offsets")
-        sizes = _dims(c.sizes, lambda: f"{_path(path)}.chunks[{i}].sizes")
+        offsets, sizes = _valid_dims(c.offsets), _valid_dims(c.sizes)
+        if offsets is None:
+            offsets = _dims(c.offsets, f"{_path(path)}.chunks[{i}].offsets")
+        if sizes is None:
+            sizes = _dims(c.sizes, f"{_path(path)}.chunks[{i}].sizes")
         if not len(offsets) == len(sizes) == len(size):
             raise ValueError(f"{_path(path)}.chunks[{i}]: offsets/sizes rank differs from the tensor rank "
                              f"{len(size)}")
@@ -120,21 +133,24 @@ def _planner_data_to_record(pd: Any) -> dict[str, tuple[str | int, ...]] | None:
             f"planner_data: unsupported type {type(pd).__name__}; only None or DefaultSavePlanner's "
             "dict[fqn, tuple[str | int, ...]] is supported"
         )
-    out = {}
     for k, path in pd.items():
         if type(k) is not str:
             raise TypeError(f"planner_data: key {k!r} is not a str")
-        if type(path) is not tuple or any(type(p) not in (str, int) for p in path):
+        if type(path) is not tuple:
             raise TypeError(f"planner_data[{k!r}]: expected a tuple of str|int, got {path!r}")
-        out[k] = path
-    return out
+        for p in path:  # (a loop, not a generator per path: one entry per value of the state dict)
+            if type(p) is not str and type(p) is not int:
+                raise TypeError(f"planner_data[{k!r}]: expected a tuple of str|int, got {path!r}")
+    return dict(pd)
 
 
 def _index_to_record(idx: Any, i: int) -> MetadataIndexRecord:
     if (type(idx) is not MetadataIndex or type(idx.fqn) is not str
             or idx.index is not None and (type(idx.index) is not int or idx.index < 0)):
         _refuse_index(idx, f"storage_data key #{i}")
-    offset = None if idx.offset is None else _dims(idx.offset, lambda: f"storage_data key #{i}.offset")
+    offset = None if idx.offset is None else _valid_dims(idx.offset)
+    if offset is None and idx.offset is not None:
+        offset = _dims(idx.offset, f"storage_data key #{i}.offset")
     return MetadataIndexRecord(fqn=idx.fqn, offset=offset, index=idx.index)
 
 

@@ -93,15 +93,15 @@ def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: 
               global_size: Sequence[int]) -> None:
     """Add one shard of a tensor (``offsets``/``sizes`` within ``global_size``) to a store ChunkWriter at its
     place in the whole tensor, so its chunks line up with any other sharding of the same tensor."""
-    why = unsupported_layout(value) if isinstance(value, torch.Tensor) else None
-    if why is not None:
-        raise TypeError(f"item {key!r}: {why}")
-    tensor, raw, elem_size = tensor_bytes(value)
+    try:
+        tensor, raw, elem_size = tensor_bytes(value)  # (it checks the layout: once per item, not twice)
+    except TypeError as e:
+        raise TypeError(f"item {key!r}: {e}") from None
     group, offset = shard_placement(fqn, key, offsets, sizes, global_size, tensor.element_size())
     dtype = _DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
         dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
-    writer.add_array(key, raw, dtype=dtype, elem_size=elem_size, shape=list(tensor.shape), group=group,
+    writer.add_array(key, raw, dtype=dtype, elem_size=elem_size, shape=tensor.shape, group=group,
                      global_offset=offset)
 
 

@@ -19,10 +19,12 @@ import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..errors import UnsafeSourceError
+from ..store import paused_gc
 from .placement import item_key, tensor_bytes
 
 
@@ -47,7 +49,10 @@ class DeltaSavePlanner(DefaultSavePlanner):
         self.digests = digests
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
+        # DCP's planning makes a few objects per item and no cycles: the collector, paused as on the write path,
+        # would otherwise scan the process's long-lived objects (a gen-0 pass every 700 allocations).
+        with paused_gc():
+            plan = super().create_local_plan()
         if not (self.digests and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return plan
         unchecked = self.unchecked
@@ -59,6 +64,17 @@ class DeltaSavePlanner(DefaultSavePlanner):
             _, raw, _ = tensor_bytes(self.resolve_data(item))
             digests[item_key(item.index)] = xxhash.xxh3_128_hexdigest(raw)
         return dataclasses.replace(plan, storage_data={"replica_digests": digests})
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        with paused_gc():  # (see create_local_plan)
+            return super().create_global_plan(all_plans)
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        # One plan has no item in another to drop: DCP's pass would copy it unchanged (sets and a dict of every
+        # item: 2.9 % of the instructions of a fine-tune's first save of 370 items, measured with callgrind).
+        if len(all_plans) == 1:
+            return list(all_plans)
+        return super()._dedup_save_plans(all_plans)
 
 
 def first_line(e: BaseException) -> str:

@@ -19,6 +19,8 @@ def grid_spans(global_offset: int, nbytes: int, chunk_size: int) -> list[tuple[i
     if nbytes == 0:
         return []
     first_end = min(chunk_size - (global_offset % chunk_size), nbytes)
+    if first_end == nbytes:
+        return [(0, nbytes)]
     cuts = [0, *range(first_end, nbytes, chunk_size), nbytes]
     return list(zip(cuts, cuts[1:]))
 

@@ -202,6 +202,17 @@ class ChunkWriter:
     def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
         if self._finished:
             raise RuntimeError("ChunkWriter is finished")
+        if len(spans) == 1:  # one span (most items: biases, norms, adapters), a piece of the open batch as is
+            if self._failed is not None:
+                raise self._failed
+            slot = [None, len(self._batch)]
+            self._pending.append((item, [slot]))
+            self._batch.append((view, spans, elem_size, group, global_offset))
+            self._batch_slots.append(slot)
+            self._batch_bytes += spans[0][1] - spans[0][0]
+            if self._batch_bytes >= BATCH_BYTES:
+                self._submit_batch()
+            return
         slots: list[list] = []
         self._pending.append((item, slots))
         ends = [e for _s, e in spans]

@@ -166,9 +166,7 @@ def refs_from_body(body: bytes, where: str = "manifest", *, checkpoint: str | No
     extents = np.empty(ids.size, dtype=np.uint32) if with_ends else None
     native, ends, totals, at = kernels.chunk_refs, [], [], 0
     for it in m.items:
-        got = None
-        if native is not None:
-            got = native(it.chunks, ids, 16 * at) if extents is None else native(it.chunks, ids, 16 * at, extents)
+        got = native(it.chunks, ids, 16 * at, extents) if native is not None else None
         n, total = got if got is not None else _read_refs(it, ids, at, corrupt, extents)
         at += n
         ends.append(at)

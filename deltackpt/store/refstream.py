@@ -142,12 +142,8 @@ class _Stream:
         """Walk ``view`` as far as it holds whole values; the bytes used."""
         done = 0
         while True:
-            if self.ends is None:
-                status, used = kernels.walk_refs(self.state, view[done:], self.top, self.items, self.ids,
-                                                 self.recs, self.at)
-            else:
-                status, used = kernels.walk_refs(self.state, view[done:], self.top, self.items, self.ids,
-                                                 self.recs, self.at, self.ends)
+            status, used = kernels.walk_refs(self.state, view[done:], self.top, self.items, self.ids, self.recs,
+                                             self.at, self.ends)
             done += used
             if status == _FAILED:
                 raise _Refused

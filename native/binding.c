@@ -295,6 +295,27 @@ static PyObject *py_sparse_split(PyObject *self, PyObject *args)
     return PyLong_FromSize_t(nnz);
 }
 
+PyDoc_STRVAR(plane_stats_doc,
+"plane_stats(src) -> (nonzero, pairs)\n\n"
+"The number of nonzero bytes of src, and the number of ordered pairs of distinct positions of\n"
+"src holding equal bytes: the sum over byte values b of count(b) * (count(b) - 1).");
+static PyObject *py_plane_stats(PyObject *self, PyObject *arg)
+{
+    Py_buffer v;
+    size_t nonzero;
+    uint64_t pairs;
+    PyThreadState *ts;
+
+    (void)self;
+    if (get_in(arg, &v, "src") < 0)
+        return NULL;
+    ts = release_if(v.len);
+    pairs = dc_plane_stats((const uint8_t *)v.buf, (size_t)v.len, &nonzero);
+    reacquire(ts);
+    PyBuffer_Release(&v);
+    return Py_BuildValue("(nK)", (Py_ssize_t)nonzero, (unsigned long long)pairs);
+}
+
 PyDoc_STRVAR(sparse_merge_doc,
 "sparse_merge(bitmap, vals, out) -> None\n\n"
 "Inverse of sparse_split into out; ValueError when bitmap and vals disagree.");
@@ -1011,6 +1032,7 @@ static PyMethodDef native_methods[] = {
     {"unshuffle_zigzag", py_unshuffle_zigzag, METH_VARARGS, unshuffle_zigzag_doc},
     {"fastcdc_cuts", py_fastcdc_cuts, METH_VARARGS, fastcdc_cuts_doc},
     {"sparse_split", py_sparse_split, METH_VARARGS, sparse_split_doc},
+    {"plane_stats", py_plane_stats, METH_O, plane_stats_doc},
     {"sparse_merge", py_sparse_merge, METH_VARARGS, sparse_merge_doc},
     {"sparse_apply", py_sparse_apply, METH_VARARGS, sparse_apply_doc},
     {"gear_table", py_gear_table, METH_NOARGS, gear_table_doc},

@@ -94,6 +94,15 @@ int dc_sparse_merge(const uint8_t *bitmap, const uint8_t *vals, size_t nvals, ui
 int dc_sparse_apply(const uint8_t *bitmaps, const uint8_t *vals, const uint64_t *counts, uint8_t *dst,
                     size_t n, size_t k, int zig);
 
+/*
+ * Statistics of a byte plane from its histogram, for the choice of how to store it: sets *nonzero to the
+ * number of nonzero bytes and returns the number of ordered pairs of distinct positions holding equal bytes,
+ * sum over byte values b of count(b) * (count(b) - 1) (divided by n * (n - 1): an unbiased estimate of the
+ * collision probability sum p(b)^2, whose -log2 is the Renyi entropy, a lower bound of the Shannon entropy).
+ * Planes are at most a chunk (< 2^32 bytes), so the sum fits.
+ */
+uint64_t dc_plane_stats(const uint8_t *src, size_t n, size_t *nonzero);
+
 /* The 256-entry gear table (splitmix64 from state 0x64656C7461636B70). */
 const uint64_t *dc_gear_table(void);
 

@@ -389,3 +389,37 @@ int dc_sparse_apply(const uint8_t *bitmaps, const uint8_t *vals, const uint64_t 
             return -1;
     return 0;
 }
+
+uint64_t dc_plane_stats(const uint8_t *src, size_t n, size_t *nonzero)
+{
+    /* Four tables so that runs of one byte value do not serialize on one counter; uint32 counters, emptied
+     * into the totals every 2^30 bytes. */
+    uint32_t h[4][256];
+    uint64_t total[256] = {0}, pairs = 0;
+    size_t i = 0, b;
+
+    while (i < n) {
+        size_t end = n - i > ((size_t)1 << 30) ? i + ((size_t)1 << 30) : n;
+        memset(h, 0, sizeof h);
+        for (; i + 8 <= end; i += 8) {
+            uint64_t w;
+            memcpy(&w, src + i, 8);
+            h[0][w & 255]++;
+            h[1][(w >> 8) & 255]++;
+            h[2][(w >> 16) & 255]++;
+            h[3][(w >> 24) & 255]++;
+            h[0][(w >> 32) & 255]++;
+            h[1][(w >> 40) & 255]++;
+            h[2][(w >> 48) & 255]++;
+            h[3][w >> 56]++;
+        }
+        for (; i < end; i++)
+            h[0][src[i]]++;
+        for (b = 0; b < 256; b++)
+            total[b] += (uint64_t)h[0][b] + h[1][b] + h[2][b] + h[3][b];
+    }
+    for (b = 0; b < 256; b++)
+        pairs += total[b] * (total[b] - (total[b] > 0));
+    *nonzero = n - (size_t)total[0];
+    return pairs;
+}

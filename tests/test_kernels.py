@@ -859,6 +859,31 @@ def test_xxh3_64_rows_native_and_twin_agree_with_xxhash():
             fn(rows, 2**62, 8, np.empty(9, np.uint64))
 
 
+_STATS = [twins.plane_stats] + (
+    [kernels._native.plane_stats] if kernels._native is not None and hasattr(kernels._native, "plane_stats") else [])
+
+
+@pytest.mark.parametrize("stats", _STATS)
+@given(data=st.binary(max_size=3000), offset=st.integers(0, 7))
+@settings(max_examples=60, deadline=None)
+def test_plane_stats_counts_nonzero_bytes_and_equal_pairs(stats, data, offset):
+    """(nonzero bytes, ordered pairs of distinct positions with equal bytes) against a count by hand, at any
+    alignment (the native kernel reads 8 bytes at a time, then the tail)."""
+    buf = np.frombuffer(b"\x00" * offset + data, dtype=np.uint8)[offset:]
+    counts = [data.count(bytes([b])) for b in range(256)]
+    assert stats(buf) == (len(data) - counts[0], sum(c * (c - 1) for c in counts))
+
+
+@pytest.mark.skipif(kernels._native is None or not hasattr(kernels._native, "plane_stats"),
+                    reason="the native extension is not built")
+def test_plane_stats_native_and_twin_agree_on_large_planes():
+    rng = np.random.default_rng(5)
+    for buf in (rng.integers(0, 256, (1 << 20) + 5, dtype=np.uint8), np.zeros(1 << 20, np.uint8),
+                np.full(77_777, 9, np.uint8), rng.integers(0, 3, 1 << 16, dtype=np.uint8)):
+        assert kernels._native.plane_stats(buf) == twins.plane_stats(buf)
+    assert kernels._native.plane_stats(b"") == (0, 0)
+
+
 _FINDERS = [twins.find_sorted] + (
     [kernels._native.find_sorted] if kernels._native is not None and hasattr(kernels._native, "find_sorted") else [])
 

@@ -10,6 +10,7 @@ Public API (all inputs are any C-contiguous buffer, read as raw bytes)::
     unshuffle_zigzag(planes, base, elem_size, out=None) -> base + unzigzag(unshuffle(planes))
     sparse_split(src)                          -> (bitmap, nonzero bytes) of a mostly-zero plane
     sparse_merge(bitmap, vals, n, out=None)    -> inverse of sparse_split (ValueError if they disagree)
+    plane_stats(src)                           -> (nonzero bytes, pairs of positions with equal bytes)
     sparse_apply(bitmaps, vals, counts, dst, elem_size, zigzag=False) -> dst updated in place by a delta
                                                whose planes are all zero-sparse (only where it is nonzero)
     fastcdc_cuts(data, min_size, avg_size, max_size) -> int64 chunk end offsets
@@ -59,6 +60,7 @@ __all__ = [
     "find_sorted",
     "native_impl",
     "numpy_impl",
+    "plane_stats",
     "shuffle",
     "sort_ids",
     "sparse_apply",
@@ -151,3 +153,6 @@ find_sorted = _batch_kernel("find_sorted", twins.find_sorted)
 find_bucketed = _batch_kernel("find_bucketed", twins.find_bucketed)
 # sort_ids(ids, pay=None): 16-byte ids sorted in place, in memcmp order (idset's sets); pay: uint32 moved along.
 sort_ids = _batch_kernel("sort_ids", twins.sort_ids)
+# plane_stats(src) -> (nonzero, pairs): a byte plane's nonzero bytes and its pairs of equal bytes, from one pass
+# (store/planes.py decides with them whether a plane is stored sparse, raw or zstd-coded).
+plane_stats = _batch_kernel("plane_stats", twins.plane_stats)

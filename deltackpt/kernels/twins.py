@@ -1,8 +1,8 @@
 """twins: the Python twins of the native batch kernels, for the numpy backend or an extension built before them.
 
 Each gives the same results and raises the same ``ValueError`` as its C counterpart (docstrings in
-native/binding.c): many chunks unshuffled and hash-checked in one call, entry-header digests, and the
-sorted-id searches and sort of :mod:`deltackpt.store.idset`.
+native/binding.c): many chunks unshuffled and hash-checked in one call, entry-header digests, the
+sorted-id searches and sort of :mod:`deltackpt.store.idset`, and a byte plane's statistics.
 """
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ def xxh3_64_rows(rows, stride: int, nbytes: int, out) -> None:
         raise ValueError(f"rows has {len(mv)} bytes, {dest.size} rows of stride {stride} need more")
     dest[:] = [xxhash.xxh3_64_intdigest(mv[i * stride:i * stride + nbytes]) for i in range(dest.size)]
 
+
+
+def plane_stats(src) -> tuple[int, int]:
+    """The twin of the native ``plane_stats``: (nonzero bytes, ordered pairs of positions holding equal bytes)
+    of ``src``."""
+    s = as_u8(src, "src")
+    counts = np.bincount(s, minlength=256).astype(np.uint64)
+    return int(s.size - counts[0]), int(np.dot(counts, counts) - s.size)
 
 
 def find_sorted(ids, keys, out) -> None:

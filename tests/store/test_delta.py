@@ -397,6 +397,38 @@ def test_incompressible_planes_are_stored_as_is_and_exponents_are_compressed():
     assert _modes(codec.encode_planes(noise, 1, 1), 1)[0] == codec.SEG_RAW
 
 
+def test_an_evenly_spread_plane_is_stored_as_is_without_trying_zstd(monkeypatch):
+    """A plane whose bytes are spread evenly over all values (the low mantissa bytes of new fp32 chunks) skips
+    zstd: the equal-pair count shows no coder of independent bytes could shrink it. Planes with any skew
+    zstd can use are still tried, and the stored bytes are what trying zstd on every plane stores."""
+    rng = np.random.default_rng(31)
+    w = rng.standard_normal(1536 * 4).astype(np.float32)  # 6 KiB planes, coded whole (a fine-tune's new chunks)
+    tried = []
+    real = planes.compressor
+
+    class Counting:
+        def __init__(self, cctx):
+            self.cctx = cctx
+
+        def compress(self, data):
+            tried.append(len(data))
+            return self.cctx.compress(data)
+
+    monkeypatch.setattr(planes, "compressor", lambda level: Counting(real(level)))
+    stored = codec.encode_planes(w, 4, 1)
+    assert _modes(stored, 4)[:4] == [codec.SEG_RAW, codec.SEG_RAW, codec.SEG_RAW, codec.SEG_ZSTD]
+    assert tried == [w.nbytes // 4]  # only the sign + exponent plane went to zstd
+    # 64 byte values at 1/128 each and 128 at 1/256: 7.5 bits a byte, 6 % for zstd's Huffman coder to save
+    skewed = rng.choice(256, 6144, p=np.r_[[2.0] * 64, [1.0] * 128, [0.0] * 64] / 256).astype(np.uint8)
+    tried.clear()
+    assert _modes(codec.encode_planes(skewed, 1, 1), 1)[0] == codec.SEG_ZSTD and tried == [6144]
+    # A plane coded whole keeps any gain, also where a sampled one needs 10 % (a zigzag-difference plane's).
+    assert _modes(planes.pack_planes(skewed, 1, 1, 0.1), 1)[0] == codec.SEG_ZSTD and tried == [6144] * 2
+    monkeypatch.setattr(planes, "_incompressible", lambda sample, gain: False)  # zstd tries every plane
+    assert bytes(codec.encode_planes(w, 4, 1)) == bytes(stored)
+    assert len(tried) == 2 + 4  # the two above, then all four planes
+
+
 def _drifted(n: int, seed: int, frac: float):
     """(base, new): fp32 weights and a copy where ``frac`` of the values moved by about one part in 10^4."""
     rng = np.random.default_rng(seed)

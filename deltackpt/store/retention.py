@@ -14,8 +14,12 @@ A tag and a forget of the same checkpoint from two processes: each writes first 
 puts ``forgetting/<id>`` (the names, the time) before it reads the tags, and deletes it when done; a tag
 put is followed by a look for such an intent naming its checkpoint (and for the manifest): if one is there,
 the tag is taken back and refused. Whatever the order, a checkpoint is either kept or its tag refused, never
-forgotten with a tag its writer was told it has. An intent a crash left behind stops counting after
-``INTENT_TTL_S``, and the next forget deletes it once it is older than ``STALE_INTENT_S``.
+forgotten with a tag its writer was told it has; a refused tag leaves the tags that were there before it. A
+forget renews its intent while it removes manifests, so a slow one stays covered. An intent a crash left
+behind stops counting after ``INTENT_TTL_S`` (hosts' clocks are assumed to agree within minutes), and the
+next forget deletes it once it is older than ``STALE_INTENT_S``. Where a full disk leaves no room for the
+intent, the forget goes on without it (it is how such a disk gets space back) and logs the checkpoints it
+removed that were tagged meanwhile.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ FORGETTING_PREFIX = "forgetting/"
 log = logging.getLogger("deltackpt.retention")
 INTENT_TTL_S = 600.0  # a forget's intent older than this is a crashed forget's: it no longer refuses tags
 STALE_INTENT_S = 6 * INTENT_TTL_S  # a crashed forget's intent older than this is deleted by the next forget
+FORGET_BATCH = 256  # manifests removed between two looks at the intent's age (renewed after INTENT_TTL_S / 3)
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -104,10 +109,21 @@ def set_tags(store, name: str, tags: list[str]) -> list[str]:
             raise ValueError(f"invalid tag {t!r}: 1-64 letters, digits and . _ + = @ -")
     tags = sorted(set(tags))
     if tags:
-        store.backend.put(_tag_key(name), json.dumps(tags).encode())
+        key = _tag_key(name)
+        try:
+            before = store.backend.get(key)
+        except FileNotFoundError:
+            before = None
+        store.backend.put(key, json.dumps(tags).encode())
         forgetting = _being_forgotten(store, name)
-        if forgetting or not store.exists(name):  # a forget raced this tag: see the module's docstring
-            store.backend.delete(_tag_key(name))
+        exists = store.exists(name)
+        if forgetting or not exists:  # a forget raced this tag: see the module's docstring
+            if before is not None and exists:
+                # Only this change is refused: the tags there before passed this same check, so a forget naming
+                # the checkpoint wrote its intent after them, saw them, and keeps it. Deleting them would unpin it.
+                store.backend.put(key, before)
+            else:
+                store.backend.delete(key)
             raise CheckpointNotFoundError(name, reason="a forget running in another process is removing it; "
                                           "not tagged (tag it again once that forget is done)"
                                           if forgetting else "forgotten while it was being tagged")
@@ -146,25 +162,53 @@ class ForgetPlan:
         if not self.forget:
             return []
         intent = f"{FORGETTING_PREFIX}{uuid.uuid4().hex}"  # before the tags are read: see the module's docstring
-        try:
-            self.store.backend.put(intent, json.dumps({"names": self.forget, "time": time.time()}).encode())
-        except DiskFullError:
-            # forget is how a full disk gets its space back (with gc): it goes on, and a tag racing it is
-            # caught only by the tag's own look for the manifest
-            log.warning("%s: no room for a forget's intent; forgetting without it", describe(self.store.backend))
+        written = self._put_intent(intent)
         try:
             now_tagged = {i.key[len("tags/"):] for i in self.store.backend.list("tags/")}  # one listing
             tagged = [n for n in self.forget if n in now_tagged]  # a pin set after the plan read the tags
             for name in tagged:
                 self.forget.remove(name)
                 self.keep[name] = ["tagged since the plan"]
-            removed = self.store.forget(self.forget)  # one index transaction for all, not one per checkpoint
+            removed = []
+            for start in range(0, len(self.forget), FORGET_BATCH):
+                if written is not None and time.time() - written > INTENT_TTL_S / 3:
+                    # Renewed while manifests are still to go: a slow forget (many names on object storage)
+                    # must not outlive its intent, or a tag racing the rest would be accepted, then deleted.
+                    written = self._put_intent(intent)
+                # one index transaction per batch, not one per checkpoint
+                removed += self.store.forget(self.forget[start:start + FORGET_BATCH])
+            if written is None:
+                self._note_late_tags(now_tagged, removed)
             for name in self.forget:
                 self.store.backend.delete(_tag_key(name))
         finally:
             self.store.backend.delete(intent)
         _drop_stale_intents(self.store)
         return removed
+
+    def _put_intent(self, key: str) -> float | None:
+        """Write (or renew) this forget's intent; its time, or None where the disk has no room for it."""
+        now = time.time()
+        try:
+            self.store.backend.put(key, json.dumps({"names": self.forget, "time": now}).encode())
+            return now
+        except DiskFullError:
+            # forget is how a full disk gets its space back (with gc): it goes on without the intent, and a tag
+            # written after the tags were listed and checked before its manifest went is lost (warned below)
+            log.warning("%s: no room for a forget's intent; forgetting without it (a tag set meanwhile on a "
+                        "checkpoint it removes is lost)", describe(self.store.backend))
+            return None
+
+    def _note_late_tags(self, listed: set[str], removed: list[str]) -> None:
+        """Without an intent, name the removed checkpoints tagged after the tags were listed: their tagger may
+        have been told they were tagged."""
+        try:
+            late = sorted({i.key[len("tags/"):] for i in self.store.backend.list("tags/")} & set(removed) - listed)
+        except OSError:
+            return
+        if late:
+            log.warning("%s: tagged while being forgotten without an intent, and removed: %s",
+                        describe(self.store.backend), ", ".join(late))
 
 
 def _drop_stale_intents(store) -> None:

@@ -18,7 +18,8 @@ verify takes no lock, so a gc may run meanwhile: move a delta's base to a new pa
 listed, drop the chunks of checkpoints forgotten meanwhile. gc writes a new gc epoch before it deletes a pack
 and again once every one is gone (and holds the exclusive lock in between), so verify reads the epoch first and
 again at the end; when it changed, every finding a gc could have caused is checked again against the store as
-it is then (:func:`_settle_after_gc`), and only what holds there is reported, and its pack marked damaged. What
+it is then (:func:`_settle_after_gc`), and only what holds there is reported, and its pack marked damaged. A
+chunk that no pack of a fresh listing holds is reported even while a gc runs (a gc never causes that); what
 cannot be settled so is reported as not checked (``skipped_by="concurrent-gc"``), never as damage.
 
 Phases (restic's checker: index, structure, packs, read data), each a function below: needed chunks (the
@@ -291,6 +292,8 @@ class _GcWatch:
 
 
 _SETTLE_TRIES = 3  # windows in which to check the findings again, while gcs keep running
+_SETTLE_WAIT_S = 1.0  # between two tries while a gc holds the exclusive lock (it may be deleting)
+_LOST = (ProblemKind.MISSING_CHUNK, ProblemKind.MISSING_PACK)
 
 
 def _settle_after_gc(store, watch: _GcWatch, found: Findings, report: VerifyReport, level: int) -> None:
@@ -298,16 +301,21 @@ def _settle_after_gc(store, watch: _GcWatch, found: Findings, report: VerifyRepo
     the manifests and packs listed again), in a window no gc touches (the epoch unchanged from before it to
     after, and no gc running at its start): a chunk the gc moved (a delta whose base went to another pack, a
     pack gone between the listing and its read) or dropped with checkpoints forgotten meanwhile is no damage,
-    and only what holds is reported, its pack then marked damaged. What no such window settles is reported as
-    not checked (``skipped_by="concurrent-gc"``). Without a gc, every finding stands as it is."""
+    and only what holds is reported, its pack then marked damaged. Without such a window, a chunk that a
+    checkpoint still present needs and no pack of a fresh listing holds is reported all the same (gc publishes
+    the copies it moves before it deletes a pack, and drops only what no checkpoint needs: that is loss, not a
+    gc's doing); the rest is reported as not checked (``skipped_by="concurrent-gc"``). Without a gc, every
+    finding stands as it is."""
     if not watch.moved():
         return
     if not (found.bad or found.stray or any(p.kind is ProblemKind.MANIFEST for p in report.problems)):
         return  # nothing a gc could have caused (a pack it deleted before its read is skipped already)
-    for _ in range(_SETTLE_TRIES):
+    for attempt in range(_SETTLE_TRIES):
         window = _GcWatch(store.backend)
-        if window.running:
-            break  # it may be deleting still: nothing found now would hold either
+        if window.running:  # it may be deleting still: a read failing now proves nothing
+            if attempt + 1 < _SETTLE_TRIES:
+                time.sleep(_SETTLE_WAIT_S)
+            continue
         listed = list_packs(store.backend)
         store.refresh_index(pack_stamps(listed))
         store.index.set_meta(b"gc_epoch", window.epoch)  # the cache says what the packs say as of this epoch
@@ -315,11 +323,18 @@ def _settle_after_gc(store, watch: _GcWatch, found: Findings, report: VerifyRepo
         if not window.moved():
             again.apply(found, report)
             return
-    # A gc kept moving chunks: what it may have caused was not checked.
-    report.chunks_skipped += len(found.bad) + len(found.stray)
-    found.bad, found.stray = {}, []
-    report.complete = False
-    report.skipped_by = report.skipped_by or "concurrent-gc"
+    # A gc kept moving chunks: of what it may have caused, only a chunk in no pack present is sure.
+    listed = list_packs(store.backend)
+    store.refresh_index(pack_stamps(listed))
+    again = _Recheck(store, found, report, _sizes(listed), 0)
+    lost = {cid: p for cid, p in again.bad.items() if p.kind in _LOST}
+    unsettled = len(again.bad) - len(lost) + len(again.stray)
+    again.bad, again.stray, again.checked = lost, [], 0
+    again.apply(found, report)
+    if unsettled:
+        report.chunks_skipped += unsettled
+        report.complete = False
+        report.skipped_by = report.skipped_by or "concurrent-gc"
 
 
 class _Recheck:

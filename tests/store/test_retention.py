@@ -389,3 +389,88 @@ def test_a_forget_whose_cleanup_of_old_intents_fails_still_reports_what_it_forgo
     assert plan_forget(store, keep_last=5).execute() == ["s0"]
     assert "left old forget intents in place" in caplog.text
     assert [i.name for i in store.list_checkpoints()] == ["s1", "s2", "s3", "s4", "s5"]
+
+
+def test_a_refused_tag_leaves_the_tags_accepted_before_it(six, monkeypatch):
+    # s0 was tagged "keep" after forget's plan and before its intent: the forget keeps it. While that forget
+    # runs, another tag of s0 is refused; "keep" must stay (deleting the object would unpin s0 for the next one).
+    store, saved, _ = six
+    plan = plan_forget_names(store, ["s0", "s1"])
+    assert set_tags(store, "s0", ["keep"]) == ["keep"]
+    real, raised = store.forget, []
+
+    def forget(names):
+        try:
+            set_tags(store, "s0", ["keep", "extra"])
+        except CheckpointNotFoundError as e:
+            raised.append(str(e))
+        return real(names)
+
+    monkeypatch.setattr(store, "forget", forget)
+    assert plan.execute() == ["s1"] and plan.keep["s0"] == ["tagged since the plan"]
+    assert raised and "a forget running in another process" in raised[0]
+    assert read_tags(store, "s0") == ["keep"]
+    monkeypatch.setattr(store, "forget", real)
+    assert plan_forget(store, keep_last=1).execute() == ["s2", "s3", "s4"]  # the pin still holds
+    assert_items_equal(saved["s0"], store.load("s0"))
+
+
+def test_a_slow_forget_renews_its_intent_so_a_late_tag_is_still_refused(six, monkeypatch):
+    # Removing manifests took longer than INTENT_TTL_S (many names on object storage): a tag of a checkpoint
+    # still to go must be refused, not accepted and then deleted with it.
+    import json
+
+    from deltackpt.store import retention
+    from deltackpt.store.manifest import manifest_key
+
+    store, _, _ = six
+    monkeypatch.setattr(retention, "FORGET_BATCH", 1)
+    clock = [0.0]
+    real_time = time.time
+    monkeypatch.setattr(retention.time, "time", lambda: real_time() + clock[0])
+    plan = plan_forget_names(store, ["s0", "s1"])
+    real_delete, told = store.backend.delete, []
+
+    def delete(key):
+        if key == manifest_key("s1"):  # another process tags s1 just before its manifest goes
+            try:
+                told.append(set_tags(store, "s1", ["keep"]))
+            except CheckpointNotFoundError:
+                told.append("refused")
+        real_delete(key)
+        if key == manifest_key("s0"):
+            clock[0] += retention.INTENT_TTL_S + 60  # this one took 11 minutes
+
+    monkeypatch.setattr(store.backend, "delete", delete)
+    assert plan.execute() == ["s0", "s1"]
+    assert told == ["refused"], "the tagger was told s1 is tagged, and s1 was then forgotten"
+    assert read_all_tags(store) == {} and not list(store.backend.list("forgetting/"))
+    intents = []
+    real_put = store.backend.put
+    monkeypatch.setattr(store.backend, "put", lambda k, d: (intents.append(json.loads(d)), real_put(k, d))[1])
+    plan_forget_names(store, ["s2"]).execute()
+    assert len(intents) == 1  # a quick forget writes its intent once
+
+
+def test_a_forget_without_room_for_its_intent_names_what_was_tagged_meanwhile(six, monkeypatch, caplog):
+    from deltackpt.errors import DiskFullError
+
+    store, _, _ = six
+    plan = plan_forget_names(store, ["s0"])
+    real_put, real_forget = store.backend.put, store.forget
+
+    def put(key, data):
+        if key.startswith("forgetting/"):
+            raise DiskFullError(key)
+        return real_put(key, data)
+
+    def forget(names):  # a tag lands after forget listed the tags, and before s0's manifest goes
+        set_tags(store, "s0", ["keep"])
+        return real_forget(names)
+
+    monkeypatch.setattr(store.backend, "put", put)
+    monkeypatch.setattr(store, "forget", forget)
+    assert plan.execute() == ["s0"]
+    assert "no room for a forget's intent" in caplog.text
+    assert "tagged while being forgotten without an intent, and removed: s0" in caplog.text
+    assert read_all_tags(store) == {}

@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 
 from deltackpt.cli import main
+from deltackpt.errors import MissingChunkError
 from deltackpt.store import Store, codec
 from deltackpt.store import verify as verify_mod
 from deltackpt.store.gc import plan_gc
 from deltackpt.store.lock import EXCLUSIVE
 from deltackpt.store.pack import HEADER_SIZE, pack_key
+from deltackpt.store.source import ChunkSource
 from deltackpt.store.verify import ProblemKind, verify_store
 
 from store_helpers import SMALL, close_index, mutate_object, pack_names
@@ -121,13 +123,15 @@ def test_a_delta_whose_base_gc_moved_mid_verify_is_no_damage_and_marks_nothing(t
     np.testing.assert_array_equal(Store.open(root).load("b")["w"], lay["w2"])
 
 
-def test_a_gc_still_running_when_verify_checks_again_leaves_the_deltas_not_checked(tmp_path, monkeypatch):
-    """When no window free of gc comes (a gc holds the exclusive lock while verify checks again), what a gc may
-    have caused is reported as not checked, run verify again: not as damage, and nothing is marked."""
+def test_a_gc_still_running_when_verify_checks_again_rechecks_against_a_fresh_listing(tmp_path, monkeypatch):
+    """When no window free of gc comes (a gc holds the exclusive lock while verify checks again), the findings are
+    checked against a fresh listing all the same: the deltas decode through the bases' new pack, so nothing is
+    damage, nothing is marked, and every chunk counts as checked."""
     root = tmp_path / "s"
     lay = _layout(root)
     verifier = _verifier(root, tmp_path, "own")
     _read_last(verifier, lay["delta_packs"])
+    monkeypatch.setattr(verify_mod, "_SETTLE_WAIT_S", 0.0)
     real, locked = verify_mod._decode_chunks, []
     with ExitStack() as stack:
         def gc_then_hold(source, table, *a, **k):
@@ -143,7 +147,27 @@ def test_a_gc_still_running_when_verify_checks_again_leaves_the_deltas_not_check
     assert [p.as_dict() for p in report.problems] == []
     assert verifier.index.damaged_packs(refresh=True) == frozenset()
     _assert_honest(report)
-    assert not report.complete and report.chunks_skipped >= 1
+    assert report.complete and report.ok
+
+
+def test_a_pack_lost_while_a_gc_holds_the_lock_is_reported(tmp_path, monkeypatch, capsys):
+    """A pack deleted by hand (no gc's doing) while another process holds the exclusive lock from start to end:
+    the chunk is in no pack of a fresh listing, which no gc causes (it publishes what it moves before it
+    deletes), so verify reports it and exits 1 (it said "partial ... no problems found" before)."""
+    root = tmp_path / "s"
+    store = Store.init(root, **SMALL)
+    store.save("c", {"x": np.random.default_rng(1).standard_normal(4096).astype(np.float32)})
+    packs = {store.index.lookup(r.id).pack for it in store.read_manifest("c").items for r in it.chunks}
+    close_index(store)
+    for p in packs:
+        (root / pack_key(p)).unlink()
+    monkeypatch.setattr(verify_mod, "_SETTLE_WAIT_S", 0.0)
+    holder = Store.open(root, cache_dir=tmp_path / "other")
+    with holder.lock(EXCLUSIVE, wait_s=0):  # a gc in its delete phase on another host, say
+        code = main(["verify", str(root), "--level", "0"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "missing" in out and "c" in out, out
 
 
 # -- a checkpoint forgotten and gc'd during verify ------------------------------------------------------------
@@ -191,15 +215,26 @@ def test_cli_verify_during_forget_and_gc_exits_0(tmp_path, monkeypatch, capsys):
     assert "no problems found" in out and "missing" not in out
 
 
-def test_cli_verify_says_incomplete_when_a_gc_keeps_running(tmp_path, monkeypatch, capsys):
+def test_cli_verify_says_incomplete_when_reads_keep_failing_while_a_gc_runs(tmp_path, monkeypatch, capsys):
     """`deltackpt verify` with an index cache of its own (another host's) while a gc moves the bases of b's deltas
-    and then still holds its lock: exit 0, the deltas not checked, "run verify again"; no damage, none marked."""
+    and then still holds its lock, and reads of the deltas keep failing (as reads of a pack being deleted do):
+    exit 0, the deltas not checked, "run verify again"; no damage, none marked."""
     root = tmp_path / "s"
     lay = _layout(root)
+    deltas = {r.id for r in Store.open(root).read_manifest("b").item_map()["w"].chunks}
     monkeypatch.setenv("DELTACKPT_CACHE_DIR", str(tmp_path / "cli-cache"))
     _read_last(Store.open(root), lay["delta_packs"])
     close_index(Store.open(root))
+    monkeypatch.setattr(verify_mod, "_SETTLE_WAIT_S", 0.0)
     real, locked = verify_mod._decode_chunks, []
+    real_decode = ChunkSource.decode_entry
+
+    def failing(self, entry, *a, **k):
+        if locked and entry.chunk_id in deltas:
+            raise MissingChunkError(entry.chunk_id.hex())
+        return real_decode(self, entry, *a, **k)
+
+    monkeypatch.setattr(ChunkSource, "decode_entry", failing)
     with ExitStack() as stack:
         def gc_then_hold(source, table, *a, **k):
             if table.name in lay["delta_packs"] and not locked:

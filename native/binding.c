@@ -244,8 +244,7 @@ static PyObject *py_fastcdc_cuts(PyObject *self, PyObject *args)
     }
     {
         PyThreadState *ts = release_if(data.len);
-        /* cuts.buf comes from a numpy int64 array / Python allocator, so it
-         * is suitably aligned for int64_t. */
+        /* cuts.buf: any alignment (dc_fastcdc_cuts stores through memcpy) */
         count = dc_fastcdc_cuts((const uint8_t *)data.buf, (size_t)data.len,
                                 (size_t)mn, (size_t)avg, (size_t)mx,
                                 (int64_t *)cuts.buf,
@@ -660,13 +659,14 @@ static PyObject *py_unshuffle_check(PyObject *self, PyObject *args)
         goto done;
     }
     for (j = 0; j < n; j++) {
-        const int64_t *sj = (const int64_t *)src.buf + j * (k + 1);
+        const uint8_t *sj = (const uint8_t *)src.buf + 8 * j * (k + 1);  /* src: any alignment */
         Py_ssize_t len = outs[j].len, per = len / k;
         dsts[j] = (uint8_t *)outs[j].buf;
         sizes[j] = (size_t)len;
         total += (size_t)len;
         for (s = 0; s <= k; s++) {
-            int64_t want = s < k ? per : len - per * k, at = sj[s];
+            int64_t want = s < k ? per : len - per * k, at;
+            memcpy(&at, sj + 8 * s, 8);
             if (at >= 0 && at <= buf.len && want <= buf.len - at) {
                 segs[j * (k + 1) + s] = (const uint8_t *)buf.buf + at;
             } else if (at < 0 && -1 - at < nframes && frames[-1 - at].len == want) {
@@ -794,13 +794,15 @@ static PyObject *py_find_sorted(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "ids and keys must be 16-byte ids, out an int64 per key");
     } else {
         const uint8_t *set = (const uint8_t *)ids.buf, *key = (const uint8_t *)keys.buf;
-        int64_t *pos = (int64_t *)out.buf;
+        uint8_t *pos = (uint8_t *)out.buf;
         Py_BEGIN_ALLOW_THREADS
         for (i = 0; i < m; i++, key += 16) {
+            int64_t found;
             if (lo > 0 && memcmp(set + 16 * (lo - 1), key, 16) >= 0)
                 lo = 0;  /* out of order: search from the start again (a wrong answer never) */
             lo = gallop16(set, n, lo, key);
-            pos[i] = lo < n && memcmp(set + 16 * lo, key, 16) == 0 ? (int64_t)lo : -1;
+            found = lo < n && memcmp(set + 16 * lo, key, 16) == 0 ? (int64_t)lo : -1;
+            memcpy(pos + 8 * i, &found, 8);  /* out: any alignment */
         }
         Py_END_ALLOW_THREADS
     }
@@ -869,7 +871,7 @@ static PyObject *py_find_bucketed(PyObject *self, PyObject *args)
     } else {
         const uint8_t *set = (const uint8_t *)ids.buf, *key = (const uint8_t *)keys.buf;
         const uint8_t *table = (const uint8_t *)starts.buf, *first = key;
-        int64_t *pos = (int64_t *)out.buf;
+        uint8_t *pos = (uint8_t *)out.buf;
         Py_BEGIN_ALLOW_THREADS
         for (i = 0; i < m; i++, key += 16) {
             uint32_t lo32, hi32;
@@ -899,7 +901,10 @@ static PyObject *py_find_bucketed(PyObject *self, PyObject *args)
                 else
                     right = mid;
             }
-            pos[i] = left < n && memcmp(set + 16 * left, key, 16) == 0 ? (int64_t)left : -1;
+            {
+                int64_t found = left < n && memcmp(set + 16 * left, key, 16) == 0 ? (int64_t)left : -1;
+                memcpy(pos + 8 * i, &found, 8);  /* out: any alignment */
+            }
         }
         Py_END_ALLOW_THREADS
     }

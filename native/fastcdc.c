@@ -15,6 +15,8 @@
  */
 #include "dc_kernels.h"
 
+#include <string.h>
+
 #if defined(__GNUC__) || defined(__clang__)
 #define DC_LIKELY(x) __builtin_expect(!!(x), 1)
 #else
@@ -223,7 +225,10 @@ size_t dc_fastcdc_cuts(const uint8_t *data, size_t len, size_t min_size,
                     cut = p + 1;
             }
         }
-        cuts[count++] = (int64_t)cut;
+        {
+            int64_t c = (int64_t)cut;
+            memcpy(cuts + count++, &c, sizeof c); /* cuts: any alignment */
+        }
         s = cut;
     }
     return count;

@@ -205,8 +205,12 @@ static int value_done(dc_walker *w)
             return 0;
         w->depth = d;
         if (w->kind[d] == DC_ITEM) {
-            w->recs[2 * w->recs_at] = w->item_refs;
-            w->recs[2 * w->recs_at + 1] = w->item_total;
+            uint64_t rec[2] = {w->item_refs, w->item_total};
+            if (w->recs_at >= w->recs_cap) { /* dc_walk leaves room for one: only a forged state ends two */
+                w->failed = 1;
+                return -1;
+            }
+            memcpy(w->recs + 2 * w->recs_at, rec, sizeof rec); /* recs: any alignment */
             w->recs_at++;
             w->items_end = w->items_at;
         } else if (w->kind[d] == DC_ITEMS) {
@@ -219,6 +223,11 @@ static int value_done(dc_walker *w)
 
 static void emit(dc_walker *w, const uint8_t *src, size_t n)
 {
+    /* dc_walk checked the room, but of the output in_items names: a forged state can name the other */
+    if (n > (w->in_items ? w->items_cap - w->items_at : w->top_cap - w->top_at)) {
+        w->failed = 1;
+        return;
+    }
     if (w->in_items) {
         memcpy(w->items + w->items_at, src, n);
         w->items_at += n;
@@ -253,6 +262,8 @@ int dc_walk(dc_walker *w, const uint8_t *buf, size_t len, size_t *consumed)
         return DC_WALK_FAILED;
     while (1) {
         size_t room_top = w->top_cap - w->top_at, room_items = w->items_cap - w->items_at;
+        if (w->failed) /* emit or value_done refused a write past an output */
+            return DC_WALK_FAILED;
         if (w->recs_at == w->recs_cap) { /* a step can end an item: room for its record first */
             rc = DC_WALK_OUTPUT_FULL;
             break;
@@ -390,5 +401,5 @@ int dc_walk(dc_walker *w, const uint8_t *buf, size_t len, size_t *consumed)
         }
     }
     *consumed = pos;
-    return rc;
+    return w->failed ? DC_WALK_FAILED : rc;
 }

@@ -1070,3 +1070,50 @@ def test_walk_refs_refuses_a_state_that_is_not_a_walkers():
     with pytest.raises(ValueError, match="aligned"):
         _native.walk_refs(np.zeros(_native.WALKER_BYTES + 1, np.uint8)[1:], np.zeros(1, np.uint8), *out,
                           np.zeros(8, np.uint64), np.zeros(5, np.int64))
+
+
+@pytest.mark.skipif(kernels.walk_refs is None, reason="the native kernels are not in use")
+def test_walk_refs_never_writes_past_its_outputs_for_a_forged_state():
+    """Found by fuzzing under AddressSanitizer: a state with two items about to end wrote two records into room
+    for one, and one in the middle of refs but not of items wrote past a full ``top``. The walk fails instead,
+    and the bytes after each output stay as they were."""
+    from deltackpt import _native
+
+    left_at, kind_at, depth_at, refs_left_at = 112, 624, 688, 704  # walker fields (see native/refs.c)
+    state = np.zeros(_native.WALKER_BYTES, np.uint8)
+    state[depth_at:depth_at + 4] = np.frombuffer(np.uint32(2).tobytes(), np.uint8)
+    state[kind_at] = state[kind_at + 1] = 3  # two DC_ITEM frames, one value from their end each
+    state[left_at:left_at + 16] = np.frombuffer(np.array([1, 1], np.uint64).tobytes(), np.uint8)
+    recs = np.full((2, 2), 7, np.uint64)  # room for one record, then a guard row
+    out = [np.zeros(64, np.uint8), np.zeros(64, np.uint8), np.zeros(16, np.uint8)]
+    assert _native.walk_refs(state, b"\x01", *out, recs[:1], np.zeros(5, np.int64))[0] == -1
+    assert recs[1].tolist() == [7, 7]
+
+    state = np.zeros(_native.WALKER_BYTES, np.uint8)
+    state[refs_left_at:refs_left_at + 8] = np.frombuffer(np.uint64(1).tobytes(), np.uint8)  # refs, not in items
+    top = np.full(9, 0xEE, np.uint8)  # 8 bytes, full, then a guard byte
+    body = bytes([0x92, 0xC4, 16]) + bytes(16) + b"\x01"
+    got = _native.walk_refs(state, body, top[:8], np.zeros(8, np.uint8), np.zeros(16, np.uint8),
+                            np.zeros((1, 2), np.uint64), np.array([8, 0, 0, 0, 0], np.int64))
+    assert got[0] == -1 and top[8] == 0xEE
+
+
+@pytest.mark.skipif(kernels._native is None, reason="the native extension is not built")
+def test_native_outputs_at_any_alignment_hold_the_same_values():
+    """int64 outputs and inputs at an odd address (undefined behaviour in C before; UBSan's report): stored and
+    read through memcpy, the values are those of an aligned buffer."""
+    from deltackpt import _native
+
+    def odd(n: int) -> np.ndarray:
+        return np.zeros(n * 8 + 1, np.uint8)[1:]
+
+    data = np.random.default_rng(9).integers(0, 256, 5000, dtype=np.uint8)
+    cuts, aligned = odd(160), np.zeros(160, np.int64)
+    count = _native.fastcdc_cuts(data, 64, 128, 256, cuts)
+    assert count == _native.fastcdc_cuts(data, 64, 128, 256, aligned) > 1
+    assert cuts[:8 * count].view(np.int64).tolist() == aligned[:count].tolist()
+    ids = np.sort(np.random.default_rng(2).integers(0, 256, (40, 16), dtype=np.uint8).view("V16").ravel())
+    keys = np.ascontiguousarray(ids[::3])
+    pos = odd(keys.size)
+    _native.find_sorted(ids, keys, pos)
+    assert pos.view(np.int64).tolist() == list(range(0, ids.size, 3))

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.deltackpt-installed
 DEMO_STORE ?= demo-store
 BENCH_OUT ?= bench-out
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test test-all demo bench asan clean
 
 install: $(STAMP)
 
@@ -40,6 +40,20 @@ bench: install
 	$(PYTHON) benchmarks/bench_kernels.py --json $(BENCH_OUT)/kernels.json
 	$(PYTHON) benchmarks/bench_dcp.py --json $(BENCH_OUT)/dcp.json
 	$(VENV)/bin/deltackpt bench --out $(BENCH_OUT)/workloads
+
+# The C kernels under AddressSanitizer and UBSan: a copy of the tree in build/asan (the .venv's build is left
+# alone), its extension built with the sanitizers, and the tests that drive the kernels and the parsers.
+ASAN_TESTS ?= tests/test_kernels.py tests/store/test_hostile_metadata.py tests/store/test_manifest_refs.py \
+	tests/store/test_fuzz_parsers.py tests/store/test_planebatch.py tests/store/test_delta.py \
+	tests/store/test_codec_zdelta.py tests/store/test_verify.py tests/store/test_read_path.py \
+	tests/store/test_corruption.py
+asan: install
+	rm -rf build/asan && mkdir -p build/asan
+	git ls-files -z | xargs -0 tar cf - | tar xf - -C build/asan
+	cd build/asan && DELTACKPT_NATIVE_SANITIZE=1 $(CURDIR)/$(PYTHON) setup.py -q build_ext --inplace
+	cd build/asan && LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=. DELTACKPT_REQUIRE_NATIVE=1 \
+		$(CURDIR)/$(PYTHON) -m pytest -q -p no:cacheprovider $(ASAN_TESTS)
 
 clean:
 	rm -rf build *.egg-info deltackpt/_native*.so $(DEMO_STORE) $(BENCH_OUT)

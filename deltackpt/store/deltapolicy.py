@@ -66,6 +66,7 @@ class DeltaBase:
     depth: int = 0  # deltas in the base's own chain (0: a keyframe); a delta against it has depth + 1
     keyframe_len: int | None = None  # stored size of the keyframe at the bottom of the chain (None: entry's)
     refresh_at: float | None = None  # a delta this large costs more than a new keyframe (the refresh rule)
+    packs: frozenset[str] = frozenset()  # the packs of the base and of every link below it (the commit checks them)
 
 
 class Verdict(NamedTuple):
@@ -161,12 +162,13 @@ class DeltaPolicy:
         key_len = chain[-1].stored_len
         if depth < self.config.max_chain and (depth == 0 or self.extends_chain(entry)):
             # The parent's chunk is the base: the cycle is the chain so far.
-            return DeltaBase(entry, 1, last, last_codec, depth, key_len, _cycle_mean(chain, 0, 0))
+            return DeltaBase(entry, 1, last, last_codec, depth, key_len, _cycle_mean(chain, 0, 0),
+                             frozenset(e.pack for e in chain))
         age = entry.age + 1
         if age > self.config.keyframe_interval:
             return None
         return DeltaBase(chain[1], age, last, last_codec, depth - 1, key_len,
-                         _cycle_mean(chain[1:], entry.age, entry.stored_len))
+                         _cycle_mean(chain[1:], entry.age, entry.stored_len), frozenset(e.pack for e in chain[1:]))
 
     def is_link(self, stored, raw_len: int, elem_size: int) -> bool:
         """Whether a new delta (its stored bytes) may be the base of the next delta: any delta with the store's

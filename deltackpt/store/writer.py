@@ -452,7 +452,8 @@ class ChunkWriter:
                     keyframe_len = len(stored)
                 if self._policy.accepts(len(delta), base, n, keyframe_len):
                     cod, stored, base_id, age = kind, delta, base.entry.chunk_id, base.age
-                    self._note_reused((base.entry.pack,))
+                    # every link's pack, not only the base's: the commit checks just these exist
+                    self._note_reused(base.packs or (base.entry.pack,))
         if cod is None:
             cod, stored = codec.encode_best(view, elem_size, c.zstd_level, c.min_gain)
         depth = base.depth + 1 if codec.is_delta(cod) else 0

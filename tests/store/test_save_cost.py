@@ -193,6 +193,34 @@ def test_save_trusting_its_last_commit_refuses_a_pack_lost_since_then_heals(stor
     assert_items_equal(items, store.load("b"))
 
 
+def test_a_delta_on_a_chain_whose_keyframe_pack_was_lost_is_refused_at_commit(tmp_path, monkeypatch):
+    """A new delta coded on a sparse link (read from the base cache, so nothing is read below it): the commit
+    checks the packs of every link down to the keyframe, not only the base's, so a lost keyframe pack refuses
+    the save instead of committing a checkpoint that does not restore (the next save then heals)."""
+    from deltackpt.store import MemoryBackend
+
+    from store_helpers import SMALL
+
+    monkeypatch.setenv("DELTACKPT_BASE_CACHE_BYTES", str(64 << 20))
+    store = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache",
+                       **{**SMALL, "chunk_size_bytes": 65536, "pack_target_bytes": 1 << 20})
+    x = np.random.default_rng(0).standard_normal(4 * 16384).astype(np.float32)
+    store.save("s1", {"x": x})  # keyframes
+    x2 = x.copy()
+    x2[::16384] += 1
+    store.save("s2", {"x": x2})  # sparse links on them
+    assert store.index.lookup(store.read_manifest("s2").items[0].chunks[0].id).base_id is not None
+    (p1,) = packs_of_checkpoint(store, "s1")
+    store.backend.delete(pack_key(p1))  # lost behind the index's back
+    x3 = x2.copy()
+    x3[5::16384] += 1
+    with pytest.raises(MissingChunkError):
+        store.save("s3", {"x": x3})
+    assert not store.exists("s3")
+    store.save("s3", {"x": x3})
+    assert_items_equal({"x": x3}, store.load("s3"))
+
+
 def test_save_trusts_only_the_parent_it_committed_itself(make_store, rng, lookups):
     """The newest checkpoint rewritten by another Store object (same name, other chunks): no trust."""
     store = make_store("local")

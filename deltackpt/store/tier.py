@@ -68,14 +68,18 @@ def write_tier(store, remote: str, remote_id: str, uploading: str | None = None,
 
 
 def tier_states(local, remote) -> dict[str, str]:
-    """Where each checkpoint lives: 'local', 'uploading', 'remote' or 'both' (names of either store)."""
+    """Where each checkpoint lives: 'local', 'uploading', 'remote', 'both', or 'differs' (each store holds a
+    checkpoint of that name, not the same one: their creation times differ) (names of either store)."""
     record = read_tier(local) or {}
     here = set(local.checkpoint_names())
     there = set(remote.checkpoint_names()) if remote is not None else set()
+    both = here & there
+    made_here, made_there = (_created(local), _created(remote)) if both else ({}, {})
     out = {}
     for name in here | there:
-        if name in here and name in there:
-            out[name] = "both"
+        if name in both:
+            t_here, t_there = made_here.get(name), made_there.get(name)
+            out[name] = "differs" if None not in (t_here, t_there) and t_here != t_there else "both"
         elif name in there:
             out[name] = "remote"
         else:

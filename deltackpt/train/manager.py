@@ -396,10 +396,17 @@ class CheckpointManager:
             for info in reversed(remote.list_checkpoints()):
                 if newest_local is not None and info.created_ns <= newest_local:
                     break
-                if self.store.exists(info.name):  # damaged here (else it would be listed): restored from remote
-                    break
+                overwrite = False
+                if self.store.exists(info.name):
+                    try:
+                        self.store.read_manifest(info.name)
+                    except _DAMAGE:
+                        break  # damaged here (so not listed): restore_latest restores it from the remote
+                    # An older checkpoint of that name (a branch the run went back from, on this node's disk):
+                    # the remote's is the run's newest, and replaces it here as the uploader replaced it there.
+                    overwrite = True
                 try:
-                    report = copy_checkpoints(remote, self.store, [info.name])
+                    report = copy_checkpoints(remote, self.store, [info.name], overwrite=overwrite)
                 except _DAMAGE as e:
                     log.warning("checkpoint %r is damaged in %s (%s); fetching the one before it", info.name,
                                 self.remote, e)

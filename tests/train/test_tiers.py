@@ -258,3 +258,40 @@ def test_damaged_tags_do_not_make_resume_skip_an_intact_checkpoint(tmp_path):
     with CheckpointManager(str(tmp_path / "l"), fresh, every_n_steps=2) as mgr:
         assert mgr.restore_latest() == 4
     assert_tree_equal(full_state(fresh.models["model"], fresh.optimizers["optim"]), refs[4])
+
+
+def test_a_node_holding_an_older_checkpoint_of_the_remotes_newest_name_resumes_from_the_remotes(tmp_path):
+    """The run went back on another node and saved step 4 again; back on the first node, whose disk kept the
+    abandoned branch's step 4 and 6, resume fetches the remote's step 4 over the local one (it stopped at the
+    name before and resumed from the abandoned step 6), and `ls` shows the two as different."""
+    cold = str(tmp_path / "cold")
+    # Node A trains to step 6; everything is uploaded; A's disk survives.
+    a = _state()
+    with CheckpointManager(str(tmp_path / "node-a"), a, every_n_steps=2, remote=cold) as mgr:
+        _train(a, mgr, 0, 6)
+    # Node B (spare) resumes, the run goes back to step 2 (lower lr) and saves step 4 again (documented:
+    # it replaces the remote's older step 4). Then B is preempted.
+    b, refs = _state(seed=5), {}
+    with CheckpointManager(str(tmp_path / "node-b"), b, every_n_steps=2, remote=cold) as mgr:
+        assert mgr.restore_latest() == 6
+        assert mgr.restore("step-00000002", store=Store.open(cold)) == 2
+        for g in b.optimizers["optim"].param_groups:
+            g["lr"] *= 0.5
+        _train(b, mgr, 2, 4, refs)
+    remote = Store.open(cold)
+    newest = remote.list_checkpoints()[-1].name
+    assert newest == "step-00000004"        # the remote's newest checkpoint (the run's current branch)
+    # A fresh node resumes from it:
+    c = _state(seed=7)
+    with CheckpointManager(str(tmp_path / "node-c"), c, every_n_steps=2, remote=cold) as mgr:
+        assert mgr.restore_latest() == 4
+    assert_tree_equal(full_state(c.models["model"], c.optimizers["optim"]), refs[4])
+    # The job lands on node A again (its disk kept the abandoned branch's step 4 and step 6):
+    a2 = _state(seed=9)
+    with CheckpointManager(str(tmp_path / "node-a"), a2, every_n_steps=2, remote=cold) as mgr:
+        states = tier_states(Store.open(tmp_path / "node-a"), remote)
+        step = mgr.restore_latest()
+    assert states["step-00000004"] == "differs" and states["step-00000002"] == "both"
+    assert step == 4, f"node A resumed from step {step} of the abandoned branch"
+    assert_tree_equal(full_state(a2.models["model"], a2.optimizers["optim"]), refs[4])
+    assert tier_states(Store.open(tmp_path / "node-a"), remote)["step-00000004"] == "both"

@@ -39,8 +39,8 @@ from torch.futures import Future
 
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptManifestError,
                       SilentDataCorruptionError)
-from ..store import (AUTO_CAP_BYTES, SHARED, Item, Manifest, ParentMap, Store, StoreLock, WriteSummary,
-                     decode_entries, default_write_threads, encode_entries, paused_gc)
+from ..store import (AUTO_CAP_BYTES, SHARED, CheckpointInfo, Item, Manifest, ParentMap, Store, StoreLock,
+                     WriteSummary, decode_entries, default_write_threads, encode_entries, paused_gc)
 from .names import LAYER_KEY, checkpoint_name
 from .metadata_schema import metadata_to_record
 from .placement import add_shard, item_key, shard_placement
@@ -101,6 +101,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         self.replica_check = replica_check
         self.save_id = uuid.uuid4().hex
         self._parent_name: str | None = None
+        self._after_ns: int | None = None  # the newest checkpoint's creation time when this save was planned
         self._parent_map: ParentMap | None = None  # the parent's whole map, when this process is the only rank
         self._local_summary: WriteSummary | None = None  # this rank's summary, when it is the only rank
         self._lock: StoreLock | None = None
@@ -143,6 +144,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             self.checkpoint_id = checkpoint_name(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._parent_name = None
+        self._after_ns = None  # the newest checkpoint's creation time when this save was planned
         self._parent_map = None
         self._local_summary = None
         self.abort()  # a previous save that never reached its commit
@@ -190,14 +192,17 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             check_replicas([p.storage_data.get("replica_digests", {}) for p in plans], self.replica_check)
         hosts = Counter(p.storage_data.get("host") for p in plans)
         with paused_gc():  # the parent's manifest and map: a few objects per chunk of every rank
-            parent, head = self._read_parent(store)
+            parent, newest = self._read_parent(store)
+            head = newest.name if newest is not None else None
             self._parent_name = parent.name if parent is not None else None
+            self._after_ns = newest.created_ns if newest is not None else None
             pmap = ParentMap(parent)
             # One rank is this process: it keeps the whole map (its groups' extents made when asked for)
             # rather than the part its items overlap, encoded and decoded again (3-4 ms of 357 tensors).
             self._parent_map = pmap if len(plans) == 1 else None
             out = [dataclasses.replace(p, storage_data={
-                "agreed_parent": self._parent_name, "head": head, "ranks": len(plans),
+                "agreed_parent": self._parent_name, "head": head, "after_ns": self._after_ns,
+                "ranks": len(plans),
                 "host_ranks": hosts[p.storage_data.get("host")],
                 "parent_refs": pmap.encode_part(_item_ranges(p)) if pmap and len(plans) > 1 else None,
                 "parent_local": len(plans) == 1}) for p in plans]
@@ -205,12 +210,12 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
                   len(plans), self._parent_name)
         return out
 
-    def _read_parent(self, store: Store) -> tuple[Manifest | None, str | None]:
+    def _read_parent(self, store: Store) -> tuple[Manifest | None, CheckpointInfo | None]:
         """The newest readable checkpoint other than the one being saved (read under the lock: one
-        forgotten since cannot be chosen), the save's parent; and the name of the newest checkpoint, the
-        commit every rank's index catches up to (None in a store without one)."""
+        forgotten since cannot be chosen), the save's parent; and the newest checkpoint (None in a store
+        without one): the commit every rank's index catches up to, and the time this one is made after."""
         infos = store.list_checkpoints()
-        head = infos[-1].name if infos else None
+        head = infos[-1] if infos else None
         for info in reversed(infos):
             if info.name == self.checkpoint_id:
                 continue
@@ -267,6 +272,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         if isinstance(plan.storage_data, dict) and "agreed_parent" in plan.storage_data:
             data = plan.storage_data
             self._parent_name, host_ranks, ranks = data["agreed_parent"], data["host_ranks"], data["ranks"]
+            self._after_ns = data.get("after_ns")
             local = bool(data.get("parent_local")) and self.is_coordinator
             if data.get("parent_refs"):
                 parent = ParentMap.decode_part(self._parent_name, data["parent_refs"])
@@ -352,7 +358,8 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             self.store.commit(self.checkpoint_id, items, entries=entries, packs=packs, metadata=self.metadata,
                               # The record itself: msgpack writes it as the same map as its builtins.
                               layer_data={LAYER_KEY: metadata_to_record(metadata)}, parent=self._parent_name,
-                              overwrite=self.overwrite, lock=self._lock, checked_packs=reused)
+                              overwrite=self.overwrite, lock=self._lock, checked_packs=reused,
+                              after_ns=self._after_ns)
         finally:
             if self._lock is not None:
                 self._lock.release()

@@ -64,7 +64,7 @@ def check_chunks(store, name: str, items: list[Item], entries: list[PackEntry], 
 
 def build_manifest(store, name: str, items: list[Item], *, entries: list[PackEntry], packs: Mapping[str, int],
                    parent: str | None, metadata: Mapping[str, Any] | None, layer_data: Mapping[str, Any] | None,
-                   created_ns: int | None) -> Manifest:
+                   created_ns: int | None, after_ns: int | None = None) -> Manifest:
     stats = Stats(
         logical_bytes=sum(it.nbytes for it in items),
         stored_bytes=sum(packs.values()),
@@ -74,7 +74,9 @@ def build_manifest(store, name: str, items: list[Item], *, entries: list[PackEnt
     return Manifest(
         name=name,
         store_id=store.config.store_id,
-        created_ns=created_ns or time.time_ns(),  # a copy keeps the source's time
+        # A copy keeps the source's time; a save is made after the newest checkpoint it saw, even on a host
+        # whose clock is behind the one that made that checkpoint.
+        created_ns=created_ns or max(time.time_ns(), after_ns + 1 if after_ns is not None else 0),
         parent=parent if parent != name else None,
         items=items,
         stats=stats,

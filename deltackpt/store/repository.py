@@ -237,6 +237,7 @@ class Store(Catalog):
         lock: StoreLock | None = None,
         created_ns: int | None = None,
         checked_packs: Iterable[str] | None = None,
+        after_ns: int | None = None,
     ) -> Manifest:
         """Publish a checkpoint whose chunks are already in packs; the manifest put is the commit point.
 
@@ -244,7 +245,9 @@ class Store(Catalog):
         the packs' tables unless ``entries`` already lists them). Every referenced chunk must be indexed,
         else MissingChunkError and nothing is committed. ``checked_packs``: the ``reused_packs`` of the
         ChunkWriter(s) that wrote ``items`` under the store lock, which looked their chunks up already; then
-        only those packs' existence is checked (see :mod:`.commit`).
+        only those packs' existence is checked (see :mod:`.commit`). ``after_ns``: the creation time of the newest
+        checkpoint the save saw; this one is made after it whatever this host's clock says (the order of a
+        store's checkpoints, which resume and retention follow, must not depend on which node's clock is ahead).
         """
         validate_name(name)
         keys = [it.key for it in items]
@@ -258,7 +261,7 @@ class Store(Catalog):
             latest = self.list_checkpoints()
             parent = latest[-1].name if latest else None
         manifest = build_manifest(self, name, items, entries=entries, packs=packs, parent=parent,
-                                  metadata=metadata, layer_data=layer_data, created_ns=created_ns)
+                                  metadata=metadata, layer_data=layer_data, created_ns=created_ns, after_ns=after_ns)
         data = encode_manifest(manifest)
         if lock is not None:
             lock.check()  # a writer whose lock went stale must not commit: gc may have run
@@ -321,7 +324,8 @@ class Store(Catalog):
             return self.commit(name, summary.items, entries=summary.entries, packs=summary.packs,
                                metadata=metadata, overwrite=overwrite, lock=lock,
                                parent=parent.name if parent is not None else None,
-                               checked_packs=summary.reused_packs)
+                               checked_packs=summary.reused_packs,
+                               after_ns=newest[0].created_ns if newest is not None else None)
         except BaseException:
             w.abort()  # its spool files (its published packs are left to gc)
             raise

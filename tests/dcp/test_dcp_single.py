@@ -444,3 +444,24 @@ def test_load_into_a_conjugate_or_negative_view_writes_its_values(store_path, vi
     target = {"c": zeros.conj() if view == "conj" else torch._neg_view(zeros)}
     deltackpt.load(target, store_path, "c")
     assert torch.equal(target["c"].resolve_conj().resolve_neg(), src["c"])
+
+
+def test_a_save_is_made_after_the_newest_checkpoint_whatever_this_hosts_clock_says(tmp_path, monkeypatch):
+    """The newest checkpoint was made by a host whose clock ran 2 minutes ahead: a DCP save here still sorts
+    after it (resume and retention follow that order)."""
+    import time as real_time
+    import types
+
+    import numpy as np
+
+    from deltackpt import DeltaSavePlanner, DeltaStorageWriter
+    from deltackpt.store import commit as commit_mod
+
+    store = Store.init(tmp_path / "s")
+    monkeypatch.setattr(commit_mod, "time", types.SimpleNamespace(time_ns=lambda: real_time.time_ns() + 120 * 10**9))
+    store.save("ahead", {"w": np.zeros(10, np.float32)})
+    monkeypatch.undo()
+    dcp.save({"w": torch.ones(10)}, storage_writer=DeltaStorageWriter(str(tmp_path / "s"), "here"),
+             planner=DeltaSavePlanner())
+    infos = Store.open(tmp_path / "s").list_checkpoints()
+    assert [i.name for i in infos] == ["ahead", "here"] and infos[1].created_ns > infos[0].created_ns

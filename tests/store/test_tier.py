@@ -310,3 +310,41 @@ def test_a_checkpoint_forgotten_locally_during_its_upload_is_not_an_error(tmp_pa
     assert _names(tmp_path / "cold") == ["c"]
     assert _names(local) == ["a", "c"]
     assert_items_equal(state, local.load("a"))
+
+
+def test_checkpoints_saved_after_a_resume_on_a_node_whose_clock_is_behind_stay_the_newest(tmp_path, monkeypatch):
+    """Node A's clock runs 2 minutes ahead; it uploads steps 1-3 and dies. Node B (right clock) fetches step 3
+    and saves 4-6: each is made after the newest checkpoint it saw, so they sort after step 3. Before, they got
+    B's earlier clock: the remote's retention forgot each at once, local retention evicted it as uploaded, and the
+    next resume went back to step 3."""
+    import time as real_time
+    import types
+
+    from deltackpt.store import commit as commit_mod
+    from deltackpt.store.copy import copy_checkpoints
+
+    def clock(offset_s: float) -> None:
+        monkeypatch.setattr(commit_mod, "time", types.SimpleNamespace(
+            time_ns=lambda: real_time.time_ns() + int(offset_s * 1e9)))
+
+    cold = str(tmp_path / "cold")
+    a = Store.init(tmp_path / "node-a", **SMALL)
+    clock(120)
+    up = Uploader(a, cold, keep_local_last=1, keep_remote_last=2)
+    for step in (1, 2, 3):
+        a.save(f"step-{step}", {"w": np.full(1000, step, np.float32)}, metadata={"step": step})
+        up.submit(f"step-{step}")
+    up.close()
+    clock(0)
+    b = Store.init(tmp_path / "node-b", **SMALL)
+    up = Uploader(b, cold, keep_local_last=1, keep_remote_last=2)
+    copy_checkpoints(up.remote, b, ["step-3"])  # what restore_latest fetches
+    up.note_fetched("step-3", b.read_manifest("step-3").created_ns)
+    for step in (4, 5, 6):
+        b.save(f"step-{step}", {"w": np.full(1000, step, np.float32)}, metadata={"step": step})
+        up.submit(f"step-{step}")
+    up.close()
+    remote = Store.open(cold)
+    assert [i.name for i in remote.list_checkpoints()] == ["step-5", "step-6"]
+    assert [i.name for i in b.list_checkpoints()] == ["step-6"]
+    assert remote.load("latest")["w"][0] == 6

@@ -284,7 +284,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             # Caught up to exactly the commit the coordinator saw newest: no listing of every pack when this
             # cache indexed it itself, none in a store without checkpoints (the packs other ranks are writing
             # meanwhile are never needed to deduplicate against).
-            index = store.index_as_of(data.get("head", self._parent_name))
+            index = store.index_as_of(data.get("head", self._parent_name), data.get("after_ns"))
         # The coordinator holds the lock: a gc elsewhere may have deleted packs before it (sync).
         (store.index if index is None else index).sync()
         if ranks > 1:

@@ -382,14 +382,17 @@ class ChunkIndex(Reindexing, Reconciling, LmdbCache):
             txn.put(key, value)
 
     @guarded()
-    def has_seen(self, commit: str | None) -> bool:
+    def has_seen(self, commit: str | None, created_ns: int | None = None) -> bool:
         """Whether this cache is this store's and indexed ``commit``'s commit itself (None: a store without
         checkpoints, nothing to have seen): then it holds every pack that commit's checkpoint relies on. A
-        cache of another store (a cache directory a new store was given again) has seen nothing of this one."""
+        cache of another store (a cache directory a new store was given again) has seen nothing of this one.
+        ``created_ns``, when given, must match too: a checkpoint saved again under that name is another commit."""
         if commit is None:
             return not self._is_foreign()
         seen = self._last_commit()  # (None for another store's cache)
-        return seen is not None and seen.name == commit
+        if seen is None or seen.name != commit:
+            return False
+        return created_ns is None or seen.created_ns is None or seen.created_ns == created_ns
 
     @guarded()
     def last_commit(self) -> Commit | None:

@@ -176,7 +176,7 @@ class Store(Catalog):
                     self._index = self._new_index()
         return self._index
 
-    def index_as_of(self, head: str | None) -> ChunkIndex:
+    def index_as_of(self, head: str | None, head_ns: int | None = None) -> ChunkIndex:
         """The index, brought up to the commit of ``head`` (the store's newest checkpoint when a save began,
         None when it had none) when its cache has not seen that commit: from the records of the commits it
         missed (:mod:`.commitlog`), else from a listing of every pack. Packs written since (other ranks' of the
@@ -184,13 +184,14 @@ class Store(Catalog):
         A DCP rank names the head its coordinator sent: a cache the coordinator commits into is current
         without a listing per rank (O(ranks x packs) per save, and on a first save each rank listed the
         packs the ranks before it had written), and a cache on another host, or of another process, catches
-        up before every save (else it re-stores what it lacks)."""
+        up before every save (else it re-stores what it lacks). ``head_ns``: the head's creation time, when known:
+        a checkpoint of that name saved again elsewhere since is another commit, not one this cache has seen."""
         index = self._cache_index()
-        if not index.has_seen(head):
+        if not index.has_seen(head, head_ns):
             # One process per cache catches up: the ranks of a host that share its node-local cache each
             # listed every pack and read every new pack's table, all at once, when it missed a commit.
             with index.one_at_a_time():
-                if not index.has_seen(head):
+                if not index.has_seen(head, head_ns):
                     catch_up(index, self.backend, self.config.store_id, head)
         self._index_current = True
         return index
@@ -304,7 +305,8 @@ class Store(Catalog):
         parent = newest[1] if newest is not None else None
         # Under the lock: caught up with the commits other processes made since this cache's last one (a
         # stale cache costs only dedup: it re-stores what it lacks), and with a gc that may have deleted packs.
-        self.index_as_of(parent.name if parent is not None else None).sync()
+        self.index_as_of(parent.name if parent is not None else None,
+                         parent.created_ns if parent is not None else None).sync()
         w = self.writer(parent=parent, parent_packs=self._own_packs(newest), **writer_kwargs)
         try:
             for key, value in items.items():

@@ -64,3 +64,24 @@ def test_processes_sharing_a_stale_cache_list_the_packs_once(tmp_path):
     fresh = Store.open(root, cache_dir=cache)
     assert fresh._cache_index().has_seen("c1")
     assert_items_equal({"x": x1}, fresh.load("c1"))
+
+
+def test_a_cache_whose_last_commit_was_saved_again_elsewhere_catches_up(tmp_path):
+    """Its last commit ``s1`` was overwritten from another host (same name, another time, other chunks): the
+    cache has not seen that commit, catches up, and the next save reuses the new ``s1``'s chunks (it stored
+    them all again when only the name was compared)."""
+    from deltackpt.store import MemoryBackend
+
+    from store_helpers import random_array
+
+    rng = np.random.default_rng(1)
+    a = Store.init(MemoryBackend(), cache_dir=tmp_path / "cache-a", **SMALL)
+    b = Store.open(a.backend, cache_dir=tmp_path / "cache-b")
+    x, y = (random_array(rng, "float32", (20_000,)) for _ in range(2))
+    a.save("s1", {"x": x})
+    b.save("s1", {"y": y}, overwrite=True)
+    assert a.index.last_commit().name == "s1"
+    assert not a.index.has_seen("s1", b.read_manifest("s1").created_ns) and a.index.has_seen("s1")
+    m = a.save("s2", {"y": y})
+    assert m.stats.new_chunks == 0
+    assert_items_equal({"y": y}, a.load("s2"))

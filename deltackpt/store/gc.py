@@ -156,12 +156,15 @@ class GcPlan:
                 written: dict[str, tuple[int, list[PackEntry]]] = {}
                 moved, published, damaged = repack_packs(store, plan.repack, bar, written, check=True)
                 kept = later & _bases_of_repacked(plan, damaged)  # bases of what a damaged pack still holds
+                # A repack can reproduce a dead pack byte for byte, so under its name (the duplicate of a chunk
+                # that a gc killed after its repack left): never delete what was just published.
+                kept |= later & published
                 delete_dead(later - kept)
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published - damaged
             for name in sorted(old_repacked):
                 store.backend.delete(pack_key(name))
-            gone = (set(plan.delete_packs) - kept) | old_repacked
+            gone = (set(plan.delete_packs) - kept - published) | old_repacked
             if epoch is not None:
                 # Another epoch once every pack is gone: a cache that caught up half way through (a read
                 # that found a pack gone) took the first one for seen, and would take a pack deleted after

@@ -171,3 +171,38 @@ def test_merge_killed_after_its_first_new_pack_leaves_a_store_the_next_gc_finish
     plan.execute()
     assert not pack_names(store) & before and len(pack_names(store)) < 10
     _check_clean(store, saved)
+
+
+def test_a_gc_after_a_merge_killed_after_its_repack_keeps_the_only_copy_of_a_live_chunk(tmp_path):
+    """A merge gc killed after its repack leaves the merged pack R = {X, Y} beside c0's P0 = {X} and c1's
+    P1 = {Y, a delta on X}. With c1 forgotten, the next gc finds X's indexed copy in R, so P0 is a dead
+    duplicate, deleted after the repack since it holds the base of R's Y; R is repacked to {X}, byte for byte
+    P0, so under P0's name. That pack, just published, was deleted as dead P0, and R as repacked: X had no
+    copy left and c0 did not restore."""
+    from deltackpt.testing import floats
+
+    from store_helpers import SMALL
+
+    root = tmp_path / "store"
+    store = Store.init(root, **{**SMALL, "pack_target_bytes": 32768})  # two small packs, together >= 1/8
+    w0 = floats(1, 1024)
+    w1 = w0.copy()
+    w1[::3] += np.float32(1e-3)
+    store.save("c0", {"w": w0})
+    store.save("c1", {"w": w1})
+    before = pack_names(store)
+    env = subprocess_env()
+    env["DELTACKPT_CRASH_POINT"] = "gc:after-repack"
+    code = ("import sys; from deltackpt.store import Store; from deltackpt.store.gc import plan_gc; "
+            "plan_gc(Store.open(sys.argv[1]), grace_s=0).execute()")
+    proc = subprocess.run([sys.executable, "-c", code, str(root)], env=env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    store = Store.open(root)
+    assert len(pack_names(store) - before) == 1  # the merged pack, beside P0 and P1
+    store.forget(["c1"])
+    plan_gc(store, grace_s=0).execute()
+    again = Store.open(root, cache_dir=tmp_path / "fresh")  # another process, its own cache
+    np.testing.assert_array_equal(again.load("c0")["w"], w0)
+    np.testing.assert_array_equal(store.load("c0")["w"], w0)
+    assert verify_store(again, level=2).clean

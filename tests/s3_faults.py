@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 from s3_server import free_port
 
-KINDS = ("503", "500", "403", "reset", "drop", "cut", "delay")
+KINDS = ("503", "500", "403", "400", "reset", "drop", "cut", "delay")
 _ERRORS = {"503": ("Service Unavailable", "SlowDown", "Please reduce your request rate."),
            "500": ("Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
-           "403": ("Forbidden", "AccessDenied", "Access Denied")}
+           "403": ("Forbidden", "AccessDenied", "Access Denied"),
+           "400": ("Bad Request", "TokenRefreshRequired", "The provided token must be refreshed.")}
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection"}
 
 

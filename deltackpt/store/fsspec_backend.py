@@ -58,6 +58,17 @@ class _LostCompletion(Exception):
     writes it whole again (a conditional one finds its own bytes)."""
 
 
+def _range_not_satisfiable(e: OSError) -> bool:
+    """Whether ``e`` is S3's 416 (a range past the end of the object). s3fs maps it to EINVAL, and with it
+    400s (InvalidRequest, TokenRefreshRequired, a 400 without a body) and 412: only the 416 means the end, the
+    rest are errors to retry (read as an empty object, one made a good manifest look damaged)."""
+    if e.errno != errno.EINVAL or isinstance(e, _NOT_RETRIED):
+        return False
+    resp = getattr(e.__cause__, "response", None) or {}
+    return (resp.get("Error", {}).get("Code") == "InvalidRange"
+            or resp.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416)
+
+
 def _put_once(fn: Callable[[], None]) -> None:
     try:
         fn()
@@ -89,9 +100,11 @@ class FsspecBackend(Backend, UnfinishedUploads):
         protocol = self.url.split("://", 1)[0]
         self.protocol = protocol
         options = dict(self.storage_options)
+        # Listings are never cached, on any filesystem: other hosts add and delete objects (gcsfs and adlfs
+        # answer info and listings from a per-instance cache that never expires, by default).
+        options.setdefault("use_listings_cache", False)
         if protocol in ("s3", "s3a"):
-            # One retry policy (ours); listings are never cached (other writers add and delete objects).
-            options.setdefault("use_listings_cache", False)
+            # One retry policy (ours).
             cfg = dict(options.pop("config_kwargs", {}) or {})
             cfg.setdefault("retries", {"total_max_attempts": 1})
             # A server that accepts a connection and never answers must cost a bounded time, not a hang.
@@ -191,7 +204,7 @@ class FsspecBackend(Backend, UnfinishedUploads):
             try:
                 return bytes(self.fs.cat_file(path, start=0))
             except OSError as e:
-                if e.errno == errno.EINVAL and not isinstance(e, _NOT_RETRIED):
+                if _range_not_satisfiable(e):
                     return b""  # 416 at offset 0: the object is empty
                 raise
 
@@ -209,7 +222,7 @@ class FsspecBackend(Backend, UnfinishedUploads):
             try:
                 return bytes(self.fs.cat_file(path, start=offset, end=offset + length))
             except OSError as e:
-                if e.errno == errno.EINVAL and not isinstance(e, _NOT_RETRIED):
+                if _range_not_satisfiable(e):
                     return b""  # 416: the range starts past the end of the object
                 raise
 

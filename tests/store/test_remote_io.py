@@ -321,3 +321,16 @@ def test_a_store_on_a_shared_file_system_reads_its_pack_tables_several_at_once(t
     fresh = Store.open(backend, cache_dir=tmp_path / "fresh")
     assert fresh.index.num_chunks() == store.index.num_chunks()
     assert (backend.max_active > 1) == shared
+
+
+@pytest.mark.parametrize("url", ["memory://bucket/run", "file:///tmp/deltackpt-listing-cache-test"])
+def test_no_filesystem_answers_from_a_listing_cache(url):
+    """Other hosts add and delete objects: a cached listing would let a save trust a pack a gc deleted, or
+    `latest` miss a newer checkpoint. gcsfs and adlfs cache listings per instance, never expiring, unless told
+    not to; the backend now tells every filesystem, not only s3fs."""
+    from deltackpt.store.fsspec_backend import FsspecBackend
+
+    backend = FsspecBackend(url)
+    assert backend.fs.dircache.use_listings_cache is False
+    kept = FsspecBackend(url, {"use_listings_cache": True})  # a caller's explicit choice stands
+    assert kept.fs.dircache.use_listings_cache is True

@@ -313,7 +313,15 @@ class TrainState(Stateful):
                 }
             # After the loader's state: a loader that has no iterator yet builds one for its state_dict(),
             # drawing from torch's RNG (and its generators); the next iter() then uses that iterator.
-            sd[f"rank{rank}.rng"] = capture_rng()
+            rng = capture_rng()
+            if self._saved_keys is not None and "cuda" in rng:
+                # A load's target asks only for the CUDA generators the checkpoint holds: one saved where fewer
+                # devices were visible (on CPU, or one GPU a rank) resumes where more are; the others keep theirs.
+                have = f"rank{rank}.rng.cuda."
+                rng["cuda"] = {i: s for i, s in rng["cuda"].items() if have + i in self._saved_keys}
+                if not rng["cuda"]:
+                    del rng["cuda"]
+            sd[f"rank{rank}.rng"] = rng
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

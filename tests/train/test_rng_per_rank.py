@@ -91,3 +91,40 @@ def test_each_rank_gets_its_own_rng_back(tmp_path):
         torch.set_rng_state(rng_state[0])
         random.setstate(rng_state[1])
         np.random.set_state(rng_state[2])
+
+
+def _fake_cuda(monkeypatch, n: int) -> dict:
+    """n CUDA devices as far as the RNG capture and restore can tell (this machine has none)."""
+    states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(n)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [states[i].clone() for i in range(n)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d: states.__setitem__(int(d), s.clone()))
+    return states
+
+
+@pytest.mark.parametrize("saved_gpus,resumed_gpus", [(0, 1), (1, 2)])
+def test_a_checkpoint_saved_with_fewer_cuda_devices_visible_resumes_where_more_are(tmp_path, monkeypatch,
+                                                                                  saved_gpus, resumed_gpus):
+    """Saved on CPU (or with one GPU visible to the rank), resumed where more GPUs are visible (another node, all
+    of its GPUs visible to each rank): the load's target asked for a generator per visible device and the resume
+    was refused as a mismatch. The saved generators are restored; the others keep their state."""
+    from deltackpt import CheckpointManager, TrainState
+    from train_helpers import make_optim, make_sched
+
+    def state():
+        m = make_model(0)
+        o = make_optim(m)
+        return TrainState(model=m, optimizer=o, scheduler=make_sched(o))
+
+    with monkeypatch.context() as mp:
+        if saved_gpus:
+            saved = _fake_cuda(mp, saved_gpus)
+            saved[0][:] = 77
+        with CheckpointManager(str(tmp_path / "s"), state(), every_n_steps=1) as mgr:
+            mgr.save(5)
+    now = _fake_cuda(monkeypatch, resumed_gpus)
+    with CheckpointManager(str(tmp_path / "s"), state(), every_n_steps=1) as mgr:
+        assert mgr.restore_latest() == 5
+    assert now[0].tolist() == [77 if saved_gpus else 0] * 16
+    assert now[resumed_gpus - 1].tolist() == [resumed_gpus - 1] * 16 if resumed_gpus > saved_gpus else True

@@ -44,6 +44,9 @@ class DeltaSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(self, *args, unchecked: Iterable[str] = (), digests: bool = True, **kwargs) -> None:
+        if kwargs.get("enable_plan_caching"):
+            raise ValueError("DeltaSavePlanner does not take enable_plan_caching: DeltaStorageWriter needs every "
+                             "rank's full plan at every save (each carries that save's parent checkpoint)")
         super().__init__(*args, **kwargs)
         self.unchecked = frozenset(unchecked)  # a set, not a callable: process-mode async saves pickle the planner
         self.digests = digests

@@ -7,7 +7,8 @@ while planning, and sends each rank the parent's chunk refs its items overlap in
 is that of its own items whatever the number of ranks (a one-rank save keeps the whole map in the process).
 The coordinator's ``finish`` indexes the new packs and writes the manifest, which holds DCP's Metadata under a
 strict schema. If any rank fails, DCP never calls ``finish``, so no manifest appears and earlier checkpoints
-are untouched; the failing rank removes the packs it wrote, the other ranks' packs are orphans for ``gc``.
+are untouched; every rank's published packs (the failing rank's too, indexed so that a retry reuses them) are
+orphans for ``gc``, and only spool files are removed.
 
 The writer is picklable (``dcp.async_save`` with PROCESS pickles it per request): the store is opened
 lazily in whichever process runs the save.
@@ -188,6 +189,11 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             raise
 
     def _global_plan(self, store: Store, plans: list[SavePlan], t0: float) -> list[SavePlan]:
+        if any(not isinstance(p.storage_data, dict) or not p.usable for p in plans):
+            # A planner's enable_plan_caching sends empty plans from the second save on, and each rank would
+            # reuse the first save's final plan: its parent, head and creation-time floor.
+            raise ValueError("DeltaStorageWriter needs every rank's full plan at every save (each carries that "
+                             "save's parent checkpoint): turn off the planner's enable_plan_caching")
         if self.replica_check != "off":
             check_replicas([p.storage_data.get("replica_digests", {}) for p in plans], self.replica_check)
         hosts = Counter(p.storage_data.get("host") for p in plans)

@@ -465,3 +465,35 @@ def test_a_save_is_made_after_the_newest_checkpoint_whatever_this_hosts_clock_sa
              planner=DeltaSavePlanner())
     infos = Store.open(tmp_path / "s").list_checkpoints()
     assert [i.name for i in infos] == ["ahead", "here"] and infos[1].created_ns > infos[0].created_ns
+
+
+@pytest.fixture
+def _dcp_plan_cache():
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    caches = (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans, SavePlanner._cached_global_plan,
+              SavePlanner._cached_metadata, SavePlanner._cached_final_save_plan)
+    for c in caches:
+        c.clear()
+    yield
+    for c in caches:
+        c.clear()
+
+
+def test_plan_caching_is_refused_with_a_clear_error_never_a_stale_parent(tmp_path, _dcp_plan_cache):
+    """DCP's enable_plan_caching sends empty plans from the second save on, and each rank would reuse the first
+    save's final plan (its parent, head and time floor); the second save crashed with an AttributeError."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from deltackpt import DeltaSavePlanner, DeltaStorageWriter
+
+    with pytest.raises(ValueError, match="enable_plan_caching"):
+        DeltaSavePlanner(enable_plan_caching=True)
+    path = str(tmp_path / "s")
+    w = torch.randn(64, 64)
+    dcp.save({"w": w}, storage_writer=DeltaStorageWriter(path, "s0"),
+             planner=DefaultSavePlanner(enable_plan_caching=True))
+    with pytest.raises(CheckpointException, match="enable_plan_caching"):
+        dcp.save({"w": w + 1}, storage_writer=DeltaStorageWriter(path, "s1"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+    assert [i.name for i in Store.open(path).list_checkpoints()] == ["s0"]

@@ -83,7 +83,9 @@ class FsspecBackend(Backend, UnfinishedUploads):
 
     ``storage_options`` go to the fsspec filesystem (for S3: ``endpoint_url``, ``key``, ``secret``,
     ``client_kwargs``...); with none, s3fs takes credentials, region and ``AWS_ENDPOINT_URL`` from the
-    environment and ``~/.aws`` as every AWS tool does.
+    environment and ``~/.aws`` as every AWS tool does. ``put_new`` (a manifest's commit) is a conditional PUT
+    on S3, atomic on the server; on other filesystems it looks, then puts, so two saves of one name racing
+    there can both succeed, the later manifest replacing the earlier (use distinct names per writer).
     """
 
     content_versions = True  # ETags, MD5 hashes: whole-second mtimes need them to tell a rewrite

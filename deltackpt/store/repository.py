@@ -270,7 +270,9 @@ class Store(Catalog):
         if overwrite:
             self.backend.put(manifest_key(name), data)
         else:
-            try:  # create-if-absent: two saves of one name cannot both commit (and no HEAD first)
+            # create-if-absent: two saves of one name cannot both commit (atomic on local disk, in memory and on
+            # S3; on other fsspec filesystems a look then a put, see FsspecBackend.put_new)
+            try:
                 self.backend.put_new(manifest_key(name), data)
             except FileExistsError:
                 raise CheckpointExistsError(name) from None

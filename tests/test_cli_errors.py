@@ -90,6 +90,22 @@ def test_closed_pipe_exits_quietly(tmp_path):
     assert (p.returncode, p.stderr) == (0, "")
 
 
+def test_a_closed_pipe_leaves_the_commands_own_exit_status(tmp_path):
+    """`verify S | head -1` on a damaged store still exits 1 (it exited 0: the status was dropped with the
+    output), and a failed command's JSON error cut short still exits 3."""
+    store = Store.init(tmp_path / "s", **SMALL)
+    store.save("a", {f"item{k:04d}": np.full(64, k, np.float32) for k in range(200)})
+    pack = next(p for p in (tmp_path / "s" / "packs").rglob("*") if p.is_file())
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    assert _cli("verify", tmp_path / "s").returncode == 1
+    p = _cli("verify", tmp_path / "s", shell_tail="| true")
+    assert (p.returncode, p.stderr) == (1, "")
+    p = _cli("--json", "ls", tmp_path / "nope", shell_tail="| true")
+    assert (p.returncode, p.stderr) == (3, "")
+
+
 # -- refused or explained options ------------------------------------------------------------------------------
 
 
@@ -271,3 +287,32 @@ def test_forget_errors_name_the_options_not_the_engine_parameters(store_path, ca
     code, _, err = run(capsys, "forget", store_path, *argv)
     assert code == 2 and needle in err and "keep_" not in err
     assert _names(store_path) == ["s0", "s1", "s2", "s3"]
+
+
+def test_tag_as_a_query_leaves_a_damaged_pin_and_the_placeholder_is_refused(store_path, capsys):
+    """`tag S s1` (no TAG, no --remove) shows the tags, but wrote them back too: on a damaged tags object, which
+    still pins s1, that deleted the pin. And `tag S s2 '(damaged)'` exited 0 having pinned nothing (the
+    placeholder is dropped as the damaged object's stand-in)."""
+    (store_path / "tags").mkdir(exist_ok=True)
+    (store_path / "tags" / "s1").write_bytes(b"{not json")
+    code, out, _ = run(capsys, "tag", store_path, "s1")
+    assert code == 0 and out.strip() == "s1: (damaged)"
+    assert (store_path / "tags" / "s1").read_bytes() == b"{not json"
+    code, _, err = run(capsys, "tag", store_path, "s2", "(damaged)")
+    assert code == 2 and "invalid tag" in err
+    assert not (store_path / "tags" / "s2").exists()
+
+
+@pytest.mark.parametrize("opts", [["key=12345678", "secret=87654321", "endpoint_url=http://127.0.0.1:9"],
+                                  ["endpoint_url=1"]])
+def test_a_storage_option_that_looks_like_a_number_is_a_string_or_a_one_line_error(capsys, opts):
+    """An access key of digits was parsed as an int and botocore's TypeError became a traceback (exit 1, and
+    with --json nothing on stdout). Credentials and endpoints stay strings; a refusal is a one-line error."""
+    pytest.importorskip("s3fs")
+    from deltackpt.cli.options import parse_pairs
+
+    assert parse_pairs(["key=12345678", "max_attempts=3"], "--storage-option") == {"key": "12345678",
+                                                                                   "max_attempts": 3}
+    argv = ["--json", "ls", "s3://bucket/run"] + [x for o in opts for x in ("--storage-option", o)]
+    code, out, _ = run(capsys, *argv)
+    assert code in (2, 3) and "error" in json.loads(out)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from .. import __version__
 from . import benchmark, interop, listing, maintenance, transfer
-from .output import StdoutClosed, emit, out
+from .output import StdoutClosed, emit, out, silence_stdout
 from .status import EPILOG, EXIT_OK, EXIT_USAGE, UsageError, exit_code_for
 
 COMMAND_MODULES = (listing, maintenance, transfer, interop, benchmark)
@@ -121,16 +120,11 @@ def _run(argv: list[str] | None) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         code = _run(argv)
-        try:
-            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's own flush at exit
-        except BrokenPipeError:
-            raise StdoutClosed from None
-    except StdoutClosed:
-        # The reader stopped (`| head -1`): not an error. Point stdout at /dev/null so the final flush at
-        # exit cannot fail again (the recipe in Python's signal docs), and exit quietly.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):
-            pass  # stdout is not a file descriptor (captured): nothing to silence
+    except StdoutClosed:  # (raised by no command of this package now: kept for a caller's own)
+        silence_stdout()
         return EXIT_OK
+    try:
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's own flush at exit
+    except BrokenPipeError:
+        silence_stdout()  # the reader stopped (`| head -1`): the command's own status stands
     return code

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .options import count, duration, open_store, parse_fraction, seconds
 from .output import ProgressBar, emit, fmt_bytes
-from .status import EXIT_OK, EXIT_PROBLEMS
+from .status import EXIT_OK, EXIT_PROBLEMS, UsageError
 
 
 def register(add) -> None:
@@ -182,11 +182,17 @@ def cmd_forget(args) -> int:
 
 
 def cmd_tag(args) -> int:
-    from ..store.retention import read_tags, set_tags
+    from ..store.retention import DAMAGED_TAGS, read_tags, set_tags
 
+    if DAMAGED_TAGS in (args.add or []):
+        raise UsageError(f"invalid tag {DAMAGED_TAGS!r}: 1-64 letters, digits and . _ + = @ -")
     store = open_store(args)
     name = store.resolve(args.checkpoint)
     tags = set(read_tags(store, name))
+    if not args.add and not args.remove:  # a query: written back, a damaged tags object (still a pin) would go
+        shown = sorted(tags)
+        emit(args, {"checkpoint": name, "tags": shown}, lambda: f"{name}: {', '.join(shown) or '(no tags)'}")
+        return EXIT_OK
     tags |= set(args.add or [])
     tags -= set(args.remove or [])
     final = set_tags(store, name, sorted(tags))

@@ -53,17 +53,27 @@ def duration(text: str) -> str:
     return text
 
 
+# Options that are strings whatever they look like (a MinIO access key of digits is not a number).
+STRING_OPTIONS = frozenset({"key", "secret", "token", "endpoint_url", "region_name", "profile", "username",
+                            "password", "account_name", "account_key", "sas_token", "connection_string", "project"})
+
+
 def parse_pairs(pairs, option: str) -> dict:
-    """``KEY=VALUE`` pairs; VALUE parsed as JSON when it is JSON, else kept as a string."""
+    """``KEY=VALUE`` pairs; VALUE parsed as JSON when it is JSON, else kept as a string (always a string for
+    :data:`STRING_OPTIONS`)."""
     out: dict = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise UsageError(f"{option} wants KEY=VALUE, got {pair!r}")
+        if key in STRING_OPTIONS:
+            out[key] = value
+            continue
         try:
-            out[key.strip()] = json.loads(value)
+            out[key] = json.loads(value)
         except ValueError:
-            out[key.strip()] = value
+            out[key] = value
     return out
 
 

@@ -16,7 +16,7 @@ EPILOG = "exit status:\n" + "\n".join(f"  {code:<4} {text}" for code, text in EX
 
 errors: one line on stderr (a traceback with --debug); with --json, this object on stdout instead:
   {"error": {"type": "CheckpointNotFoundError", "message": "...", "exit_code": 3}}
-output cut short by a closed pipe (e.g. `| head -1`) is not an error: exit 0, nothing on stderr."""
+output cut short by a closed pipe (e.g. `| head -1`) leaves the command's own exit status, nothing on stderr."""
 
 
 class UsageError(ValueError):

@@ -151,9 +151,10 @@ class FsspecBackend(Backend, UnfinishedUploads):
                 raise BackendError(f"{op} {self.url}/{key}: access denied ({e}); check the credentials "
                                    "(environment, ~/.aws or storage options)", key=key, operation=op) from None
             except TypeError as e:
-                if not self.storage_options or "unexpected keyword argument" not in str(e):
+                if not self.storage_options:
                     raise
-                # The filesystem's client refused an option it was given (a mistyped storage option).
+                # The filesystem's client refused an option it was given (a mistyped name, a number where it
+                # takes a string).
                 raise BackendError(f"{op} {self.url}: {e}; check the storage options "
                                    f"({', '.join(sorted(self.storage_options))})", key=key, operation=op) from None
             except _NOT_RETRIED:

@@ -120,16 +120,19 @@ def read_dcp_dir(path) -> DcpSource:
         rel = getattr(info, "relative_path", None)
         if not isinstance(index, MetadataIndex) or not isinstance(rel, str) or not _plain_name(rel):
             raise SourceFormatError(f"{meta_path}: storage entry {index!r} does not name a file of the directory")
-        if getattr(info, "transform_descriptors", None):
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms is not None and not isinstance(transforms, (list, tuple)):
+            raise SourceFormatError(f"{meta_path}: storage entry of {index.fqn} has bad transform_descriptors")
+        if transforms:
             raise SourceFormatError(f"{path}: {index.fqn} is stored with stream transforms "
-                                    f"{list(info.transform_descriptors)}, which import does not support")
+                                    f"{list(transforms)}, which import does not support")
         if rel not in files:
             data = path / rel
             if not data.is_file():
                 raise SourceFormatError(f"{path}: {rel} is missing")
             files[rel] = data.stat().st_size
-        if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0
-                and info.length >= 0):
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0):
             raise SourceFormatError(f"{meta_path}: storage entry of {index.fqn} has a bad offset or length")
         if info.offset + info.length > files[rel]:
             raise SourceFormatError(f"{path / rel} is truncated: {files[rel]} bytes, the metadata needs "

@@ -46,9 +46,10 @@ def cast(raw: np.ndarray, src: str, dst: str) -> np.ndarray:
     if src == "bfloat16":
         f32 = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     else:
-        with np.errstate(over="ignore"):  # past float32's range: inf, as torch casts it (numpy warned)
+        with np.errstate(over="ignore", invalid="ignore"):  # past float32's range: inf, as torch casts it
             f32 = raw.view(np.dtype(src)).astype(np.float32)  # float64 -> float32 rounds to nearest even
     if dst == "float32":
+        f32[np.isnan(f32)] = np.nan  # one NaN, 0x7FC00000, in every format (a payload does not survive a cast)
         return f32.view(np.uint8)
     u = f32.view(np.uint32)
     rounded = ((u.astype(np.uint64) + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)

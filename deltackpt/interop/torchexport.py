@@ -44,6 +44,14 @@ from .weightsonly import refusal_reason
 DATA_FILE = "__0_0.distcp"  # FileSystemWriter's name for rank 0's first file
 
 
+def canonical_nan(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (just cast, so its own) with every NaN the quiet NaN safetensors exports write too
+    (float32 0x7FC00000, bfloat16 0x7FC0): a cast keeps no payload, and torch's and numpy's differ."""
+    if tensor.is_floating_point():
+        tensor[tensor.isnan()] = float("nan")
+    return tensor
+
+
 def _dcp_metadata(reader) -> Metadata:
     data = reader.manifest.layer_data.get(LAYER_KEY)
     if data is None:
@@ -103,7 +111,7 @@ def _write_tensor(f, reader, t, smd: TensorStorageMetadata, target, storage, pro
         else:
             tensor = torch.empty(rows, dtype=src)  # no bytes to view
         if dst != src:
-            tensor = tensor.to(dst)
+            tensor = canonical_nan(tensor.to(dst))
         offsets = torch.Size((r0,) + (0,) * (len(t.shape) - 1) if t.shape else ())
         offset = f.tell()
         torch.save(tensor, f)
@@ -196,7 +204,7 @@ def _cast_tree(obj, dst: torch.dtype) -> int:
     for key, value in list(items):
         if isinstance(value, torch.Tensor):
             if str(value.dtype).removeprefix("torch.") in FLOATS and value.dtype != dst:
-                obj[key] = value.to(dst)
+                obj[key] = canonical_nan(value.to(dst))
                 n += 1
         else:
             n += _cast_tree(value, dst)

@@ -275,3 +275,22 @@ def test_safetensors_export_keeps_every_float8_bit_for_bit(tmp_path):
     got = load_file(tmp_path / "c.safetensors")
     for k in kinds:
         assert got[k].dtype == getattr(torch, k) and torch.equal(got[k].view(torch.uint8), raw), k
+
+
+def test_a_cast_export_writes_one_quiet_nan_in_every_format(tmp_path):
+    """`--dtype fp32` of float16 NaNs with payloads: numpy's cast (safetensors) kept a payload (0x7f802000, a
+    signalling NaN) where torch's (dcp, torch) wrote 0x7fffffff. Every format writes 0x7FC00000 now; the
+    numbers are torch's cast in each."""
+    from safetensors.torch import load_file
+
+    from deltackpt.store import Store
+
+    bits = np.array([0x7C01, 0xFE01, 0x3C00, 0xC000], dtype=np.uint16)
+    x = torch.from_numpy(bits.view(np.float16).copy())
+    store = Store.init(tmp_path / "s")
+    deltackpt.save({"h": x}, store, "a")
+    deltackpt.export(store, "a", tmp_path / "o.st", format="safetensors", dtype="fp32")
+    deltackpt.export(store, "a", tmp_path / "o.pt", format="torch", dtype="fp32")
+    want = [0x7FC00000, 0x7FC00000, 0x3F800000, 0xC0000000]
+    for got in (load_file(tmp_path / "o.st")["h"], torch.load(tmp_path / "o.pt", weights_only=True)["h"]):
+        assert [v & 0xFFFFFFFF for v in got.view(torch.int32).tolist()] == want

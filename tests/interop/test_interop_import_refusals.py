@@ -228,3 +228,17 @@ def test_the_chunks_of_an_empty_tensor_must_reach_its_size(tmp_path):
 
     with safe_open(tmp_path / "good.safetensors", "pt") as f:
         assert f.get_slice("z").get_shape() == [0, 4]
+
+
+@pytest.mark.parametrize("field,value", [("length", None), ("offset", None), ("transform_descriptors", 7)])
+def test_a_crafted_storage_entry_is_a_typed_error(tmp_path, field, value):
+    """A _StorageInfo unpickled without its offset or length (None is not stored), or with transforms that are
+    not a list, escaped as an AttributeError / TypeError instead of SourceFormatError."""
+    from deltackpt.interop.dcpsource import read_dcp_dir
+
+    dcp.save({"w": torch.randn(4, 3)}, storage_writer=FileSystemWriter(tmp_path / "d"), no_dist=True)
+    md = pickle.loads((tmp_path / "d" / ".metadata").read_bytes())
+    setattr(next(iter(md.storage_data.values())), field, value)
+    (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(SourceFormatError):
+        read_dcp_dir(tmp_path / "d")

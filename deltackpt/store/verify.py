@@ -326,10 +326,10 @@ def _settle_after_gc(store, watch: _GcWatch, found: Findings, report: VerifyRepo
     # A gc kept moving chunks: of what it may have caused, only a chunk in no pack present is sure.
     listed = list_packs(store.backend)
     store.refresh_index(pack_stamps(listed))
-    again = _Recheck(store, found, report, _sizes(listed), 0)
+    again = _Recheck(store, found, report, _sizes(listed), level)  # what decodes now is checked: it is sound
     lost = {cid: p for cid, p in again.bad.items() if p.kind in _LOST}
     unsettled = len(again.bad) - len(lost) + len(again.stray)
-    again.bad, again.stray, again.checked = lost, [], 0
+    again.bad, again.stray = lost, []
     again.apply(found, report)
     if unsettled:
         report.chunks_skipped += unsettled

@@ -255,15 +255,26 @@ class CheckpointManager:
             self._uploader.raise_if_failed()
 
     def close(self) -> None:
-        if not self._closed:
+        if self._closed:
+            return
+        failed = False
+        try:
+            self.wait()
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            self._closed = True
             try:
-                self.wait()
-            finally:
-                self._closed = True
                 if self._staging is not None:
                     self._staging.close()
                 if self._uploader is not None:
                     self._uploader.close()
+            except Exception as e:  # noqa: BLE001 - the save's own error, raised above, goes first
+                if not failed:
+                    raise
+                log.error("after a failed save, the uploads failed too: %s", e)
+            finally:
                 self._destroy_own_group()
 
     def _destroy_own_group(self) -> None:

@@ -63,3 +63,20 @@ def test_restore_of_damaged_manifest_names_it(tmp_path):
         assert ei.value.checkpoint == name
         with pytest.raises(DeltackptError, match="no intact checkpoint"):
             mgr.restore_latest()
+
+
+def test_close_raises_the_failed_save_not_a_later_upload_error_and_still_cleans_up(tmp_path, monkeypatch, caplog):
+    """An async save fails, and at close the uploads fail too: the save's error is what close raises (it was
+    the upload's, with the save's only as its context), the upload's is logged, and the manager's own process
+    group is still destroyed."""
+    from deltackpt.store.tier import Uploader
+
+    monkeypatch.setattr(DeltaStorageWriter, "finish", _failing_finish)
+    mgr = CheckpointManager(str(tmp_path / "store"), _state(), async_mode="thread", remote=str(tmp_path / "cold"))
+    destroyed = []
+    monkeypatch.setattr(mgr, "_destroy_own_group", lambda: destroyed.append(True))
+    monkeypatch.setattr(Uploader, "close", lambda self: (_ for _ in ()).throw(OSError("remote gone")))
+    mgr.save(1)
+    with pytest.raises(CorruptChunkError):
+        mgr.close()
+    assert destroyed == [True] and "remote gone" in caplog.text

@@ -316,16 +316,14 @@ def _settle_after_gc(store, watch: _GcWatch, found: Findings, report: VerifyRepo
             if attempt + 1 < _SETTLE_TRIES:
                 time.sleep(_SETTLE_WAIT_S)
             continue
-        listed = list_packs(store.backend)
-        store.refresh_index(pack_stamps(listed))
+        listed = _fresh_listing(store)
         store.index.set_meta(b"gc_epoch", window.epoch)  # the cache says what the packs say as of this epoch
         again = _Recheck(store, found, report, _sizes(listed), level)
         if not window.moved():
             again.apply(found, report)
             return
     # A gc kept moving chunks: of what it may have caused, only a chunk in no pack present is sure.
-    listed = list_packs(store.backend)
-    store.refresh_index(pack_stamps(listed))
+    listed = _fresh_listing(store)
     again = _Recheck(store, found, report, _sizes(listed), level)  # what decodes now is checked: it is sound
     lost = {cid: p for cid, p in again.bad.items() if p.kind in _LOST}
     unsettled = len(again.bad) - len(lost) + len(again.stray)
@@ -335,6 +333,13 @@ def _settle_after_gc(store, watch: _GcWatch, found: Findings, report: VerifyRepo
         report.chunks_skipped += unsettled
         report.complete = False
         report.skipped_by = report.skipped_by or "concurrent-gc"
+
+
+def _fresh_listing(store) -> list:
+    """The packs listed now, with the index refreshed from that listing."""
+    listed = list_packs(store.backend)
+    store.refresh_index(pack_stamps(listed))
+    return listed
 
 
 class _Recheck:

@@ -404,18 +404,15 @@ class CheckpointManager:
             remote = self._uploader.remote
             local_infos = self.store.list_checkpoints()
             newest_local = local_infos[-1].created_ns if local_infos else None
+            listed = {i.name for i in local_infos}
             for info in reversed(remote.list_checkpoints()):
                 if newest_local is not None and info.created_ns <= newest_local:
                     break
-                overwrite = False
-                if self.store.exists(info.name):
-                    try:
-                        self.store.read_manifest(info.name)
-                    except _DAMAGE:
-                        break  # damaged here (so not listed): restore_latest restores it from the remote
-                    # An older checkpoint of that name (a branch the run went back from, on this node's disk):
-                    # the remote's is the run's newest, and replaces it here as the uploader replaced it there.
-                    overwrite = True
+                # Listed here: an older checkpoint of that name (a branch the run went back from, on this node's
+                # disk); the remote's is the run's newest, and replaces it here as the uploader replaced it there.
+                overwrite = info.name in listed
+                if not overwrite and self.store.exists(info.name):
+                    break  # damaged here (so not listed): restore_latest restores it from the remote
                 try:
                     report = copy_checkpoints(remote, self.store, [info.name], overwrite=overwrite)
                 except _DAMAGE as e:

@@ -121,9 +121,10 @@ def _tiers(args, store, infos):
         if record["remote_id"] is not None and remote.config.store_id != record["remote_id"]:
             raise DeltackptError(f"the store there is not the one uploaded to (store id {remote.config.store_id}, "
                                  f"expected {record['remote_id']})")
-        where = tier_states(store, remote)
+        remote_infos = remote.list_checkpoints(include_damaged=True)
+        where = tier_states(store, remote, local_infos=infos, remote_infos=remote_infos)
         local = {i.name for i in infos}
-        infos = sorted(infos + [i for i in remote.list_checkpoints() if i.name not in local],
+        infos = sorted(infos + [i for i in remote_infos if i.name not in local and not i.damaged],
                        key=lambda i: (i.created_ns, i.name))
     except (DeltackptError, OSError) as e:
         print(f"deltackpt: warning: remote {url} not reachable ({e}); locations unknown", file=sys.stderr)

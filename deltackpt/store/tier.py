@@ -67,24 +67,31 @@ def write_tier(store, remote: str, remote_id: str, uploading: str | None = None,
     store.backend.put(TIER_KEY, json.dumps(record).encode())
 
 
-def tier_states(local, remote) -> dict[str, str]:
+def tier_states(local, remote, *, local_infos=None, remote_infos=None) -> dict[str, str]:
     """Where each checkpoint lives: 'local', 'uploading', 'remote', 'both', or 'differs' (each store holds a
-    checkpoint of that name, not the same one: their creation times differ) (names of either store)."""
+    checkpoint of that name, not the same one: their creation times differ) (names of either store).
+    ``local_infos``/``remote_infos``: the stores' ``list_checkpoints(include_damaged=True)`` when the caller
+    has them (each is listed once either way)."""
     record = read_tier(local) or {}
-    here = set(local.checkpoint_names())
-    there = set(remote.checkpoint_names()) if remote is not None else set()
-    both = here & there
-    made_here, made_there = (_created(local), _created(remote)) if both else ({}, {})
+    made_here = _created_or_damaged(local, local_infos)
+    made_there = _created_or_damaged(remote, remote_infos) if remote is not None else {}
     out = {}
-    for name in here | there:
-        if name in both:
-            t_here, t_there = made_here.get(name), made_there.get(name)
+    for name in made_here.keys() | made_there.keys():
+        if name in made_here and name in made_there:
+            t_here, t_there = made_here[name], made_there[name]
             out[name] = "differs" if None not in (t_here, t_there) and t_here != t_there else "both"
-        elif name in there:
+        elif name in made_there:
             out[name] = "remote"
         else:
             out[name] = "uploading" if name == record.get("uploading") else "local"
     return out
+
+
+def _created_or_damaged(store, infos=None) -> dict[str, int | None]:
+    """name -> created_ns of each of ``store``'s checkpoints, None for a damaged one (its time is unknown)."""
+    if infos is None:
+        infos = store.list_checkpoints(include_damaged=True)
+    return {i.name: None if i.damaged else i.created_ns for i in infos}
 
 
 def _created(store) -> dict[str, int]:

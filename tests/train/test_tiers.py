@@ -98,7 +98,17 @@ def test_ls_shows_where_each_checkpoint_lives(tmp_path, s3_server, s3_url, capsy
     args = ["ls", str(tmp_path / "l"), "--json"] + [f"--storage-option={k}={v}" for k, v in
                                                    (("endpoint_url", opts["endpoint_url"]), ("key", "testing"),
                                                     ("secret", "testing"))]
-    assert cli.main(args) == 0
+    from deltackpt.store.fsspec_backend import FsspecBackend
+    listed, real_list = [], FsspecBackend.list
+
+    def counting_list(self, prefix=""):
+        listed.append(prefix)
+        return real_list(self, prefix)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FsspecBackend, "list", counting_list)
+        assert cli.main(args) == 0
+    assert listed.count("manifests/") == 1  # the remote's checkpoints are listed once
     import json
     rows = json.loads(capsys.readouterr().out)
     assert [(r["name"], r["location"]) for r in rows] == [("step-00000001", "remote"), ("step-00000002", "remote"),

@@ -346,6 +346,14 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         log.debug("save %s: commit %.3f s (%d ranks)", self.checkpoint_id, time.perf_counter() - t0, len(results))
 
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._commit(metadata, results)
+        finally:  # also when the results do not add up: the lock never waits for the writer's collection
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         local, self._local_summary = self._local_summary, None
         if (local is not None and len(results) == 1 and results[0]
                 and results[0][0].storage_data.get("local") == self.save_id):
@@ -360,16 +368,11 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         metadata.version = getattr(metadata, "version", None) or "1.0.0"
-        try:
-            self.store.commit(self.checkpoint_id, items, entries=entries, packs=packs, metadata=self.metadata,
-                              # The record itself: msgpack writes it as the same map as its builtins.
-                              layer_data={LAYER_KEY: metadata_to_record(metadata)}, parent=self._parent_name,
-                              overwrite=self.overwrite, lock=self._lock, checked_packs=reused,
-                              after_ns=self._after_ns)
-        finally:
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+        self.store.commit(self.checkpoint_id, items, entries=entries, packs=packs, metadata=self.metadata,
+                          # The record itself: msgpack writes it as the same map as its builtins.
+                          layer_data={LAYER_KEY: metadata_to_record(metadata)}, parent=self._parent_name,
+                          overwrite=self.overwrite, lock=self._lock, checked_packs=reused,
+                          after_ns=self._after_ns)
 
 
 def _gather_results(results: list[list[WriteResult]]):

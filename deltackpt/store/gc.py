@@ -132,7 +132,7 @@ class GcPlan:
         still holds. ``progress`` hears of each pack deleted or repacked."""
         store = self.store
         t0 = time.monotonic()
-        with store.lock(EXCLUSIVE, wait_s=wait_s):
+        with store.lock(EXCLUSIVE, wait_s=wait_s) as lock:
             plan = self.revalidate()
             # A new epoch before any pack goes: a process whose index cache is its own (another host) sees
             # it at its next save and refreshes, instead of deduplicating against a deleted pack.
@@ -143,6 +143,7 @@ class GcPlan:
                 def delete_dead(names) -> None:
                     for name in sorted(names):
                         crash_point("gc:before-delete")
+                        lock.check_in_a_while()  # a lock gone stale may be a save's now: stop
                         store.backend.delete(pack_key(name))
                         crash_point("gc:after-delete")
                         bar.advance(1)
@@ -163,6 +164,7 @@ class GcPlan:
             # A repack can reproduce a pack byte for byte (same name): never delete what was just published.
             old_repacked = set(plan.repack) - published - damaged
             for name in sorted(old_repacked):
+                lock.check_in_a_while()
                 store.backend.delete(pack_key(name))
             gone = (set(plan.delete_packs) - kept - published) | old_repacked
             if epoch is not None:

@@ -46,6 +46,7 @@ EXCLUSIVE = "exclusive"
 STALE_AFTER_S = 300.0
 DEFAULT_WAIT_S = 600.0  # how long a save waits for gc (and gc for running saves) before giving up
 _POLL_S = (0.02, 1.0)  # first and longest pause between two looks while waiting
+_JOIN_S = 5.0  # how long release() waits for the refresh thread to end (its put in flight is waited for anyway)
 
 log = logging.getLogger("deltackpt")
 
@@ -128,6 +129,8 @@ class StoreLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._held = False
+        self._io = threading.Lock()  # a refresh's look-and-put, which release() must not overtake
+        self._checked_at = float("-inf")  # when check_in_a_while last looked (monotonic)
 
     def _payload(self) -> bytes:
         return json.dumps({"kind": self.kind, "host": socket.gethostname(), "pid": os.getpid(),
@@ -202,8 +205,10 @@ class StoreLock:
 
     def _stop_refresh(self) -> None:
         self._stop.set()
+        with self._io:  # a refresh put in flight ends before the caller deletes the object
+            pass
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=_JOIN_S)
             self._thread = None
 
     def _conflict(self) -> dict | None:
@@ -233,19 +238,32 @@ class StoreLock:
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self.stale_after_s / 4):
-            try:
-                if self.backend.exists(self.key):  # never resurrect a lock someone removed as stale
-                    self.backend.put_transient(self.key, self._payload())
-            except OSError:
-                pass
+            with self._io:
+                if self._stop.is_set():
+                    break  # released meanwhile: never write the object back
+                try:
+                    if self.backend.exists(self.key):  # never resurrect a lock someone removed as stale
+                        self.backend.put_transient(self.key, self._payload())
+                except OSError:
+                    pass
 
-    def check(self) -> None:
-        """Raise StoreLockedError if this lock is no longer valid (removed, or gone stale)."""
+    def check_in_a_while(self, margin: float = 0.5) -> None:
+        """:meth:`check` (``margin``) at most every tenth of the stale limit: for a holder acting in a long loop
+        (gc's deletes) while its refreshes may be failing, so that a lock gone stale, maybe a save's by now,
+        stops it, at one read of the lock object per 30 s instead of one per step."""
+        now = time.monotonic()
+        if now - self._checked_at >= self.stale_after_s / 10:
+            self.check(margin)
+            self._checked_at = now
+
+    def check(self, margin: float = 1.0) -> None:
+        """Raise StoreLockedError if this lock is no longer valid (removed, or gone stale). ``margin`` < 1:
+        also when its object is older than that share of the stale limit (a holder about to act for a while)."""
         try:
             info = _parse(self.backend.get(self.key))
         except FileNotFoundError:
             info = None
-        if not self._held or info is None or _is_stale(info, time.time(), self.stale_after_s):
+        if not self._held or info is None or _is_stale(info, time.time(), self.stale_after_s * margin):
             raise StoreLockedError(f"this process's {self.kind} lock on the store was lost (stale or removed); "
                                    "refusing to commit, since gc may have run")
 

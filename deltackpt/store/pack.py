@@ -149,6 +149,7 @@ class PackBuilder:
         self._spool = spool
         self._buf = bytearray()
         self._size = 0
+        self._broken: BaseException | None = None
         self._file = open(spool, "wb", buffering=JOIN_BYTES) if spool is not None else None
         try:
             self._write(PACK_MAGIC)
@@ -159,15 +160,23 @@ class PackBuilder:
             raise
 
     def _write(self, data) -> None:
+        if self._broken is not None:
+            raise self._broken  # the first failure again: never write past it
+        try:
+            if self._file is not None:
+                try:
+                    self._file.write(data)
+                except OSError as e:
+                    raise_if_disk_full(e, self._spool, len(data))
+                    raise
+            else:
+                self._buf += memoryview(data)
+        except BaseException as e:
+            # Part of ``data`` may be in the spool file: this pack's offsets (and its name) no longer hold, so
+            # no later add, seal or publish may use it (another coding thread's add would publish it).
+            self._broken = e
+            raise
         self._hash.update(data)
-        if self._file is not None:
-            try:
-                self._file.write(data)
-            except OSError as e:
-                raise_if_disk_full(e, self._spool, len(data))
-                raise
-        else:
-            self._buf += memoryview(data)
         self._size += len(data)
 
     def __len__(self) -> int:

@@ -14,7 +14,9 @@ it is missing or stale, so a crash between pack upload and index update loses no
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -145,12 +147,19 @@ class Store(Catalog):
             names = writer_features(self.config)
         if set(names) <= set(self.config.features):
             return
-        current = decode_config(self.backend.get(CONFIG_KEY))
-        if current.store_id != self.config.store_id:
-            raise ManifestFormatError(f"{describe(self.backend)}: store config changed its store_id while open")
-        updated = current.with_features(names)
-        if updated is not current:
+        for _ in range(100):
+            current = decode_config(self.backend.get(CONFIG_KEY))
+            if current.store_id != self.config.store_id:
+                raise ManifestFormatError(f"{describe(self.backend)}: store config changed its store_id while open")
+            updated = current.with_features(names)
+            if updated is current:
+                break
             self.backend.put(CONFIG_KEY, encode_config(updated))
+            # No compare-and-swap: another process's read-modify-write may have put its own features over
+            # ours. Read again until the stored config lists them (features are only ever added).
+            time.sleep(random.uniform(0.001, 0.01))
+        else:
+            raise ManifestFormatError(f"{describe(self.backend)}: could not record features {sorted(names)}")
         self.config = updated
 
     # -- index ---------------------------------------------------------------------------------------------

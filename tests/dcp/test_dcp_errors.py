@@ -18,6 +18,7 @@ from deltackpt import (
     CorruptChunkError,
     CorruptManifestError,
     DeltackptError,
+    DeltaStorageWriter,
     ManifestFormatError,
 )
 from deltackpt.store import Store
@@ -216,3 +217,27 @@ def test_a_failed_save_releases_the_store_lock(store_path, how):
     results = run_ranks(_failed_save_worker, 2, store_path, how, timeout=150)
     assert all(r["error"] and r["locks"] == [] for r in results), results
     assert results[0]["gc"] == "ran"
+
+
+def test_a_finish_that_fails_before_its_commit_releases_the_store_lock(store_path, monkeypatch):
+    """Results that do not add up (or any error before the commit) left the shared lock held until the writer
+    was collected, holding off gc meanwhile."""
+    import os
+
+    store = Store.open(store_path)
+    writer = DeltaStorageWriter(store, "s1")
+
+    real, calls = DeltaStorageWriter.storage_meta, []
+
+    def broken_in_finish(self):  # DCP asks in planning, the writer again in finish
+        calls.append(1)
+        if len(calls) > 1:
+            raise ValueError("results do not add up (test)")
+        return real(self)
+
+    monkeypatch.setattr(DeltaStorageWriter, "storage_meta", broken_in_finish)
+    with pytest.raises(CheckpointException, match="do not add up"):
+        dcp.save({"w": torch.arange(10.0)}, storage_writer=writer)
+    locks = os.path.join(store_path, "locks")
+    assert not os.path.isdir(locks) or os.listdir(locks) == []
+    assert writer is not None  # the writer is still alive: its finalizer did not release the lock

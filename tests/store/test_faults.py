@@ -216,3 +216,70 @@ def test_writer_misuse(mem_store):
         w.finish()
     with pytest.raises(RuntimeError):
         w.add_bytes("late", b"x")
+
+
+class _HalfWriteFile:
+    """A spool file whose first write of >= 64 KiB writes half its bytes, then fails with ENOSPC (what a
+    buffered write does when the disk fills mid-write); later writes succeed (space came back)."""
+
+    def __init__(self, f, armed):
+        self._f, self._armed = f, armed
+
+    def write(self, data):
+        if self._armed[0] and len(data) >= 64 * 1024:
+            self._armed[0] = False
+            self._f.write(bytes(memoryview(data)[:len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+@pytest.fixture
+def half_write(monkeypatch):
+    from deltackpt.store.pack import PackBuilder
+
+    armed = [True]
+    init = PackBuilder.__init__
+
+    def flaky_init(self, spool=None):
+        init(self, spool)
+        if self._file is not None:
+            self._file = _HalfWriteFile(self._file, armed)
+
+    monkeypatch.setattr(PackBuilder, "__init__", flaky_init)
+    return armed
+
+
+def test_a_pack_whose_write_failed_part_way_is_never_published(tmp_path, half_write):
+    """Part of a failed write was in the spool file, and the pack stayed open: another coding thread's add
+    sealed and published it under a name that was not its hash, with its later chunks' offsets wrong; the
+    failed save indexed it, and a retry deduplicated against it and committed a checkpoint that did not load."""
+    import xxhash
+
+    from deltackpt.errors import DiskFullError
+    from deltackpt.store.packsink import PackSink
+
+    store = Store.init(tmp_path / "s", chunk_size_bytes=256 * 1024, pack_target_bytes=512 * 1024)
+    sink = PackSink(store)
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.integers(0, 255, 300 * 1024, dtype=np.uint8).tobytes() for _ in range(3))
+    with pytest.raises(DiskFullError):
+        sink.add(xxhash.xxh3_128_digest(a), 0, 1, len(a), a, None, 0)  # one coding thread: fails mid-write
+    for data in (b, c):  # the others go on: they fail too, and nothing is published
+        with pytest.raises(DiskFullError):
+            sink.add(xxhash.xxh3_128_digest(data), 0, 1, len(data), data, None, 0)
+    assert sink.packs == {}
+    sink.abort()
+    assert [i.key for i in store.backend.list("packs/")] == []
+
+
+def test_a_save_retried_after_a_write_failed_part_way_loads(tmp_path, half_write):
+    store = Store.init(tmp_path / "s", chunk_size_bytes=256 * 1024, pack_target_bytes=512 * 1024)
+    rng = np.random.default_rng(1)
+    items = {f"t{i}": rng.standard_normal(64 * 1024).astype(np.float32) for i in range(24)}
+    with pytest.raises(OSError):
+        store.save("step1", items, num_threads=4)
+    store.save("step1", items, num_threads=4)
+    assert_items_equal(Store.open(tmp_path / "s").load("step1"), items)

@@ -129,3 +129,37 @@ def test_store_without_zigzag_delta_gains_it_before_the_first_pack_is_written():
     assert "zigzag-delta" in store.config.features
     assert "zigzag-delta" in json.loads(backend.get("config"))["features"]
     np.testing.assert_array_equal(Store.open(backend).load("b")["w"], _ulp_moves(2)[1])
+
+
+def test_two_processes_adding_features_at_once_keep_both(tmp_path):
+    """ensure_features reads, adds and writes the config with no compare-and-swap: a save's writer upgrading a
+    store written by 0.1 while a copy into it adds ``delta-chains`` lost one of the two. It now reads again
+    after its write until the stored config lists its features (features are only ever added)."""
+    import threading
+
+    import msgspec
+
+    from deltackpt.store.config import CHAINS_FEATURE, CONFIG_KEY, encode_config, new_config
+    from deltackpt.store.localbackend import LocalBackend
+
+    root = tmp_path / "s"
+    cfg = msgspec.structs.replace(new_config(max_chain=1, features=()), format_version=1)
+    LocalBackend(root).put(CONFIG_KEY, encode_config(cfg))
+    saver, copier = Store.open(root), Store.open(root)
+    both_read = threading.Barrier(2)
+    for store in (saver, copier):
+        def get(key, real_get=store.backend.get, first=[True]):
+            data = real_get(key)
+            if key == CONFIG_KEY and first[0]:
+                first[0] = False
+                both_read.wait(5)  # both have read the old config before either writes
+            return data
+        store.backend.get = get
+    threads = [threading.Thread(target=saver.ensure_features),
+               threading.Thread(target=lambda: copier.ensure_features([CHAINS_FEATURE]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    features = set(Store.open(root).config.features)
+    assert CHAINS_FEATURE in features and set(WRITER_FEATURES) <= features

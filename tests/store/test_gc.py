@@ -684,3 +684,54 @@ def test_gc_on_another_host_keeps_the_good_copy_of_a_chunk_written_again_after_d
     plan_gc(b, grace_s=0).execute()
     for host in (a, b, Store.open(root, cache_dir=tmp_path / "cache-c")):
         assert np.array_equal(host.load("c1")["x"], x)
+
+
+def test_gc_stops_deleting_once_its_lock_went_stale(tmp_path, monkeypatch):
+    """gc's refreshes failing (EIO, a full disk) past the stale limit let a save take the store, deduplicate
+    against a pack gc was about to delete and commit; gc then deleted it. gc now looks at its lock between
+    deletes and stops with StoreLockedError. (Stale limit 1 s here; 300 s by default.)"""
+    from deltackpt.store.localbackend import LocalBackend
+
+    monkeypatch.setitem(lock_mod.StoreLock.__init__.__kwdefaults__, "stale_after_s", 1.0)
+    root = tmp_path / "s"
+    store = Store.init(root, chunk_size_bytes=64 * 1024, pack_target_bytes=256 * 1024)
+    rng = np.random.default_rng(0)
+    xs = {f"x{i}": rng.standard_normal(16 * 1024).astype(np.float32) for i in range(12)}
+    for i, (k, v) in enumerate(xs.items()):
+        store.save(f"a{i}", {k: v})  # a pack each
+    store.save("b", {"y": np.zeros(10, np.float32)})
+    store.forget([f"a{i}" for i in range(12)])
+    plan = plan_gc(store, grace_s=0)
+    assert len(plan.delete_packs) == 12
+    real_put, real_delete = LocalBackend.put_transient, LocalBackend.delete
+    deleting = threading.Event()
+
+    def put_transient(self, key, data):
+        if threading.current_thread().name == "deltackpt-lock" and key.startswith("locks/exclusive"):
+            raise OSError(5, "Input/output error")
+        return real_put(self, key, data)
+
+    def delete(self, key):
+        if key.startswith("packs/") and threading.current_thread().name == "gc":
+            deleting.set()
+            time.sleep(0.3)
+        return real_delete(self, key)
+
+    monkeypatch.setattr(LocalBackend, "put_transient", put_transient)
+    monkeypatch.setattr(LocalBackend, "delete", delete)
+    errors = []
+    gc_thread = threading.Thread(target=lambda: _run_catching(plan.execute, errors), name="gc")
+    gc_thread.start()
+    assert deleting.wait(10)
+    time.sleep(1.1)  # gc's lock object, never refreshed, is stale now
+    Store.open(root, cache_dir=tmp_path / "other-cache").save("c", xs)  # another process
+    gc_thread.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], StoreLockedError)
+    assert_items_equal(Store.open(root, cache_dir=tmp_path / "check-cache").load("c"), xs)
+
+
+def _run_catching(fn, errors):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        errors.append(e)

@@ -284,3 +284,48 @@ def test_a_killed_process_not_yet_reaped_holds_no_lock():
         child.kill()
         child.wait()
     assert _pid_alive(os.getpid())
+
+
+def test_a_refresh_put_in_flight_at_release_does_not_bring_the_lock_back(monkeypatch):
+    """release() stops the refresh thread: a refresh put still running then (a slow NFS or object-store
+    write, longer than release's wait for the thread) used to land after the lock object was deleted, a lock
+    nobody held that kept gc out until it went stale."""
+    from deltackpt.store import lock as lock_mod
+    from deltackpt.store.backend import MemoryBackend
+
+    class SlowRefresh(MemoryBackend):
+        def put_transient(self, key, data):
+            if threading.current_thread().name == "deltackpt-lock":
+                time.sleep(0.6)
+            return super().put_transient(key, data)
+
+    monkeypatch.setattr(lock_mod, "_JOIN_S", 0.1)
+    backend = SlowRefresh()
+    lock = StoreLock(backend, SHARED, stale_after_s=0.4).acquire()  # refreshes every 0.1 s
+    time.sleep(0.25)  # the refresh thread is inside its put
+    lock.release()
+    assert _keys(backend) == []
+    time.sleep(0.8)  # long enough for any put in flight to have landed
+    assert _keys(backend) == []
+    StoreLock(backend, EXCLUSIVE, wait_s=0).acquire().release()
+
+
+def test_check_in_a_while_looks_at_most_every_tenth_of_the_stale_limit():
+    from deltackpt.store.backend import MemoryBackend
+
+    backend = MemoryBackend()
+    gets = []
+    real_get = backend.get
+    backend.get = lambda key: gets.append(key) or real_get(key)
+    lock = StoreLock(backend, EXCLUSIVE, stale_after_s=STALE_AFTER_S).acquire()
+    gets.clear()
+    try:
+        for _ in range(50):
+            lock.check_in_a_while()
+        assert len(gets) == 1
+        backend.delete(lock.key)  # removed as stale by another process
+        lock._checked_at -= STALE_AFTER_S / 10
+        with pytest.raises(StoreLockedError):
+            lock.check_in_a_while()
+    finally:
+        lock.release()

@@ -226,7 +226,7 @@ def _drop_stale_intents(store) -> None:
 
 def plan_forget(store, *, keep_last: int | None = None, keep_every: int | None = None,
                 keep_within: str | float | None = None, keep_tags: list[str] | None = None,
-                now: float | None = None) -> ForgetPlan:
+                now: float | None = None, select=None) -> ForgetPlan:
     if keep_last is None and keep_every is None and keep_within is None and not keep_tags:
         raise ValueError("refusing an empty retention policy: give at least one of keep_last, keep_every, "
                          "keep_within, keep_tags")
@@ -238,6 +238,8 @@ def plan_forget(store, *, keep_last: int | None = None, keep_every: int | None =
                          "within that long (to forget checkpoints, use forget by name)")
     now = time.time() if now is None else now
     infos = store.list_checkpoints()  # oldest first
+    if select is not None:  # ``select(name)``: the checkpoints the policy is about; it leaves the others alone
+        infos = [info for info in infos if select(info.name)]
     steps = [_step(info) for info in infos]
     if keep_every is not None and infos and all(s is None for s in steps):
         # Counting positions instead would keep different checkpoints each time forget runs.

@@ -107,11 +107,12 @@ class Uploader:
     raised by the next ``submit``/``wait``/``raise_if_failed`` (like an async save's), and the checkpoint is
     uploaded again with the next ``submit`` (or by the next Uploader of this store). ``keep_local_last``:
     forget local checkpoints beyond the newest N once they are uploaded; ``keep_remote_last``: retention of
-    the remote store (None keeps all; a checkpoint tagged in either store is kept).
+    the remote store (None keeps all; a checkpoint tagged in either store is kept). ``select(name)``: the
+    checkpoints both retentions are about (a CheckpointManager's own names); others are uploaded and kept.
     """
 
     def __init__(self, local, remote, *, storage_options: dict | None = None, keep_local_last: int | None = None,
-                 keep_remote_last: int | None = None) -> None:
+                 keep_remote_last: int | None = None, select=None) -> None:
         if keep_local_last is not None and keep_local_last < 1:
             raise ValueError("keep_local_last must be >= 1 (or None to keep every local checkpoint)")
         self.local = local
@@ -123,6 +124,7 @@ class Uploader:
         local_dir = local_root(self.remote.backend)
         self.remote_url = os.path.abspath(local_dir) if local_dir is not None else describe(self.remote.backend)
         self.keep_local_last = keep_local_last
+        self._select = select or (lambda name: True)
         self.keep_remote_last = keep_remote_last
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -141,9 +143,10 @@ class Uploader:
         remote_id = self.remote.config.store_id
         sent = record["uploaded"] if record is not None and record["remote_id"] == remote_id else {}
         pinned = read_all_tags(local)
+        own_remote_times = [t for n, t in remote_ns.items() if self._select(n)]
         self._uploaded = {n: t for n, t in local_ns.items()
                           if sent.get(n) == t or remote_ns.get(n) == t
-                          or (n not in pinned and self._retired(t, remote_ns.values()))}
+                          or (n not in pinned and self._select(n) and self._retired(t, own_remote_times))}
         write_tier(local, self.remote_url, remote_id, uploaded=self._uploaded)
         for name in local_ns:  # what an earlier run did not finish sending: a crash, a failure
             if name not in self._uploaded:
@@ -259,7 +262,7 @@ class Uploader:
         log.info("uploaded checkpoint %r: %d bytes sent, %d skipped, %.2f s", name, report.bytes_sent,
                  report.bytes_skipped, report.seconds)
         if self.keep_remote_last is not None:
-            plan = plan_forget(self.remote, keep_last=self.keep_remote_last)
+            plan = plan_forget(self.remote, keep_last=self.keep_remote_last, select=self._select)
             pinned = read_all_tags(self.local)  # tagged locally after its upload: kept there too
             plan.forget = [n for n in plan.forget if n not in pinned]
             plan.execute()
@@ -270,7 +273,7 @@ class Uploader:
         """Forget local checkpoints beyond the newest ``keep_local_last`` that were uploaded (the remote holds
         them, or held them until its retention forgot them), the very checkpoint: same created_ns."""
         local_ns = _created(self.local)
-        names = list(local_ns)
+        names = [n for n in local_ns if self._select(n)]
         old = names[:-self.keep_local_last] if len(names) > self.keep_local_last else []
         if old:
             pinned = read_all_tags(self.local)

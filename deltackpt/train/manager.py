@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import string
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -64,6 +65,22 @@ _ASYNC_TYPES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpoi
 _PARAM_GROUP = re.compile(r"(.+\.optim)\.param_groups\.(\d+)\.params")
 
 
+def _own_names(name_format: str) -> re.Pattern:
+    """The names ``name_format`` makes, as a pattern: a store may hold other checkpoints (a base model saved
+    once, a second manager's with its own format), which a manager neither resumes from nor forgets."""
+    parts, fields = [], []
+    for literal, field, _spec, _conversion in string.Formatter().parse(name_format):
+        parts.append(re.escape(literal))
+        if field is not None:
+            fields.append(field)
+            parts.append(r"-?[0-9]+")
+    pattern = re.compile("".join(parts))
+    if fields != ["step"] or not all(pattern.fullmatch(name_format.format(step=s)) for s in (0, 7, 123456789)):
+        raise ValueError(f"name_format must hold the field {{step}} once, as a decimal integer (such as "
+                         f"'step-{{step:08d}}'), got {name_format!r}")
+    return pattern
+
+
 def _param_groups(keys, prefixes: tuple[str, ...]) -> dict[str, int]:
     """Number of param groups by optimizer state key (``train.<model>.optim``) among the flat ``keys``."""
     found: dict[str, set[int]] = {}
@@ -77,6 +94,9 @@ def _param_groups(keys, prefixes: tuple[str, ...]) -> dict[str, int]:
 class CheckpointManager:
     """Saves a TrainState every ``every_n_steps`` into ``store`` and resumes from its newest intact checkpoint.
 
+    ``name_format``: the checkpoints' names, from the field ``{step}``. A manager resumes from and forgets only
+    checkpoints of its own names: others in the store (a base model, a second manager's, such as an EMA copy
+    under ``"ema-{step:08d}"``) are left alone.
     ``keep_last``: after each successful save keep only this many newest checkpoints (None keeps all).
     ``async_mode``: None (blocking), "thread" or "process" (``dcp.async_save``; "process" needs a process group).
     An async manager stages every save into one set of buffers (one copy of this rank's state, freed by
@@ -105,6 +125,7 @@ class CheckpointManager:
             raise ValueError("async_mode='process' needs a process group (DCP's checkpoint process joins it): "
                              "call torch.distributed.init_process_group first, or use async_mode='thread'")
         check_replica_mode(replica_check)  # here, not at the first save
+        own = _own_names(name_format).fullmatch
         self.replica_check = replica_check
         self._own_group = None
         if async_mode == "thread" and process_group is None and rank_and_world()[1] > 1:
@@ -128,13 +149,14 @@ class CheckpointManager:
             if remote is not None and rank_and_world()[0] == 0:
                 local_last = keep_local_last if keep_local_last is not None else keep_last
                 self._uploader = Uploader(self.store, remote, storage_options=remote_storage_options,
-                                          keep_local_last=local_last, keep_remote_last=keep_last)
+                                          keep_local_last=local_last, keep_remote_last=keep_last, select=own)
             self.state = state
             self.every_n_steps = every_n_steps
             self.keep_last = keep_last
             self.async_mode = async_mode
             self.process_group = process_group
             self.name_format = name_format
+            self._own = own  # whether a checkpoint name is one this manager makes
             self._pending: tuple[Future, str, int] | None = None
             self._staging = StagingBuffers(share_memory=async_mode == "process") if async_mode else None
             self._closed = False
@@ -267,7 +289,15 @@ class CheckpointManager:
             self._closed = True
             try:
                 if self._staging is not None:
-                    self._staging.close()
+                    self._staging.close()  # waits for a save still running
+                if failed and self._pending is not None:
+                    # The wait was cut short (Ctrl-C, a SIGTERM handler's sys.exit) and the save has ended since
+                    # (its typed future a moment later): upload it, or report its error (the interrupt goes on).
+                    name = self._pending[1]
+                    try:
+                        self._wait_save()
+                    except Exception as e:  # noqa: BLE001
+                        log.error("background save of checkpoint %r failed: %s", name, e)
                 if self._uploader is not None:
                     self._uploader.close()
             except Exception as e:  # noqa: BLE001 - the save's own error, raised above, goes first
@@ -304,7 +334,8 @@ class CheckpointManager:
             return
         if self.keep_last is None:
             return
-        plan = plan_forget(self.store, keep_last=self.keep_last)  # tagged checkpoints are always kept
+        # Tagged checkpoints are always kept, and checkpoints of other names (a base, another manager's).
+        plan = plan_forget(self.store, keep_last=self.keep_last, select=self._own)
         plan.forget = [n for n in plan.forget if n != name]
         plan.execute()
 
@@ -321,7 +352,8 @@ class CheckpointManager:
         # What to try is decided on the coordinator and sent to every rank: ranks that listed or verified on
         # their own could disagree (a retention or an upload in between) and enter different collectives.
         infos = self._agreed(lambda: [(i.name, i.damage) for i in
-                                      reversed(self.store.list_checkpoints(include_damaged=True))])
+                                      reversed(self.store.list_checkpoints(include_damaged=True))
+                                      if self._own(i.name)])
         if not infos:
             return 0
         failures = []
@@ -403,9 +435,10 @@ class CheckpointManager:
         if self._uploader is not None:
             remote = self._uploader.remote
             local_infos = self.store.list_checkpoints()
-            newest_local = local_infos[-1].created_ns if local_infos else None
+            own_local = [i for i in local_infos if self._own(i.name)]
+            newest_local = own_local[-1].created_ns if own_local else None
             listed = {i.name for i in local_infos}
-            for info in reversed(remote.list_checkpoints()):
+            for info in reversed([i for i in remote.list_checkpoints() if self._own(i.name)]):
                 if newest_local is not None and info.created_ns <= newest_local:
                     break
                 # Listed here: an older checkpoint of that name (a branch the run went back from, on this node's

@@ -80,3 +80,46 @@ def test_close_raises_the_failed_save_not_a_later_upload_error_and_still_cleans_
     with pytest.raises(CorruptChunkError):
         mgr.close()
     assert destroyed == [True] and "remote gone" in caplog.text
+
+
+def _interrupt_close_during(mgr, after_s: float = 0.3) -> None:
+    """close() the manager while a SIGINT arrives ``after_s`` into its wait (a Ctrl-C, a SIGTERM handler's
+    sys.exit): the KeyboardInterrupt propagates."""
+    import signal
+    import threading
+
+    threading.Timer(after_s, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        mgr.close()
+
+
+def test_an_interrupted_close_still_reports_the_pending_saves_error(tmp_path, monkeypatch, caplog):
+    import logging
+    import time
+
+    def slow_failing_commit(self, *args, **kwargs):
+        time.sleep(1.0)
+        raise OSError("disk went away (test)")
+
+    mgr = CheckpointManager(str(tmp_path / "s"), _state(), async_mode="thread")
+    monkeypatch.setattr(Store, "commit", slow_failing_commit)
+    mgr.save(1)
+    with caplog.at_level(logging.ERROR, logger="deltackpt.train"):
+        _interrupt_close_during(mgr)
+    assert mgr._pending is None and "disk went away (test)" in caplog.text
+
+
+def test_an_interrupted_close_still_uploads_the_pending_save(tmp_path, monkeypatch):
+    import time
+
+    real_commit = Store.commit
+
+    def slow_commit(self, *args, **kwargs):
+        time.sleep(1.0)
+        return real_commit(self, *args, **kwargs)
+
+    mgr = CheckpointManager(str(tmp_path / "local"), _state(), async_mode="thread", remote=str(tmp_path / "remote"))
+    monkeypatch.setattr(Store, "commit", slow_commit)
+    mgr.save(1)
+    _interrupt_close_during(mgr)
+    assert Store.open(tmp_path / "remote").checkpoint_names() == ["step-00000001"]

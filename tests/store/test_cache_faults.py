@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from deltackpt.errors import DiskFullError
@@ -373,3 +374,42 @@ def test_gc_on_a_completely_full_disk_says_disk_full(small_tmpfs, rng):
     assert _snapshot(root) == before
     (small_tmpfs / "filler").unlink()  # space freed elsewhere: now it runs
     assert plan_gc(s, grace_s=0).execute().deleted_packs == len(planned)
+
+
+def _put_cache_record(store, chunk_id: bytes, record: bytes) -> None:
+    chunks, _, _ = store.index._dbs()
+    with store.index.env.begin(write=True, db=chunks) as txn:
+        txn.put(chunk_id, record)
+
+
+def _cache_record(store, chunk_id: bytes) -> bytes:
+    chunks, _, _ = store.index._dbs()
+    with store.index.env.begin(db=chunks) as txn:
+        return bytes(txn.get(chunk_id))
+
+
+def test_a_cache_record_placing_a_chunk_at_anothers_place_in_one_bundle_is_never_served(tmp_path):
+    """Two chunks at one place of a pack were read and checked once, as one chunk used twice: a cache record
+    that put chunk B where chunk A is gave B's item A's bytes, with no error."""
+    store = Store.init(tmp_path / "s", chunk_size_bytes=4096)
+    rng = np.random.default_rng(0)
+    items = {f"x{i}": rng.integers(0, 2**31, 1024, dtype=np.int32) for i in range(64)}  # a raw chunk each
+    store.save("c", items)
+    ids = {it.key: it.chunks[0].id for it in store.read_manifest("c").items}
+    _put_cache_record(store, ids["x1"], _cache_record(store, ids["x0"]))
+    assert_items_equal(Store.open(tmp_path / "s").load("c"), items)
+
+
+def test_a_cache_record_with_a_wrong_length_is_not_taken_for_a_damaged_manifest(tmp_path):
+    """A part of a chunk was judged against the cache's length before the chunk was read and checked: an
+    intact checkpoint failed with CorruptManifestError (and a resume fell back to an older one)."""
+    from deltackpt.store.records import RECORD_DTYPE
+
+    store = Store.init(tmp_path / "s", chunk_size_bytes=4096)
+    a = np.arange(1024, dtype=np.float32)
+    store.save("c", {"a": a})
+    cid = store.read_manifest("c").items[0].chunks[0].id
+    rec = np.frombuffer(_cache_record(store, cid), RECORD_DTYPE).copy()
+    rec["raw_len"] -= 8
+    _put_cache_record(store, cid, rec.tobytes())
+    assert Store.open(tmp_path / "s").load("c")["a"].tobytes() == a.tobytes()

@@ -167,3 +167,15 @@ def test_json_output_is_strict_when_metadata_holds_nan_or_inf(tmp_path, capsys):
         data = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
         meta = (data[0] if isinstance(data, list) else data)["metadata"]
         assert meta == {"loss": None, "grad": ["-inf", 1.0]}
+
+
+@pytest.mark.parametrize("meta", [{"a": b"\x00\x01"}, {"a": {1: 2, "b": 3}}])
+@pytest.mark.parametrize("argv", [["show", "{s}", "c"], ["show", "--json", "{s}", "c"], ["ls", "--json", "{s}"]])
+def test_show_and_ls_print_metadata_json_has_no_words_for(tmp_path, capsys, meta, argv):
+    """Metadata the writer accepts (bytes, int keys: msgpack holds both) made show and ls --json fail with a
+    TypeError."""
+    store = Store.init(tmp_path / "s")
+    store.save("c", {"x": np.arange(10)}, metadata=meta)
+    assert main([a.format(s=tmp_path / "s") for a in argv]) == 0
+    out = capsys.readouterr().out
+    assert ("0001" if "a" in meta and isinstance(meta["a"], bytes) else '"1": 2') in out

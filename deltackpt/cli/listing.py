@@ -8,7 +8,7 @@ import sys
 import time
 
 from .options import open_store, options_for
-from .output import emit, fmt_bytes, fmt_ratio, table
+from .output import emit, fmt_bytes, fmt_ratio, jsonable, table
 from .status import EXIT_OK
 
 
@@ -150,7 +150,7 @@ def cmd_show(args) -> int:
         if data["tags"]:
             head += f"\ntags {', '.join(data['tags'])}"
         if m.metadata:
-            head += "\nmetadata " + json.dumps(m.metadata, sort_keys=True)
+            head += "\nmetadata " + json.dumps(jsonable(m.metadata), sort_keys=True)
         rows = [[d["key"], d["kind"], d["dtype"], "x".join(map(str, d["shape"])) or "-", fmt_bytes(d["nbytes"]),
                  str(d["num_chunks"])] for d in items]
         return head + "\n" + table(rows, ["ITEM", "KIND", "DTYPE", "SHAPE", "BYTES", "CHUNKS"])

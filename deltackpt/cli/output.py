@@ -33,16 +33,20 @@ def emit(args, data, text: Callable[[], str]) -> None:
     """``data`` as JSON with ``--json``, else the text ``text()`` renders. The JSON is strict: a float that is
     not finite (a diverged run's ``loss: nan`` in checkpoint metadata) is written as null (NaN) or as the
     string "inf" / "-inf", as ``diff`` does, never as the bare ``NaN`` that jq and most parsers refuse."""
-    out(json.dumps(_finite(data), indent=2, sort_keys=True, allow_nan=False) if args.json else text())
+    out(json.dumps(jsonable(data), indent=2, sort_keys=True, allow_nan=False) if args.json else text())
 
 
-def _finite(value):
+def jsonable(value):
+    """``value`` as strict JSON can hold it: non-finite floats as null / "inf" / "-inf", bytes as hex, keys as
+    strings."""
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, dict):  # (metadata may have int keys, which JSON names by their text)
+        return {k if isinstance(k, str) else str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
 
 

@@ -171,7 +171,12 @@ def decode_metadata(obj: Any) -> Metadata:
             rec = msgspec.convert(obj, MetadataRecord, strict=True)
         except msgspec.ValidationError as e:
             raise ManifestFormatError(f"invalid DCP metadata: {_locate_dict_key(obj, e)}") from None
-    return record_to_metadata(rec)
+        except RecursionError:
+            raise ManifestFormatError("invalid DCP metadata: nested deeper than the stack allows") from None
+    try:
+        return record_to_metadata(rec)
+    except RecursionError:  # a storage_data value's builtin tree, checked in Python
+        raise ManifestFormatError("invalid DCP metadata: a value nested deeper than the stack allows") from None
 
 
 _ENTRY_TYPES = {

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..errors import UnsafeSourceError
+from ..errors import ManifestFormatError, UnsafeSourceError
 from ..store import paused_gc
 from .placement import item_key, tensor_bytes
 
@@ -102,6 +102,9 @@ class PlainBytes:
         except pickle.UnpicklingError as e:
             raise UnsafeSourceError(f"value {read_item.dest_index.fqn!r} needs unpickling beyond plain data "
                                     f"({first_line(e)}); {self.refusal_hint}") from None
+        except (RuntimeError, EOFError, ValueError) as e:  # not a torch.save blob (empty, truncated, other bytes)
+            raise ManifestFormatError(f"value {read_item.dest_index.fqn!r} is not a torch.save blob "
+                                      f"({first_line(e)})") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

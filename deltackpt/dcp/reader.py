@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ..errors import ManifestFormatError
+from ..errors import CorruptManifestError, ManifestFormatError
 from ..store import LATEST, CheckpointReader, Manifest, Store, default_read_threads
 from .metadata_schema import decode_metadata
 from .names import LAYER_KEY, checkpoint_name
@@ -49,7 +49,7 @@ class DeltaStorageReader(StorageReader):
         self.fallback = fallback
         self.checkpoint_id: str | None = None
         self.load_id = None
-        self._manifest: Manifest | None = None
+        self._opened: tuple[Manifest, Metadata] | None = None  # reset's manifest and its checked DCP metadata
         self._reader: CheckpointReader | None = None
         self.metadata: Metadata | None = None
         if checkpoint_id is not None:
@@ -59,7 +59,7 @@ class DeltaStorageReader(StorageReader):
         state = self.__dict__.copy()
         state["_store"] = None
         state["_reader"] = None
-        state["_manifest"] = None
+        state["_opened"] = None
         return state
 
     @property
@@ -75,7 +75,7 @@ class DeltaStorageReader(StorageReader):
             name = checkpoint_name(checkpoint_id) if checkpoint_id != LATEST else LATEST
             self.checkpoint_id = self.store.resolve(name, fallback=self.fallback)
             # Read and checked here, not in read_metadata: DCP logs that method's errors and replaces them.
-            self._manifest = _dcp_manifest(self.store, self.checkpoint_id)
+            self._opened = _dcp_manifest(self.store, self.checkpoint_id)
         self._reader = None
         self.metadata = None
         self.load_id = uuid.uuid4().hex
@@ -94,8 +94,7 @@ class DeltaStorageReader(StorageReader):
     def _read_metadata(self) -> Metadata:
         if self.checkpoint_id is None:
             self.reset(LATEST)
-        manifest, self._manifest = self._manifest or _dcp_manifest(self.store, self.checkpoint_id), None
-        md = decode_metadata(manifest.layer_data[LAYER_KEY])
+        (manifest, md), self._opened = self._opened or _dcp_manifest(self.store, self.checkpoint_id), None
         if md.storage_meta is None:
             md.storage_meta = StorageMeta(checkpoint_id=manifest.name)
         md.storage_meta.load_id = self.load_id
@@ -196,12 +195,49 @@ class DeltaStorageReader(StorageReader):
         return [(nbytes, _copy_box, box)]
 
 
-def _dcp_manifest(store: Store, name: str) -> Manifest:
+def _dcp_manifest(store: Store, name: str) -> tuple[Manifest, Metadata]:
+    """Checkpoint ``name``'s manifest and its DCP metadata, decoded and checked against the manifest's items."""
     manifest = store.read_manifest(name)
     if LAYER_KEY not in manifest.layer_data:
         raise ManifestFormatError(f"checkpoint {name!r} was not written through DCP (no DCP metadata); "
                                   "read it with deltackpt.store.Store.load")
-    return manifest
+    md = decode_metadata(manifest.layer_data[LAYER_KEY])
+    _check_layout(md, manifest)
+    return manifest, md
+
+
+def _check_layout(md: Metadata, manifest: Manifest) -> None:
+    """CorruptManifestError unless each saved value and tensor chunk of ``md`` has a storage_data entry naming
+    an item of ``manifest`` that holds exactly it (a bytes item; an array of the chunk's sizes and bytes): a
+    load then never meets a key that names no item, nor a box outside its item, nor a size nothing holds."""
+    items, keys = manifest.item_map(), md.storage_data
+
+    def bad(what: str) -> CorruptManifestError:
+        return CorruptManifestError(f"manifest {manifest.name!r}: DCP metadata: {what}", checkpoint=manifest.name)
+
+    if not isinstance(keys, dict):
+        raise bad("no storage_data")
+    at: dict[tuple, str] = {}  # (fqn, offsets) -> item key: one pass, no MetadataIndex made per chunk
+    for index, key in keys.items():
+        if type(key) is not str or key not in items:
+            raise bad(f"storage_data of {index.fqn!r} names no item ({key!r:.80})")
+        at[index.fqn, index.offset] = key
+    esizes: dict[torch.dtype, int] = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        if not isinstance(smd, TensorStorageMetadata):
+            key = at.get((fqn, None))
+            if key is None or items[key].kind != "bytes":
+                raise bad(f"value {fqn!r} has no bytes item")
+            continue
+        for c in smd.chunks:
+            item = items.get(at.get((fqn, c.offsets)))
+            if item is None:
+                raise bad(f"chunk {list(c.offsets)} of {fqn!r} has no item")
+            dtype = _DTYPES.get(item.dtype, smd.properties.dtype)
+            esize = esizes.get(dtype) or esizes.setdefault(dtype, torch.empty((), dtype=dtype).element_size())
+            if item.kind != "array" or tuple(item.shape) != c.sizes or item.nbytes != math.prod(c.sizes) * esize:
+                raise bad(f"item {item.key!r} does not hold chunk {list(c.offsets)} of {fqn!r} (shape "
+                          f"{list(item.shape)}, {item.nbytes} bytes; the chunk's sizes {list(c.sizes)})")
 
 
 BATCH_BYTES = 1 << 20  # jobs smaller than this are run in batches of about this many bytes

@@ -265,6 +265,8 @@ def _manifest_problem(m: Manifest, totals) -> str | None:
         validate_name(m.name)
     except InvalidNameError as e:
         return str(e)
+    if m.format_version != MANIFEST_VERSION:  # the envelope's version byte gates a newer layout: this is damage
+        return f"body format_version {m.format_version}, envelope {MANIFEST_VERSION}"
     keys = set()
     for it, total in zip(m.items, totals):
         problem = item_problem(it, total)

@@ -104,9 +104,28 @@ class CheckpointReader:
         item = self.item(key)
         if length is None:
             length = item.nbytes - offset
-        out = np.empty(length, dtype=np.uint8)
+        if offset < 0 or length < 0 or offset + length > item.nbytes:
+            raise ValueError(f"bytes [{offset}, {offset + length}) are outside item {key!r} of {item.nbytes} bytes")
+        out = self._allocate(length, [key])
         self.read_into(key, out, offset, parallel=parallel)
         return out
+
+    def _allocate(self, nbytes: int, keys) -> np.ndarray:
+        """``np.empty(nbytes)`` for items ``keys``; when that is more than this machine can allocate, a manifest
+        whose refs claim more than their chunks hold (a crafted one: a few hundred bytes can claim a TiB) is
+        named as such (CorruptManifestError) instead of a MemoryError."""
+        try:
+            return np.empty(nbytes, dtype=np.uint8)
+        except MemoryError:
+            where = dict(checkpoint=self.name)
+            for key in keys:
+                for ref in self.item(key).chunks:
+                    held = self.source.entry(ref.id, item=key, **where).raw_len
+                    if ref.skip + ref.length > held:
+                        raise CorruptManifestError(
+                            f"manifest {self.name!r}: item {key!r} reads bytes {ref.skip}..{ref.skip + ref.length} "
+                            f"of chunk {ref.id.hex()}, which holds {held}", checkpoint=self.name) from None
+            raise
 
     def read_into(self, key: str, out, offset: int = 0, *, parallel: bool = True) -> None:
         """Fill the writable buffer ``out`` with item ``key``'s bytes starting at ``offset``.
@@ -124,7 +143,7 @@ class CheckpointReader:
         coalesced by pack (read one by one, 100k items of 4 KiB cost a job, two index look-ups and a file
         open each)."""
         with paused_gc():
-            outs = {key: np.empty(self.item(key).nbytes, dtype=np.uint8) for key in keys}
+            outs = {key: self._allocate(self.item(key).nbytes, [key]) for key in keys}
         self.read_many_into(outs)
         return outs
 

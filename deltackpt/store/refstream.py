@@ -217,7 +217,7 @@ class _Stream:
             validate_name(m.name)
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError, InvalidNameError):
             raise _Refused from None
-        if m.items or m.name != self.name:
+        if m.items or m.name != self.name or m.format_version != MANIFEST_VERSION:
             raise _Refused
         stage, self.stage = self.stage, None
         if self.stage_ends is None:

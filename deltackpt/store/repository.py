@@ -391,6 +391,9 @@ class Store(Catalog):
                     except TypeError:
                         out[key] = buf  # a dtype numpy does not know (e.g. bfloat16): raw bytes
                         continue
+                    except ValueError as e:  # e.g. "(99999999999,9)i4": a sub-array numpy cannot make
+                        raise CorruptManifestError(f"item {key!r}: invalid dtype {item.dtype!r} ({e})",
+                                                   checkpoint=r.name) from None
                     try:
                         if dtype.hasobject:  # never saved (save refuses object arrays): bytes are not pointers
                             raise ValueError("a dtype of Python objects")

@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from deltackpt import kernels
-from deltackpt.errors import CorruptManifestError, UnsupportedFormatError
+from deltackpt.errors import CorruptManifestError, ManifestFormatError, UnsupportedFormatError
 from deltackpt.store import Store, refstream
 from deltackpt.store.gc import plan_gc
 from deltackpt.store.manifest import MANIFEST_MAGIC, decode_manifest, encode_manifest, manifest_key
@@ -220,3 +220,62 @@ def test_a_ref_past_its_chunks_end_is_found_when_the_cache_lost_the_chunk(make_s
     assert len(located) == 2  # before and after the cache was repaired
     assert [(p.kind, p.checkpoints) for p in report.problems] == [(ProblemKind.MANIFEST, ["c"])]
     assert "reads bytes up to 4103 of chunk" in report.problems[0].detail
+
+
+def _forge_manifest(store, name, change) -> int:
+    from deltackpt.store.manifest import decode_manifest, encode_manifest, manifest_key
+
+    m = decode_manifest(store.backend.get(manifest_key(name)))
+    change(m)
+    raw = encode_manifest(m)
+    decode_manifest(raw)  # the forged manifest passes the manifest's own checks
+    store.backend.put(manifest_key(name), raw)
+    return len(raw)
+
+
+def test_a_forged_sub_array_dtype_is_a_typed_error(tmp_path):
+    store = Store.init(tmp_path / "s")
+    store.save("c", {"x": np.arange(1024, dtype=np.int32)})
+
+    def change(m):
+        m.items[0].dtype = "(99999999999,99999999999)i4"  # numpy: ValueError, not TypeError
+
+    _forge_manifest(store, "c", change)
+    with pytest.raises(CorruptManifestError, match="invalid dtype"):
+        Store.open(tmp_path / "s").load("c")
+
+
+def test_a_small_manifest_claiming_a_terabyte_item_is_a_typed_error(tmp_path):
+    from deltackpt.store.manifest import ChunkRef
+
+    store = Store.init(tmp_path / "s")
+    store.save("c", {"x": np.arange(1024, dtype=np.int32)})
+
+    def change(m):
+        it = m.items[0]
+        it.chunks = [ChunkRef(it.chunks[0].id, 1 << 30, 0)] * 1024  # each ref within MAX_REF_BYTES
+        it.nbytes = 1024 << 30
+        it.shape = [(1024 << 30) // 4]
+
+    assert _forge_manifest(store, "c", change) < 1000
+    with pytest.raises(CorruptManifestError, match="which holds 4096"):
+        Store.open(tmp_path / "s").load("c")
+
+
+@pytest.mark.parametrize("version", [99, -1])
+def test_a_manifest_body_of_another_format_version_is_refused(version):
+    from deltackpt.store.manifest import Manifest, Stats, decode_manifest, encode_manifest
+
+    raw = encode_manifest(Manifest(name="c", store_id="0" * 32, created_ns=1, items=[], stats=Stats(),
+                                   format_version=version))
+    with pytest.raises(ManifestFormatError, match="format_version"):
+        decode_manifest(raw)
+
+
+def test_a_cache_summary_whose_key_is_not_utf8_is_ignored(tmp_path):
+    store = Store.init(tmp_path / "s")
+    store.save("c", {"x": np.arange(10)})
+    index = store._cache_index()
+    with index.env.begin(write=True, db=index._db[b"ckpts"]) as txn:
+        txn.put(b"\xff\xfe", b"junk")
+    assert [i.name for i in Store.open(tmp_path / "s").list_checkpoints()] == ["c"]

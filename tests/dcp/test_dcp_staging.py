@@ -308,3 +308,52 @@ def test_cuda_state_stages_into_pinned_memory(store_path, share_memory):
         assert torch.equal(out["cpu"], ref["cpu"]) and out["n"] == 1
     staging.close()
     assert staging.nbytes == 0
+
+
+def test_shared_buffers_hold_one_file_open_not_one_per_tensor():
+    """In shared memory each buffer was a storage of its own holding a file open: an optimizer's thousands of
+    tensors kept thousands of files open for the whole run (past ``ulimit -n`` 1024: the save failed)."""
+    import os
+
+    sd = {f"t{i}": torch.full((i % 7 + 1,), float(i)) for i in range(600)}
+    sd["half"] = torch.arange(5, dtype=torch.float16)
+    sd["flag"] = torch.tensor([True, False])
+    staging = StagingBuffers(share_memory=True)
+    before = len(os.listdir("/proc/self/fd"))
+    staged = staging.stage(sd)
+    assert len(os.listdir("/proc/self/fd")) - before <= 2
+    assert all(staged[k].is_shared() and torch.equal(staged[k], v) for k, v in sd.items())
+    assert staging.nbytes >= sum(v.numel() * v.element_size() for v in sd.values())
+    staging.close()
+    assert staging.nbytes == 0
+
+
+def _process_saves_many_tensors(rank, world_size, path):
+    import resource
+
+    import torch.distributed.checkpoint._async_process_executor as ape
+
+    warnings.filterwarnings("ignore")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (400, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    try:
+        sd = {f"t{i}": torch.full((i % 5 + 1,), float(i)) for i in range(1200)}
+        staging = StagingBuffers(share_memory=True)
+        for i in range(2):
+            fut = deltackpt.async_save(sd, path, f"p-{i}", staging=staging,
+                                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            fut.result(timeout=150)
+            for v in sd.values():
+                v.add_(1)
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        deltackpt.load(out, path, "p-1")
+        return all(torch.equal(out[k], sd[k] - 1) for k in sd)
+    finally:
+        proc, ape._CHECKPOINT_PROCESS = ape._CHECKPOINT_PROCESS, None
+        del proc
+
+
+@pytest.mark.distributed
+def test_process_mode_saves_more_tensors_than_open_files_allowed(store_path):
+    """1,200 tensors under ``ulimit -n`` 400: a shared buffer per tensor failed with 'Too many open files'."""
+    assert run_ranks(_process_saves_many_tensors, 1, store_path, timeout=240,
+                     env={"MASTER_ADDR": "127.0.0.1"}) == [True]

@@ -57,9 +57,6 @@ def _copy_leaf(value):
     return copy.deepcopy(value)
 
 
-_ALIGN = 64  # bytes: each shared buffer starts on a cache line (and on any element size)
-
-
 class StagingBuffers:
     """Buffers an async save stages into, reused while the state keeps its layout.
 
@@ -85,8 +82,7 @@ class StagingBuffers:
     @property
     def nbytes(self) -> int:
         """Bytes held by the buffers now."""
-        return (sum(s.nbytes() for s in self._storages) if self._storages
-                else sum(b.untyped_storage().nbytes() for b in self._buffers))
+        return sum(b.untyped_storage().nbytes() for b in self._buffers)
 
     def stage(self, state_dict: Any) -> Any:
         """A copy of ``state_dict`` (same structure) whose tensors are this object's CPU buffers."""
@@ -159,37 +155,27 @@ class StagingBuffers:
         # the old buffers go before the new ones come: at most one staged copy at a time
         self._layout, self._buffers, self._wrappers, self._storages = None, [], {}, []
         slots: list[int | None] = [None] * len(leaves)
-        likes = []  # the tensor each buffer is made like
         for pos, (i, value) in enumerate(tensors):
             group = layout[2][pos]
             if group != pos:
                 slots[i] = slots[tensors[group][0]]
             else:
-                slots[i] = len(likes)
-                likes.append(value._local_tensor if isinstance(value, DTensor) else value)
-        self._buffers = self._empty(likes)
-        for i, value in tensors:
+                local = value._local_tensor if isinstance(value, DTensor) else value
+                slots[i] = len(self._buffers)
+                self._buffers.append(self._empty(local))
             if isinstance(value, DTensor):
                 # DTensor's own constructor: from_local would move a CPU buffer to a CUDA mesh's device
                 self._wrappers[i] = DTensor(self._buffers[slots[i]], value._spec, requires_grad=False)
         self._slots, self._layout = slots, layout
 
-    def _empty(self, likes: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A buffer like each of ``likes``: pinned for CUDA tensors; in shared memory, views of one storage
-        (a storage each held a file open each: an optimizer's thousands of tensors passed ``ulimit -n``)."""
+    def _empty(self, like: torch.Tensor) -> torch.Tensor:
+        pin = like.is_cuda
         if not self.share_memory:
-            return [torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda) for like in likes]
-        if not likes:
-            return []
-        offsets, total = [], 0
-        for like in likes:
-            offsets.append(total)
-            total += -(-like.numel() * like.element_size() // _ALIGN) * _ALIGN
-        storage = torch.UntypedStorage._new_shared(total)
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
+        storage = torch.UntypedStorage._new_shared(like.numel() * like.element_size())
         self._storages.append(storage)
-        if any(like.is_cuda for like in likes) and storage.nbytes():
+        if pin and storage.nbytes():
             _pin_memory_utils.pin_memory(storage.data_ptr(), storage.nbytes())
             # unpinned when the storage is freed; not at exit, after CUDA may be gone
             weakref.finalize(storage, _pin_memory_utils.unpin_memory, storage.data_ptr()).atexit = False
-        return [torch.empty(0, dtype=like.dtype).set_(storage, offset // like.element_size(), like.shape)
-                for like, offset in zip(likes, offsets)]
+        return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape)

@@ -24,8 +24,8 @@ import numpy as np
 from . import codec
 from .chains import chain_entries, chain_packs, needed_ids
 from .config import CHAINS_FEATURE, MAX_CHAIN, chain_limit, data_features
-from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChunkError, DeltackptError,
-                      MissingChunkError)
+from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptChunkError, CorruptManifestError,
+                      DeltackptError, MissingChunkError)
 from .lock import SHARED
 from .manifest import Manifest, Stats, encode_manifest
 from .pack import HEADER_SIZE, PackBuilder, PackEntry, pack_bytes_ok, pack_key, read_pack_entries
@@ -107,11 +107,20 @@ def _needed_entries(src, manifest: Manifest) -> dict[bytes, PackEntry]:
 def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, progress) -> None:
     manifest = src.read_manifest(name)
     if dst.exists(name):
-        if _same_content(dst.read_manifest(name), manifest):
-            report.skipped.append(name)
-            _copy_tags(src, dst, name)
-            return
-        if not overwrite:
+        try:
+            theirs = dst.read_manifest(name)
+        except CorruptManifestError:
+            if not overwrite:
+                raise CheckpointExistsError(name, "in the destination, its manifest damaged (--overwrite replaces "
+                                                  "it with the source's)") from None
+            theirs = None
+        if theirs is not None and _same_content(theirs, manifest):
+            if not _holds_damage(dst, manifest):
+                report.skipped.append(name)
+                _copy_tags(src, dst, name)
+                return
+            overwrite = True  # the same checkpoint, its data damaged or lost there: the source's is sent again
+        elif not overwrite:
             raise _exists_error(name)
     packs: dict[str, int] = {}  # what this copy put into the destination, kept across a retry
     entries: list[PackEntry] = []
@@ -142,6 +151,18 @@ def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, pr
         report.bytes_sent += len(encode_manifest(committed))
         report.copied.append(name)
     _copy_tags(src, dst, name)
+
+
+def _holds_damage(dst, manifest: Manifest) -> bool:
+    """Whether a chunk ``manifest`` reads (or a base of it) is not located in ``dst`` (its pack lost), or is
+    located in a pack of ``dst`` a read or verify found damaged."""
+    ids = {ref.id for it in manifest.items for ref in it.chunks}
+    limit = chain_limit(dst.config)
+    held = chain_entries(dst.index, ids, limit)
+    if (ids | needed_ids(held)) - held.keys():
+        return True
+    damaged = dst.index.damaged_packs(refresh=True)
+    return bool(damaged) and any(chain_packs(cid, held, limit) & damaged for cid in ids)
 
 
 class _PackGone(Exception):

@@ -354,3 +354,72 @@ def test_a_named_checkpoint_forgotten_in_the_source_during_its_copy_is_not_found
     with pytest.raises(CheckpointNotFoundError, match="forgotten in the source during the copy"):
         copy(src, dst, ["step-1", "step-2"], progress=_ForgetDuring(tmp_path / "src", "step-2"))
     assert [i.name for i in Store.open(tmp_path / "dst").list_checkpoints()] == ["step-1"]
+
+
+def _copied_one(tmp_path):
+    src = Store.init(tmp_path / "src", **SMALL)
+    w = np.random.default_rng(0).standard_normal(20000).astype(np.float32)
+    src.save("c", {"w": w})
+    copy(src, tmp_path / "dst", ["c"])
+    dst = Store.open(tmp_path / "dst")
+    return src, dst, w, dst.index.lookup(dst.read_manifest("c").items[0].chunks[0].id)
+
+
+def test_a_copy_sends_again_what_the_destination_holds_damaged(tmp_path):
+    """The destination's manifest listed the same chunks, so the checkpoint was skipped as there, also with
+    --overwrite: a damaged destination stayed unloadable with its source intact."""
+    from deltackpt.store.pack import HEADER_SIZE, pack_key
+    from store_helpers import flip_bit
+
+    src, dst, w, entry = _copied_one(tmp_path)
+    flip_bit(dst.backend, pack_key(entry.pack), entry.offset + HEADER_SIZE + entry.stored_len // 2, 3)
+    assert copy(src, tmp_path / "dst", ["c"], verify=True).problems  # found, and the pack marked damaged
+    report = copy(src, tmp_path / "dst", ["c"], verify=True)
+    assert report.copied == ["c"] and not report.problems
+    np.testing.assert_array_equal(Store.open(tmp_path / "dst").load("c")["w"], w)
+
+
+def test_a_copy_sends_again_a_pack_the_destination_lost(tmp_path):
+    from deltackpt.store.pack import pack_key
+
+    src, dst, w, entry = _copied_one(tmp_path)
+    (tmp_path / "dst" / pack_key(entry.pack)).unlink()
+    copy(src, tmp_path / "dst", ["c"], verify=True)
+    copy(src, tmp_path / "dst", ["c"], verify=True)
+    np.testing.assert_array_equal(Store.open(tmp_path / "dst").load("c")["w"], w)
+
+
+def test_a_damaged_destination_manifest_is_replaced_with_overwrite_and_named_without(tmp_path):
+    src = Store.init(tmp_path / "src", **SMALL)
+    rng = np.random.default_rng(0)
+    for s in range(3):
+        src.save(f"s{s}", {"w": rng.standard_normal(5000).astype(np.float32)})
+    copy(src, tmp_path / "dst", ["s0", "s1"])
+    path = tmp_path / "dst" / "manifests" / "s0"
+    path.write_bytes(path.read_bytes()[:60])
+    with pytest.raises(CheckpointExistsError, match="--overwrite"):
+        copy(src, tmp_path / "dst", None)
+    copy(src, tmp_path / "dst", None, overwrite=True, verify=True)
+    assert_items_equal(Store.open(tmp_path / "dst").load("s0"), src.load("s0"))
+    assert Store.open(tmp_path / "dst").exists("s2")
+
+
+def test_an_upload_replaces_a_remote_checkpoint_whose_manifest_is_damaged(tmp_path):
+    """Uploader.replace_damaged promised a later local save of that name replaces it; the upload failed on
+    reading the damaged manifest instead (and the error reached the training loop)."""
+    from deltackpt.store import Uploader
+
+    local = Store.init(tmp_path / "local")
+    up = Uploader(local, str(tmp_path / "remote"))
+    local.save("step-2", {"w": np.ones(1000, np.float32)})
+    up.submit("step-2")
+    up.wait()
+    path = tmp_path / "remote" / "manifests" / "step-2"
+    path.write_bytes(path.read_bytes()[:50])
+    up.replace_damaged("step-2")  # what CheckpointManager does when its fetch meets the damage
+    local.forget(["step-2"])
+    local.save("step-2", {"w": np.full(1000, 2, np.float32)})
+    up.submit("step-2")
+    up.wait()
+    up.close()
+    np.testing.assert_array_equal(Store.open(tmp_path / "remote").load("step-2")["w"], np.full(1000, 2, np.float32))

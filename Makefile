@@ -42,7 +42,9 @@ bench: install
 	$(VENV)/bin/deltackpt bench --out $(BENCH_OUT)/workloads
 
 # The C kernels under AddressSanitizer and UBSan: a copy of the tree in build/asan (the .venv's build is left
-# alone), its extension built with the sanitizers, and the tests that drive the kernels and the parsers.
+# alone), its extension built with the sanitizers, and the tests that drive the kernels and the parsers
+# (PYTHONMALLOC=malloc: small Python buffers from malloc, which ASan watches, not from pymalloc's arenas;
+# allocator_may_return_null: a too-large allocation is a MemoryError, as without ASan, not an abort).
 ASAN_TESTS ?= tests/test_kernels.py tests/store/test_hostile_metadata.py tests/store/test_manifest_refs.py \
 	tests/store/test_fuzz_parsers.py tests/store/test_planebatch.py tests/store/test_delta.py \
 	tests/store/test_codec_zdelta.py tests/store/test_verify.py tests/store/test_read_path.py \
@@ -51,8 +53,8 @@ asan: install
 	rm -rf build/asan && mkdir -p build/asan
 	git ls-files -z | xargs -0 tar cf - | tar xf - -C build/asan
 	cd build/asan && DELTACKPT_NATIVE_SANITIZE=1 $(CURDIR)/$(PYTHON) setup.py -q build_ext --inplace
-	cd build/asan && LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONPATH=. DELTACKPT_REQUIRE_NATIVE=1 \
+	cd build/asan && LD_PRELOAD=$$(gcc -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
+		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 PYTHONMALLOC=malloc PYTHONPATH=. DELTACKPT_REQUIRE_NATIVE=1 \
 		$(CURDIR)/$(PYTHON) -m pytest -q -p no:cacheprovider $(ASAN_TESTS)
 
 clean:

@@ -212,15 +212,15 @@ PyDoc_STRVAR(fastcdc_cuts_doc,
 static PyObject *py_fastcdc_cuts(PyObject *self, PyObject *args)
 {
     PyObject *data_obj, *cuts_obj;
-    unsigned long long mn, avg, mx;
+    Py_ssize_t mn, avg, mx; /* "n": an int out of range is an OverflowError ("K" wrapped it silently) */
     Py_buffer data, cuts;
     size_t need, count;
 
     (void)self;
-    if (!PyArg_ParseTuple(args, "OKKKO:fastcdc_cuts", &data_obj, &mn, &avg, &mx,
+    if (!PyArg_ParseTuple(args, "OnnnO:fastcdc_cuts", &data_obj, &mn, &avg, &mx,
                           &cuts_obj))
         return NULL;
-    if (dc_fastcdc_check_params(mn, avg, mx) != 0) {
+    if (mn < 0 || avg < 0 || mx < 0 || dc_fastcdc_check_params((uint64_t)mn, (uint64_t)avg, (uint64_t)mx) != 0) {
         PyErr_SetString(PyExc_ValueError,
                         "invalid FastCDC parameters: need 64 <= min_size <= "
                         "avg_size <= max_size < 2**62 and avg_size a power of two");
@@ -497,7 +497,10 @@ static PyObject *py_walk_refs(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "walk_refs: state and fill counts must be 8-byte aligned");
         goto fail;
     }
-    dc_walker *w = (dc_walker *)v[0].buf;
+    /* The walk runs on a copy: its output pointers never live in the caller's buffer, which may overlap an
+     * output (or be changed by another thread while the GIL is released). */
+    dc_walker local, *w = &local;
+    memcpy(&local, v[0].buf, sizeof local);
     int64_t *at = (int64_t *)v[6].buf;
     if (w->depth > DC_WALK_DEPTH) { /* the caller's buffer: never index the walker's stacks past their end */
         PyErr_SetString(PyExc_ValueError, "walk_refs: state is not a walker's (depth out of range)");
@@ -540,6 +543,7 @@ static PyObject *py_walk_refs(PyObject *self, PyObject *args)
     w->top = w->items = w->ids = NULL;
     w->recs = NULL;
     w->ends = NULL;
+    memcpy(v[0].buf, &local, sizeof local);
     while (taken-- > 0)
         PyBuffer_Release(&v[taken]);
     return Py_BuildValue("in", rc, (Py_ssize_t)consumed);
@@ -727,7 +731,9 @@ static PyObject *py_xxh3_64_rows(PyObject *self, PyObject *args)
         return NULL;
     }
     n = out.len / (Py_ssize_t)sizeof(uint64_t);
-    if (n && (nbytes > rows.len || (stride && n - 1 > (rows.len - nbytes) / stride))) {  /* no overflow */
+    if (out.len % (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, "out must hold whole uint64 values");
+    } else if (n && (nbytes > rows.len || (stride && n - 1 > (rows.len - nbytes) / stride))) {  /* no overflow */
         PyErr_Format(PyExc_ValueError, "rows has %zd bytes, %zd rows of stride %zd need more", rows.len, n, stride);
     } else {
         for (i = 0; i < n; i++) {

@@ -1117,3 +1117,68 @@ def test_native_outputs_at_any_alignment_hold_the_same_values():
     pos = odd(keys.size)
     _native.find_sorted(ids, keys, pos)
     assert pos.view(np.int64).tolist() == list(range(0, ids.size, 3))
+
+
+# -- found by differential fuzzing under ASan (native vs twin) ------------------------------------------------
+_WALK_INTO_ITS_OWN_STATE = textwrap.dedent("""
+    import numpy as np
+    from deltackpt import _native as C
+    state = np.zeros(C.WALKER_BYTES, np.uint8)
+    top, ids, recs = np.zeros(64, np.uint8), np.zeros(64, np.uint8), np.zeros(8, np.uint64)
+    # {"items": [{"x": "A" * 24}, {"x": 1}]}: the first item's bytes land on the state's own output pointers
+    body = b"\\x81\\xa5items\\x92\\x81\\xa1x\\xb8" + b"\\x41" * 24 + b"\\x81\\xa1x\\x01"
+    print(C.walk_refs(state, np.frombuffer(body, np.uint8), top, state, ids, recs, np.array([0, 4, 4, 0, 0], np.int64)))
+""")
+
+
+@pytest.mark.skipif(kernels.native_impl is None, reason="native kernels not built")
+def test_walk_refs_whose_state_is_also_an_output_writes_nowhere_wild():
+    """The walker kept its output pointers in the caller's state buffer: an output overlapping it let
+    manifest bytes choose where the next item was written (a crash, at best). An optimized build may keep
+    the pointers in registers and write nowhere wild by chance: `make asan` (-O1) catches it."""
+    r = subprocess.run([sys.executable, "-c", _WALK_INTO_ITS_OWN_STATE], capture_output=True, text=True,
+                       timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr[-1500:]
+
+
+@pytest.mark.skipif(kernels.native_impl is None, reason="native kernels not built")
+@pytest.mark.parametrize("shape,k", [((8, 3), 2), ((6, 4), 8)])
+def test_sparse_apply_into_a_multidimensional_dst_is_the_same_on_both_backends(shape, k):
+    dst = (np.arange(np.prod(shape)) * 37 % 251).astype(np.uint8).reshape(shape)
+    n = dst.size // k
+    delta = np.zeros(dst.size, np.uint8)
+    delta[::3] = 5
+    planes = kernels.numpy_impl.shuffle(delta, k)
+    bms, vals, counts = b"", np.zeros(dst.size, np.uint8), []
+    for j in range(k):
+        bm, v = kernels.numpy_impl.sparse_split(planes[j * n:(j + 1) * n])
+        bms += bytes(bm)
+        vals[j * n:j * n + v.size] = v
+        counts.append(v.size)
+    a, b = dst.copy(), dst.copy()
+    kernels.native_impl.sparse_apply(bms, vals, counts, a, k, True)
+    kernels.numpy_impl.sparse_apply(bms, vals, counts, b, k, True)
+    assert bytes(a) == bytes(b)
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError:
+        return "ValueError"
+
+
+@pytest.mark.skipif(kernels.native_impl is None, reason="native kernels not built")
+def test_raw_kernels_and_twins_refuse_the_same_arguments():
+    from deltackpt import _native
+
+    assert _outcome(_native.xxh3_64_rows, b"x" * 64, 8, 8, bytearray(12)) == "ValueError"  # part of a uint64
+    assert _outcome(twins.xxh3_64_rows, b"x" * 64, 8, 8, bytearray(12)) == "ValueError"
+    ids = np.random.default_rng(0).integers(0, 256, 64, dtype=np.uint8).tobytes()
+    misaligned = memoryview(bytearray(17))[1:]
+    assert _outcome(_native.sort_ids, bytearray(ids), misaligned) == "ValueError"
+    assert _outcome(twins.sort_ids, bytearray(ids), misaligned) == "ValueError"
+    args = (b"a" * 16, None, 1, np.array([0, 8]), [bytearray(8)], np.zeros(1, "V16"), bytearray(1))
+    assert _native.unshuffle_check(*args) == twins.unshuffle_check(*args)  # lengths in bytes, not items
+    with pytest.raises((ValueError, OverflowError)):  # 2**64 + 64 was read as 64
+        _native.fastcdc_cuts(bytes(1000), 2**64 + 64, 64, 64, np.zeros(20, np.int64))

@@ -133,7 +133,7 @@ class Impl:
         if n and any(np.may_share_memory(dst, x) for x in (bm, v)):
             raise ValueError("dst must not overlap bitmaps or vals")
         if n:
-            self._raw.sparse_apply(bm, v, c, dst, k, bool(zigzag))
+            self._raw.sparse_apply(bm, v, c, dst.reshape(-1), k, bool(zigzag))  # a view: any C-contiguous shape
 
     def fastcdc_cuts(self, data, min_size: int, avg_size: int, max_size: int) -> np.ndarray:
         """FastCDC chunk END offsets (int64, ascending, last == len(data)); empty input gives []."""

@@ -19,20 +19,20 @@ def unshuffle_check(buf, frames, elem_size: int, src, outs, ids, ok) -> int:
     same bytes, one chunk at a time."""
     k = check_elem_size(elem_size)
     b, n, frames = as_u8(buf, "buf"), len(outs), () if frames is None else frames
-    src = np.asarray(src)
+    src8, ids = as_u8(src, "src"), as_u8(ids, "ids")  # byte lengths, as the native kernel reads them
     okv = np.frombuffer(ok, dtype=np.uint8) if len(memoryview(ok)) else np.zeros(0, np.uint8)
-    if okv.size != n or src.dtype != np.int64 or src.size != n * (k + 1) or len(ids) != 16 * n:
+    if okv.size != n or src8.nbytes != 8 * n * (k + 1) or ids.nbytes != 16 * n:
         raise ValueError(f"ok, src and ids must hold {n}, {n * (k + 1)} int64 and {16 * n} bytes")
     dests = [np.frombuffer(out, dtype=np.uint8) if len(memoryview(out)) else np.zeros(0, np.uint8) for out in outs]
     planes = []
-    for j, (dest, starts) in enumerate(zip(dests, src.reshape(n, k + 1).tolist())):
+    for j, (dest, starts) in enumerate(zip(dests, src8.view(np.int64).reshape(n, k + 1).tolist())):
         per = dest.size // k
         segs = []
         for s, at in enumerate(starts):
             want = per if s < k else dest.size - per * k
             if 0 <= at <= b.size - want:
                 segs.append(b[at:at + want])
-            elif at < 0 and -1 - at < len(frames) and len(memoryview(frames[-1 - at])) == want:
+            elif at < 0 and -1 - at < len(frames) and memoryview(frames[-1 - at]).nbytes == want:
                 segs.append(np.frombuffer(frames[-1 - at], dtype=np.uint8) if want else b[:0])
             else:
                 raise ValueError(f"chunk {j}: segment {s} is out of bounds")
@@ -91,7 +91,8 @@ def sort_ids(ids, pay=None) -> None:
     nbytes = memoryview(ids).nbytes
     if nbytes % 16:
         raise ValueError("ids must be 16-byte ids")
-    if pay is not None and memoryview(pay).nbytes != nbytes // 4:
+    if pay is not None and (memoryview(pay).nbytes != nbytes // 4
+                            or nbytes and np.frombuffer(pay, dtype=np.uint8).ctypes.data % 4):
         raise ValueError("pay must hold a 4-byte aligned uint32 per id")
     if not nbytes:
         return

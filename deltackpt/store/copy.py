@@ -189,7 +189,7 @@ def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int],
         have = {cid: e for cid, e in have.items() if not chain_packs(cid, held, limit) & damaged}
     sent = {e.chunk_id for e in entries}
     send = {cid: e for cid, e in needed.items() if cid not in have and cid not in sent}
-    _fit_chains(dst, send, needed, entries, name)
+    _fit_chains(dst, send, needed, entries, name, src.config.max_chain)
     by_pack: dict[str, list[PackEntry]] = {}
     for e in send.values():
         by_pack.setdefault(e.pack, []).append(e)
@@ -237,13 +237,15 @@ def _source_reads(pack: str, reads):
 
 
 def _fit_chains(dst, send: dict[bytes, PackEntry], needed: dict[bytes, PackEntry], earlier: list[PackEntry],
-                name: str) -> None:
+                name: str, src_max_chain: int = 1) -> None:
     """Keep the chains the sent chunks make in ``dst`` within what its readers follow. Two stores may code a
     chunk differently: a sent delta whose base ``dst`` holds as a delta of its own makes a chain longer than
     either store's. Then the source's copy of that base is sent too when it is a keyframe (the destination's
     index locates a keyframe copy first), else ``dst`` gains the feature ``delta-chains``; past MAX_CHAIN, an
     error before anything is sent. ``earlier``: entries an earlier attempt of this copy sent."""
     limit = chain_limit(dst.config)
+    # Longer than either store's max_chain: the source's keyframe of the base goes along (never past limit).
+    bound = min(limit, max(dst.config.max_chain, src_max_chain))
     sent_before = {e.chunk_id: e for e in earlier}
     held = {e.base_id for e in send.values() if e.base_id is not None and e.base_id not in send
             and e.base_id not in sent_before}
@@ -269,7 +271,7 @@ def _fit_chains(dst, send: dict[bytes, PackEntry], needed: dict[bytes, PackEntry
         return max((depth[c] for c in send), default=0), depth
 
     worst, depth = deepest()
-    if worst <= limit:
+    if worst <= bound:
         return
     for base in held:  # the source's keyframe of a base dst holds as a delta: its chain ends there
         if depth.get(base, 0) and needed.get(base) is not None and needed[base].base_id is None:

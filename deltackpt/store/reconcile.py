@@ -83,7 +83,8 @@ class Reconciling:
             settled = np.zeros(keys.size, dtype=bool)
             settled[pos[match]] = True
             # The entries to write: of each chunk no copy of which the cache holds, the newest (the first).
-            stale = np.flatnonzero(inside & ~settled[np.maximum(pos, 0)])
+            # (an empty cache: no key to look at; every entry is absent)
+            stale = np.flatnonzero(inside & ~settled[np.maximum(pos, 0)]) if keys.size else np.flatnonzero(inside)
             stale = stale[np.unique(pos[stale], return_index=True)[1]]
             absent = np.flatnonzero(~inside)
             absent = absent[np.unique(ids[absent], return_index=True)[1]] if absent.size else absent

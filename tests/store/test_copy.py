@@ -423,3 +423,35 @@ def test_an_upload_replaces_a_remote_checkpoint_whose_manifest_is_damaged(tmp_pa
     up.wait()
     up.close()
     np.testing.assert_array_equal(Store.open(tmp_path / "remote").load("step-2")["w"], np.full(1000, 2, np.float32))
+
+
+def test_a_copy_makes_no_chain_longer_than_either_stores_max_chain(tmp_path):
+    """The destination held the sent delta's base as a depth-2 delta of its own, the source as a keyframe: the
+    copy left a depth-3 chain in stores of max_chain 2, instead of sending the source's keyframe along (as
+    decisions.md says it does)."""
+    from deltackpt.store import codec
+
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal(16384) * 0.05).astype(np.float32)
+    states = [w.copy()]
+    for _ in range(3):
+        w.view(np.uint32)[rng.integers(0, 16384, 40)] += np.uint32(1)
+        states.append(w.copy())
+    a = Store.init(tmp_path / "a", chunk_size_bytes=16384, max_chain=2)
+    b = Store.init(tmp_path / "b", chunk_size_bytes=16384, max_chain=2)
+    for i, state in enumerate(states[:3]):
+        b.save(f"b{i}", {"w": state})
+    a.save("a0", {"w": states[2]})
+    a.save("a1", {"w": states[3]})
+
+    def depth(store, name):
+        d, e = 0, store.index.lookup(store.read_manifest(name).items[0].chunks[0].id)
+        while codec.is_delta(e.codec):
+            d, e = d + 1, store.index.lookup(e.base_id)
+        return d
+
+    assert depth(b, "b2") == 2
+    copy(a, tmp_path / "b", ["a1"])
+    b = Store.open(tmp_path / "b")
+    assert depth(b, "a1") <= 2
+    np.testing.assert_array_equal(b.load("a1")["w"], states[3])

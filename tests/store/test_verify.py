@@ -605,3 +605,18 @@ def test_a_pack_a_gc_replaced_during_verify_leaves_the_report_incomplete_not_cle
     report = verify_store(Store.open(tmp_path / "s", cache_dir=tmp_path / "cache"), level=2)
     assert report.packs_checked == 0 and not report.complete and not report.clean
     assert report.skipped_by == "concurrent-gc" and report.packs_skipped == 1
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_verify_from_a_cache_that_holds_no_chunk_yet(tmp_path, forget):
+    """A host whose cache had no chunk records (it verified the store while it was empty) failed every later
+    verify with IndexError once another host had saved, until its cache was deleted."""
+    Store.init(tmp_path / "s", cache_dir=tmp_path / "c-init", chunk_size_bytes=16384)
+    h0 = Store.open(tmp_path / "s", cache_dir=tmp_path / "c0")
+    h1 = Store.open(tmp_path / "s", cache_dir=tmp_path / "c1")
+    assert verify_store(h1, level=2).clean
+    h0.save("c001", {"w": np.arange(16384, dtype=np.float32)})
+    if forget:
+        h0.forget(["c001"])
+    report = verify_store(h1, level=2)
+    assert report.clean and report.problems == []

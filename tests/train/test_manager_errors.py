@@ -82,13 +82,28 @@ def test_close_raises_the_failed_save_not_a_later_upload_error_and_still_cleans_
     assert destroyed == [True] and "remote gone" in caplog.text
 
 
-def _interrupt_close_during(mgr, after_s: float = 0.3) -> None:
-    """close() the manager while a SIGINT arrives ``after_s`` into its wait (a Ctrl-C, a SIGTERM handler's
-    sys.exit): the KeyboardInterrupt propagates."""
-    import signal
-    import threading
+class _InterruptedOnce:
+    """The pending save's future, whose first ``result()`` is cut short by a KeyboardInterrupt (a Ctrl-C, a
+    SIGTERM handler's sys.exit) while the save goes on: a real signal reaches whichever thread the kernel picks."""
 
-    threading.Timer(after_s, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    def __init__(self, fut) -> None:
+        self._fut, self._first = fut, True
+
+    def result(self, *args, **kwargs):
+        if self._first:
+            self._first = False
+            raise KeyboardInterrupt
+        return self._fut.result(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._fut, name)
+
+
+def _interrupt_close_during(mgr) -> None:
+    """close() the manager while its wait for the pending save is interrupted: the KeyboardInterrupt
+    propagates."""
+    fut, *rest = mgr._pending
+    mgr._pending = (_InterruptedOnce(fut), *rest)
     with pytest.raises(KeyboardInterrupt):
         mgr.close()
 

@@ -174,7 +174,7 @@ class DeltaStorageReader(StorageReader):
         if list(target.shape) != lengths:
             raise RuntimeError(f"destination for {req.storage_index.fqn} has shape {list(target.shape)}, "
                                f"expected {lengths}")
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         if math.prod(lengths) == 0:
             return []
         # The box [offsets, offsets + lengths) of the saved chunk; its first and last elements bound the
@@ -222,7 +222,6 @@ def _check_layout(md: Metadata, manifest: Manifest) -> None:
         if type(key) is not str or key not in items:
             raise bad(f"storage_data of {index.fqn!r} names no item ({key!r:.80})")
         at[index.fqn, index.offset] = key
-    esizes: dict[torch.dtype, int] = {}
     for fqn, smd in md.state_dict_metadata.items():
         if not isinstance(smd, TensorStorageMetadata):
             key = at.get((fqn, None))
@@ -233,8 +232,7 @@ def _check_layout(md: Metadata, manifest: Manifest) -> None:
             item = items.get(at.get((fqn, c.offsets)))
             if item is None:
                 raise bad(f"chunk {list(c.offsets)} of {fqn!r} has no item")
-            dtype = _DTYPES.get(item.dtype, smd.properties.dtype)
-            esize = esizes.get(dtype) or esizes.setdefault(dtype, torch.empty((), dtype=dtype).element_size())
+            esize = _DTYPES.get(item.dtype, smd.properties.dtype).itemsize
             if item.kind != "array" or tuple(item.shape) != c.sizes or item.nbytes != math.prod(c.sizes) * esize:
                 raise bad(f"item {item.key!r} does not hold chunk {list(c.offsets)} of {fqn!r} (shape "
                           f"{list(item.shape)}, {item.nbytes} bytes; the chunk's sizes {list(c.sizes)})")

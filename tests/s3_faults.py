@@ -12,6 +12,10 @@ Clients point ``endpoint_url`` at the proxy; it forwards each request to the mot
 - ``"cut"``: the request IS forwarded (the server applies it), then only the first half of the response
   reaches the client before a reset: the lost-response case, where a retry repeats a done operation.
 - ``"delay"``: the request is forwarded after ``delay_s`` (longer than the client's read timeout: a timeout).
+- ``"stall"``: the request head is read, then nothing: no ``100 Continue``, no response, the body unread (a
+  frozen server that still accepts connections).
+- ``"bare412"``: the request is forwarded, and a 412 answer loses its ``<Condition>`` element (as servers that
+  do not name the failed condition answer: MinIO and other S3-compatible stores).
 
 Request bodies are forwarded byte for byte, framed by Content-Length or by ``Transfer-Encoding: chunked``
 (raw chunks and trailers as sent, e.g. botocore's aws-chunked checksum trailers). ``Expect: 100-continue`` is
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 
 from s3_server import free_port
 
-KINDS = ("503", "500", "403", "400", "reset", "drop", "cut", "delay")
+KINDS = ("503", "500", "403", "400", "reset", "drop", "cut", "delay", "stall", "bare412")
 _ERRORS = {"503": ("Service Unavailable", "SlowDown", "Please reduce your request rate."),
            "500": ("Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
            "403": ("Forbidden", "AccessDenied", "Access Denied"),
@@ -160,6 +164,9 @@ class FaultProxy:
         if kind == "drop":
             _reset(sock)
             return False
+        if kind == "stall":
+            self._stopping.wait()
+            return False
         if _header(headers, "expect").lower() == "100-continue":
             if kind in _ERRORS:  # a final response instead of 100 Continue; the body stays unsent
                 sock.sendall(_error_response(kind, method, target, close=True))
@@ -175,7 +182,7 @@ class FaultProxy:
             return False
         if kind == "delay" and self._stopping.wait(self._rule.delay_s):
             return False
-        req.status, response = self._forward(method, target, headers, body)
+        req.status, response = self._forward(method, target, headers, body, bare412=kind == "bare412")
         if kind == "cut":
             sock.sendall(response[: len(response) // 2])
             _reset(sock)
@@ -183,7 +190,7 @@ class FaultProxy:
         sock.sendall(response)
         return _header(headers, "connection").lower() != "close"
 
-    def _forward(self, method: str, target: str, headers, body: bytes) -> tuple[int, bytes]:
+    def _forward(self, method: str, target: str, headers, body: bytes, bare412: bool = False) -> tuple[int, bytes]:
         # Only ever the local moto server: the Host header is not used for routing.
         conn = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
         try:
@@ -196,6 +203,8 @@ class FaultProxy:
                 conn.send(body)  # raw bytes, chunked framing included when the client chose it
             resp = conn.getresponse()
             data = resp.read()
+            if bare412 and resp.status == 412:
+                data = re.sub(rb"<Condition>.*?</Condition>", b"", data)
             out = [f"HTTP/1.1 {resp.status} {resp.reason}".encode()]
             for name, value in resp.getheaders():
                 if name.lower() not in _HOP_BY_HOP:

@@ -230,3 +230,37 @@ def test_gc_while_locked_exits_3(store_path, capsys):
         code, _, err = run(capsys, "verify", store_path)  # verify needs no lock
         assert code == 0
     assert run(capsys, "gc", store_path, "--grace", "0")[0] == 0
+
+
+def test_gc_reports_a_damaged_pack_it_left_and_reclaims_only_what_went(tmp_path, capsys):
+    """gc left a pack planned for repacking that no longer hashes to its name (right), but exited 0 and
+    reported the plan's reclaimed bytes, the damaged pack's included; --json said nothing of it."""
+    from deltackpt.store.gc import plan_gc
+
+    root = tmp_path / "s"
+    store = Store.init(root, chunk_size_bytes=8192, pack_target_bytes=1 << 20)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(16 * 1024).astype(np.float32)
+    for i in range(4):
+        w = w.copy()
+        w[i * 7] += 1
+        store.save(f"step-{i}", {"w": w, "b": rng.standard_normal(1000).astype(np.float32)})
+    store.forget(["step-0", "step-1"])
+    plan = plan_gc(Store.open(root), grace_s=0, max_unused=0.0, merge_small=False)
+    assert len(plan.repack) >= 2
+    victim = sorted(plan.repack)[0]
+    path = root / pack_key(victim)
+    b = bytearray(path.read_bytes())
+    b[100] ^= 1
+    path.write_bytes(bytes(b))
+    index_mod._close_env(root / "cache" / "index.lmdb")
+
+    def pack_bytes() -> int:
+        return sum(p.stat().st_size for p in (root / "packs").rglob("*") if p.is_file())
+
+    before = pack_bytes()
+    code, rep = run_json(capsys, "gc", root, "--grace", "0", "--max-unused", "0", "--no-merge")
+    assert code == 1 and rep["damaged_packs"] == [victim]
+    assert path.exists() and rep["reclaimed_bytes"] == before - pack_bytes() > 0
+    code, out, _err = run(capsys, "gc", root, "--grace", "0", "--max-unused", "0", "--no-merge")
+    assert code == 1 and f"damaged pack {victim}" in out

@@ -153,8 +153,10 @@ def cmd_gc(args) -> int:
     emit(args, result.as_dict(), lambda: (
         f"deleted {result.deleted_packs} pack(s), repacked {result.repacked_packs} and merged {result.merged_packs} "
         f"small pack(s) into {result.new_packs} ({result.moved_chunks} chunks moved), removed "
-        f"{result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"))
-    return EXIT_OK
+        f"{result.removed_temp_files} temp file(s); reclaimed {fmt_bytes(result.reclaimed_bytes)}"
+        + "".join(f"\ndamaged pack {n}: does not hash to its name; left as it is (run verify, then repair)"
+                  for n in result.damaged_packs)))
+    return EXIT_PROBLEMS if result.damaged_packs else EXIT_OK
 
 
 def cmd_forget(args) -> int:

@@ -10,6 +10,9 @@ dict once, as ``torch.save`` needs it whole. Only ``dcp`` and ``torch`` import t
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import os
 import shutil
 import time
@@ -109,10 +112,44 @@ def _check_outside(out: Path, store: Store) -> None:
 
 def _check_target(out: Path) -> None:
     if os.path.lexists(out):
-        raise TargetExistsError(f"export target {out} already exists; exports never overwrite (remove it or "
-                                "choose another path)")
+        raise _exists(out)
     if not out.parent.is_dir():
         raise FileNotFoundError(f"export target's directory {out.parent} does not exist")
+
+
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def _rename_noreplace(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out`` unless ``out`` exists, in one step where the system can: a target that
+    appeared while the export was written (another export, a user's file, an empty folder, which a plain
+    rename replaces) is kept and the export refused. Linux's ``renameat2(RENAME_NOREPLACE)`` does it
+    atomically; where it is missing or the file system refuses the flag, a look then a rename."""
+    fn = getattr(_libc(), "renameat2", None)
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(out), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise _exists(out)
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(out))
+    _check_target(out)  # appeared while we wrote: keep the other one
+    os.rename(tmp, out)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # no C library to load: the look-then-rename path
+        return None
+
+
+def _exists(out: Path) -> TargetExistsError:
+    return TargetExistsError(f"export target {out} already exists; exports never overwrite (remove it or "
+                             "choose another path)")
 
 
 @contextmanager
@@ -124,8 +161,7 @@ def _publishing(out: Path, *, directory: bool):
         tmp.mkdir()
     try:
         yield tmp
-        _check_target(out)  # appeared while we wrote: keep the other one
-        os.rename(tmp, out)
+        _rename_noreplace(tmp, out)
         fd = os.open(out.parent, os.O_RDONLY)
         try:
             os.fsync(fd)  # the rename is durable once the directory is

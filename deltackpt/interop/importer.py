@@ -35,6 +35,7 @@ from ..dcp.writer import open_store
 from ..errors import CheckpointExistsError, InvalidNameError, SourceFormatError, UnsafeSourceError
 from ..store import SHARED, Progress, Store, phase, validate_name
 from .dcpsource import DcpSource, read_dcp_dir
+from .safetensors import SAFETENSORS_METADATA
 from .weightsonly import describe_load_error, is_unsafe, refusal_reason
 
 MAX_DEPTH = 100  # containers nested deeper in an imported state dict are refused (real ones nest < 10)
@@ -150,6 +151,7 @@ class _TorchFile:
     path: Path
     state_dict: dict
     nbytes: int
+    header_metadata: dict[str, str] | None = None  # a safetensors file's ``__metadata__``, kept for export
 
 
 def _read_source(src: Path):
@@ -157,7 +159,8 @@ def _read_source(src: Path):
         return read_dcp_dir(src)
     if not src.is_file():
         raise SourceFormatError(f"{src} does not exist")
-    return _TorchFile(src, _load_torch_file(src), src.stat().st_size)
+    sd = _load_torch_file(src)
+    return _TorchFile(src, sd, src.stat().st_size, _safetensors_metadata(src) if _is_safetensors(src) else None)
 
 
 def _is_safetensors(path: Path) -> bool:
@@ -278,9 +281,20 @@ def _load_safetensors(path: Path) -> dict:
     return sd
 
 
+def _safetensors_metadata(path: Path) -> dict[str, str] | None:
+    """The ``__metadata__`` of a safetensors file (str to str, as the format says), None when it has none."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        found = f.metadata()
+    return dict(found) if found else None
+
+
 def _import(store: Store, source, name: str, meta: dict, progress: Progress | None) -> ImportReport:
     started = time.monotonic()
     if isinstance(source, _TorchFile):
+        if source.header_metadata:
+            meta = {**meta, SAFETENSORS_METADATA: source.header_metadata}
         save(source.state_dict, store, name, metadata=meta, no_dist=True)
     else:
         with store.lock(SHARED) as lock:

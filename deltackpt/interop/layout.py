@@ -12,6 +12,7 @@ with no process group and memory bounded by the slab.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,6 +72,29 @@ class TensorLayout:
     shape: tuple[int, ...]
     boxes: list[Box] = field(default_factory=list)
     swap: str | None = None  # the stored dtype when its bytes are in the other order (foreign_byte_order)
+    _by_row: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def boxes_over(self, r0: int, r1: int) -> list[Box]:
+        """The non-empty boxes whose rows of dim 0 may meet rows [r0, r1), found by bisection in the boxes
+        sorted by first row (a look at every box per slab made an export of a tensor row-sharded over R ranks
+        cost R^2: 0.27 s of loop at 2,000 ranks). Built on first use: the boxes are all known by then."""
+        if self._by_row is None:
+            rb = self.row_bytes if self.shape else self.itemsize
+            spans = []
+            for box in self.boxes:
+                if 0 in box.sizes:
+                    continue
+                if box.contiguous:
+                    gs = box.item.global_offset
+                    spans.append((gs // rb, -(-(gs + box.item.nbytes) // rb), box))
+                else:
+                    spans.append((box.offsets[0], box.offsets[0] + box.sizes[0], box))
+            spans.sort(key=lambda s: s[0])
+            self._by_row = ([s[0] for s in spans], [s[2] for s in spans],
+                            max((hi - lo for lo, hi, _box in spans), default=0))
+        starts, boxes, widest = self._by_row
+        # A box that ends after r0 starts after r0 - widest; one that starts before r1 may meet [r0, r1).
+        return boxes[bisect_right(starts, r0 - widest):bisect_left(starts, r1)]
 
     @property
     def numel(self) -> int:
@@ -168,9 +192,7 @@ def read_rows(reader: CheckpointReader, t: TensorLayout, r0: int, r1: int, out: 
     if out is None:
         out = np.empty((r1 - r0) * rb, dtype=np.uint8)
     start, end = r0 * rb, r1 * rb
-    for box in t.boxes:
-        if 0 in box.sizes:
-            continue
+    for box in t.boxes_over(r0, r1):
         item = box.item
         if box.contiguous:
             gs = item.global_offset

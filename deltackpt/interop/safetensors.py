@@ -24,6 +24,16 @@ DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF1
           "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
           "float8_e8m0fnu": "F8_E8M0"}
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
+SAFETENSORS_METADATA = "safetensors_metadata"  # checkpoint metadata key: an imported file's ``__metadata__``
+
+
+def header_metadata(checkpoint: str, metadata: dict) -> dict[str, str]:
+    """The exported file's ``__metadata__``: what the imported file had (kept when it is str to str, as the
+    format requires), ``format: pt`` unless it said otherwise, and the checkpoint's name."""
+    kept = metadata.get(SAFETENSORS_METADATA)
+    if not (isinstance(kept, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items())):
+        kept = {}
+    return {"format": "pt", **kept, "deltackpt_checkpoint": checkpoint}
 
 
 def write_safetensors(path, reader, layout: Layout, names: list[str], target: str | None, report,
@@ -48,7 +58,7 @@ def write_safetensors(path, reader, layout: Layout, names: list[str], target: st
         plan.append((t, dst))
         offset += nbytes
         report.converted += dst != t.dtype
-    header["__metadata__"] = {"format": "pt", "deltackpt_checkpoint": reader.name}
+    header["__metadata__"] = header_metadata(reader.name, reader.manifest.metadata)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     with open(path, "xb") as f, phase(progress, "export", offset, "B") as prog:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from functools import partial
 
 import msgspec
@@ -107,7 +108,7 @@ class Catalog:
         validate_name(name)
         if not self.backend.exists(manifest_key(name)):
             names = self.checkpoint_names()
-            nearby = difflib.get_close_matches(name, names, n=5, cutoff=0.5) or sorted(names)[-5:]
+            nearby = difflib.get_close_matches(name, names, n=5, cutoff=0.5) or sorted(names, key=_natural)[-5:]
             raise CheckpointNotFoundError(name, nearby)
         return name
 
@@ -177,3 +178,8 @@ class Catalog:
 
     def exists(self, name: str) -> bool:
         return self.backend.exists(manifest_key(name))
+
+
+def _natural(name: str) -> list:
+    """A sort key that orders the numbers in names by value: step-9 before step-10."""
+    return [int(t) if k % 2 else t for k, t in enumerate(re.split(r"(\d+)", name))]

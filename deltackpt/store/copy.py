@@ -124,33 +124,58 @@ def _copy_one(src, dst, name: str, overwrite: bool, lock, report: CopyReport, pr
             raise _exists_error(name)
     packs: dict[str, int] = {}  # what this copy put into the destination, kept across a retry
     entries: list[PackEntry] = []
-    for attempt in range(2):
-        try:
-            skipped = _send_chunks(src, dst, name, manifest, packs, entries, report, progress)
-            break
-        except _PackGone as gone:
-            if attempt:
-                raise CorruptChunkError(f"pack {gone.pack} of the source is missing; run `deltackpt verify` on "
-                                        "the source", pack=gone.pack, checkpoint=name) from None
-            src.refresh_index()  # a gc of the source moved the chunks since its index was read: find them again
+    for last in (False, True):
+        skipped = _send_all(src, dst, name, manifest, packs, entries, report, progress)
+        body = msgspec.structs.replace(
+            manifest, store_id=dst.config.store_id,
+            stats=Stats(logical_bytes=manifest.stats.logical_bytes, stored_bytes=sum(packs.values()),
+                        num_chunks=manifest.stats.num_chunks, new_chunks=len(entries)))
+        try:  # create-if-absent unless told to replace: another writer may have committed this name meanwhile
+            committed = dst.commit(name, body.items, entries=entries, packs=packs, metadata=body.metadata,
+                                   layer_data=body.layer_data, parent=body.parent, overwrite=overwrite, lock=lock,
+                                   created_ns=manifest.created_ns)
+        except CheckpointExistsError:
+            if not _same_content(dst.read_manifest(name), manifest):
+                raise _exists_error(name) from None
+            report.skipped.append(name)  # the same checkpoint, committed by another copy meanwhile
+        except MissingChunkError:
+            if last:
+                raise
+            # A chunk the destination's index located is not there: its pack went outside deltackpt (a bucket
+            # lifecycle rule, a manual delete). The index, refreshed, no longer locates it: send it again, once.
+            dst.refresh_index()
+            continue
+        else:
+            report.bytes_sent += len(encode_manifest(committed))
+            report.copied.append(name)
+        break
     report.chunks_skipped += len(skipped)
     report.bytes_skipped += sum(e.span for e in skipped)
-    body = msgspec.structs.replace(
-        manifest, store_id=dst.config.store_id,
-        stats=Stats(logical_bytes=manifest.stats.logical_bytes, stored_bytes=sum(packs.values()),
-                    num_chunks=manifest.stats.num_chunks, new_chunks=len(entries)))
-    try:  # create-if-absent unless told to replace: another writer may have committed this name meanwhile
-        committed = dst.commit(name, body.items, entries=entries, packs=packs, metadata=body.metadata,
-                               layer_data=body.layer_data, parent=body.parent, overwrite=overwrite, lock=lock,
-                               created_ns=manifest.created_ns)
-    except CheckpointExistsError:
-        if not _same_content(dst.read_manifest(name), manifest):
-            raise _exists_error(name) from None
-        report.skipped.append(name)  # the same checkpoint, committed by another copy meanwhile
-    else:
-        report.bytes_sent += len(encode_manifest(committed))
-        report.copied.append(name)
     _copy_tags(src, dst, name)
+
+
+def _send_all(src, dst, name: str, manifest: Manifest, packs: dict[str, int], entries: list[PackEntry],
+              report: CopyReport, progress) -> list[PackEntry]:
+    """:func:`_send_chunks`, once more after a gc of the source moved chunks. When it fails (a dropped link,
+    throttling past the retries), the packs it did put are indexed in ``dst`` first: a retry (the next
+    save's upload, say) finds them there instead of sending them all again."""
+    try:
+        for attempt in range(2):
+            try:
+                return _send_chunks(src, dst, name, manifest, packs, entries, report, progress)
+            except _PackGone as gone:
+                if attempt:
+                    raise CorruptChunkError(f"pack {gone.pack} of the source is missing; run `deltackpt verify` "
+                                            "on the source", pack=gone.pack, checkpoint=name) from None
+                src.refresh_index()  # a gc of the source moved the chunks since its index was read: find them
+        raise AssertionError("unreachable")
+    except BaseException:
+        if packs:
+            try:
+                dst.index.add(entries, dict(packs))
+            except Exception:  # noqa: BLE001 - the copy's own error matters more; a retry then resends them
+                pass
+        raise
 
 
 def _holds_damage(dst, manifest: Manifest) -> bool:

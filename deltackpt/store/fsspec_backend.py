@@ -69,6 +69,46 @@ def _range_not_satisfiable(e: OSError) -> bool:
             or resp.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416)
 
 
+def _precondition_failed(e: OSError) -> bool:
+    """Whether ``e`` is S3's 412 to a conditional (``If-None-Match: *``) PUT: the key exists. s3fs makes it a
+    FileExistsError only when the error names its condition (AWS, moto); servers that leave the element out
+    (MinIO and other S3-compatible stores) give OSError(EINVAL), which was retried as transient."""
+    if isinstance(e, FileExistsError):
+        return True
+    response = getattr(e.__cause__, "response", None)
+    if not isinstance(response, dict):
+        return False
+    return (response.get("Error", {}).get("Code") == "PreconditionFailed"
+            or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
+
+
+def _drop_expect(request, **_kwargs) -> None:
+    """botocore sends PUTs with ``Expect: 100-continue``, and aiohttp waits for the 100 with no timeout: a
+    server that accepted the connection and never answers hung the PUT (a save, an upload, a close waiting on
+    it) for good. Without the header the body is sent at once and the read timeout bounds the wait."""
+    if "Expect" in request.headers:
+        del request.headers["Expect"]
+
+
+_EXPECT_OPERATIONS = ("PutObject", "UploadPart", "CompleteMultipartUpload", "CreateMultipartUpload")
+
+
+def _without_expect_continue(fs) -> None:
+    """Drop ``Expect: 100-continue`` from the S3 writes of ``fs`` (an S3FileSystem), on the client it has and
+    on those its session makes later."""
+    if getattr(fs, "_deltackpt_no_expect", False):
+        return
+    import aiobotocore.session
+
+    if fs.session is None:  # as s3fs makes it on first use (it keeps a session it has)
+        fs.session = aiobotocore.session.AioSession(**fs.kwargs)
+    clients = [fs.session] + ([fs._s3.meta.events] if getattr(fs, "_s3", None) is not None else [])
+    for target in clients:
+        for op in _EXPECT_OPERATIONS:
+            target.register(f"before-sign.s3.{op}", _drop_expect)
+    fs._deltackpt_no_expect = True
+
+
 def _put_once(fn: Callable[[], None]) -> None:
     try:
         fn()
@@ -120,6 +160,12 @@ class FsspecBackend(Backend, UnfinishedUploads):
         self.root = root.rstrip("/")
         self.fs = _shared_filesystem(self.fs, options)
         self._s3 = protocol in ("s3", "s3a")
+        if self._s3:
+            def no_expect() -> None:
+                with _FILESYSTEMS_LOCK:
+                    _without_expect_continue(self.fs)
+
+            self._retry("CONNECT", "", no_expect)  # (its session takes the options: a wrong one is named)
         self._put_kwargs = {"chunksize": MULTIPART_PART_BYTES} if self._s3 else {}
         self._rand = random.Random()
         self._rand_lock = threading.Lock()
@@ -183,12 +229,14 @@ class FsspecBackend(Backend, UnfinishedUploads):
             def create() -> None:
                 try:
                     _put_once(lambda: self.fs.pipe_file(path, body, mode="create", **self._put_kwargs))
-                except FileExistsError:
+                except OSError as e:  # (FileExistsError among them)
+                    if not _precondition_failed(e):
+                        raise
                     # A resend after a lost response (ours, or aiohttp's own on a dropped connection) finds what
                     # the first send created: ours if the bytes are (put_new's use, the config, has a random id).
                     if self._retry("GET", key, lambda: bytes(self.fs.cat_file(path))) == body:
                         return
-                    raise
+                    raise FileExistsError(f"{self.url}/{key} exists") from None
 
             self._retry("PUT", key, create)
             return

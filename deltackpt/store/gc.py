@@ -190,11 +190,17 @@ class GcPlan:
             if written:
                 log_repacks(store, epoch, written)
             _drop_orphan_records(store, (set(plan.packs) - gone) | published)
-        return GcResult(deleted_packs=len(plan.delete_packs) - len(kept),
+        # What was done, not what was planned: a damaged pack stays, and a pack a repack wrote again under its
+        # own name (or a dead one's) neither went nor came.
+        deleted = set(plan.delete_packs) - kept - published
+        before = plan.delete_packs.keys() | plan.repack_sizes.keys()
+        reclaimed = (sum(plan.delete_packs[n] for n in deleted) + sum(plan.repack_sizes[n] for n in old_repacked)
+                     - sum(size for n, (size, _entries) in written.items() if n not in before))
+        return GcResult(deleted_packs=len(deleted),
                         repacked_packs=len(set(plan.repack) - plan.merge - damaged),
                         merged_packs=len(plan.merge - damaged), new_packs=len(published), moved_chunks=moved,
-                        reclaimed_bytes=plan.reclaim_bytes,
-                        removed_temp_files=len(plan.temp_files), duration_s=time.monotonic() - t0)
+                        reclaimed_bytes=reclaimed, removed_temp_files=len(plan.temp_files),
+                        duration_s=time.monotonic() - t0, damaged_packs=sorted(damaged))
 
     def revalidate(self) -> "GcPlan":
         """This plan less what no longer holds (call it under the exclusive lock): packs gone since, packs
@@ -272,6 +278,9 @@ class GcResult:
     reclaimed_bytes: int
     removed_temp_files: int
     duration_s: float
+    # Packs planned for a repack that no longer hash to their names: left as they are (marked damaged) for
+    # verify and repair; the CLI exits 1 (problems found).
+    damaged_packs: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

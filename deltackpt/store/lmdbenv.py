@@ -85,6 +85,15 @@ def opened_here(path: Path) -> tuple[lmdb.Environment, dict[bytes, object]] | No
     return (hit[1], hit[2]) if hit is not None else None
 
 
+def inherited(path: Path) -> bool:
+    """Whether the process this one was forked from had the environment at ``path`` open (on the files now
+    there). This process cannot open those files again: py-lmdb's guard against opening one environment twice
+    survives the fork, and closing the inherited environment here could release reader slots the parent's
+    transactions hold. The files are not damaged: they must be left alone."""
+    hit = _envs.get(str(path.resolve()))
+    return hit is not None and hit[0] != os.getpid() and hit[3] == _identity(path)
+
+
 def _identity(path: Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path / "data.mdb")
@@ -205,6 +214,12 @@ class LmdbCache:
         self._use_memory(f"no index cache location is writable ({', '.join(map(str, self._candidates))})")
 
     def _open_at(self, path: Path):
+        if inherited(path):
+            # A forked child (a multiprocessing worker): the parent's cache stays as it is, in use; this process
+            # takes the next location. (Taken for damage, it was deleted under the parent and its other users.)
+            log.debug("index cache %s is open in the process this one was forked from; trying the next "
+                      "location", path)
+            return None
         try:
             return open_env(path)
         except (lmdb.Error, OSError) as exc:

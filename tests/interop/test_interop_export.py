@@ -96,6 +96,45 @@ def test_an_existing_target_is_refused_and_left_alone(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store", "taken-dir", "taken.safetensors"]
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["renameat2", "look-then-rename"])
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_a_target_that_appears_while_the_export_is_written_is_kept(tmp_path, monkeypatch, fmt, fallback):
+    """A target made while the export was written (an empty folder, or a file another export published) is
+    refused and left as it was. With renameat2 this holds even when it appears after the last look (the look
+    is blinded here), where a plain rename replaced it."""
+    import deltackpt.interop.export as export_mod
+    import deltackpt.interop.safetensors as st_mod
+    import deltackpt.interop.torchexport as te_mod
+
+    deltackpt.save({"w": torch.ones(10)}, tmp_path / "store", "c")
+    store = Store.open(tmp_path / "store")
+    out = tmp_path / ("x.safetensors" if fmt == "safetensors" else "x-dir")
+    module, name = (st_mod, "write_safetensors") if fmt == "safetensors" else (te_mod, "write_dcp")
+    original = getattr(module, name)
+
+    def racing(*args, **kwargs):
+        if fmt == "safetensors":
+            out.write_text("theirs")
+        else:
+            out.mkdir()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, racing)
+    if fallback:
+        monkeypatch.setattr(export_mod, "_libc", lambda: None, raising=False)
+    else:
+        looks = []
+        look = export_mod._check_target
+        monkeypatch.setattr(export_mod, "_check_target", lambda o: looks.append(o) or len(looks) > 1 or look(o))
+    with pytest.raises(TargetExistsError):
+        deltackpt.export(store, "c", out, format=fmt)
+    if fmt == "safetensors":
+        assert out.read_text() == "theirs"
+    else:
+        assert out.is_dir() and not any(out.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["store", out.name])
+
+
 def test_a_target_inside_the_store_is_refused(tmp_path, capsys):
     """An export into the store's own folders (manifests/) made a damaged checkpoint that stopped gc; one at
     the store's top (``tags``, a folder made only when first needed) damaged it too: anywhere in the store's

@@ -96,6 +96,25 @@ def test_safetensors_files_import_by_their_layout_not_their_name(tmp_path):
     assert torch.equal(got["w"], torch.ones(3))
 
 
+def test_a_safetensors_files_header_metadata_survives_import_and_export(tmp_path):
+    """A Hugging Face file's ``__metadata__`` (``format``, its own keys) was dropped on import, so the export
+    of an unchanged model differed from the file it came from; it is now kept and written back."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.randn(4, 3)}, tmp_path / "base.safetensors", metadata={"format": "pt", "origin": "hf"})
+    save_file({"w": torch.randn(4, 3)}, tmp_path / "bare.safetensors")
+    store = tmp_path / "store"
+    for name in ("base", "bare"):
+        deltackpt.import_checkpoint(store, tmp_path / f"{name}.safetensors")
+        deltackpt.export(store, name, tmp_path / f"{name}-out.safetensors", format="safetensors")
+    with safe_open(tmp_path / "base-out.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "origin": "hf", "deltackpt_checkpoint": "base"}
+    with safe_open(tmp_path / "bare-out.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "deltackpt_checkpoint": "bare"}
+    assert Store.open(store).read_manifest("bare").metadata == {"imported_from": str(tmp_path / "bare.safetensors")}
+
+
 class _Payload:
     """Pickles as a call that would create a marker file: proof of execution if it ever runs."""
 

@@ -413,3 +413,39 @@ def test_a_cache_record_with_a_wrong_length_is_not_taken_for_a_damaged_manifest(
     rec["raw_len"] -= 8
     _put_cache_record(store, cid, rec.tobytes())
     assert Store.open(tmp_path / "s").load("c")["a"].tobytes() == a.tobytes()
+
+
+def _save_in_forked_child(root: str, queue) -> None:
+    try:
+        store = Store.open(root)
+        store.save("child", {"w": np.arange(1000, dtype=np.float32) + 1})
+        queue.put(("ok", str(store.index.path)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        queue.put(("error", repr(e)))
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_leaves_its_parents_cache_alone(tmp_path, monkeypatch):
+    """A child forked from a process that had the index cache open (a multiprocessing worker) could not open
+    those files again (py-lmdb's guard survives fork), took them for a damaged cache and deleted them under
+    the live parent. It now uses the next cache location and leaves the parent's files as they were."""
+    import multiprocessing
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = tmp_path / "store"
+    store = Store.init(LocalBackend(root, fsync=False), **SMALL)
+    store.save("parent", {"w": np.arange(1000, dtype=np.float32)})
+    data = root / "cache" / "index.lmdb" / "data.mdb"
+    before = os.stat(data).st_ino
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_save_in_forked_child, args=(str(root), queue))
+    child.start()
+    status, where = queue.get(timeout=60)
+    child.join(60)
+    assert status == "ok", where
+    assert Path(where) != root / "cache" / "index.lmdb"  # the next location
+    assert os.stat(data).st_ino == before  # the parent's cache is the same file, still in use
+    store.save("after", {"w": np.arange(1000, dtype=np.float32) + 2})
+    fresh = Store.open(root)
+    assert [float(fresh.load(n)["w"][0]) for n in ("parent", "child", "after")] == [0.0, 1.0, 2.0]

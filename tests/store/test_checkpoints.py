@@ -112,6 +112,15 @@ def test_unknown_name_lists_nearby_names(mem_store):
         mem_store.open_checkpoint("zzzzzz")
     assert ei.value.nearby  # no close match: still lists some names
     assert set(ei.value.nearby) <= {"step-100", "step-200", "step-300", "other"}
+
+
+def test_with_no_close_name_the_newest_steps_are_listed_in_number_order(mem_store):
+    """The fallback sorted names as text: with step-0 .. step-11 it listed step-5 .. step-9, not the newest."""
+    for i in range(12):
+        mem_store.save(f"step-{i}", {"x": str(i).encode()})
+    with pytest.raises(CheckpointNotFoundError) as ei:
+        mem_store.load("ckpt-final")
+    assert ei.value.nearby == [f"step-{i}" for i in range(7, 12)]
     with pytest.raises(KeyError):
         mem_store.read_manifest("nope")
     assert not mem_store.exists("nope")

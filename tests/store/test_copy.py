@@ -455,3 +455,43 @@ def test_a_copy_makes_no_chain_longer_than_either_stores_max_chain(tmp_path):
     b = Store.open(tmp_path / "b")
     assert depth(b, "a1") <= 2
     np.testing.assert_array_equal(b.load("a1")["w"], states[3])
+
+
+def test_a_copy_that_fails_part_way_is_retried_without_sending_its_packs_again(src, tmp_path):
+    """The packs a failed copy did put were indexed only at its commit: the retry (an Uploader's, on the same
+    destination Store) put every one of them again, so each failure on a flaky link restarted from zero."""
+    store, saved = src
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    real_put, puts = dst.backend.put, []
+
+    def flaky(key, data):
+        if key.startswith("packs/"):
+            puts.append(key)
+            if len(puts) == 3:
+                raise OSError("connection reset")
+        return real_put(key, data)
+
+    dst.backend.put = flaky
+    with pytest.raises(OSError):
+        copy(store, dst, ["step-3"])
+    assert len(puts) == 3
+    copy(store, dst, ["step-3"])
+    assert len(puts) == len(set(puts)) + 1  # only the failed pack was put twice
+    assert_items_equal(saved["step-3"], Store.open(tmp_path / "dst").load("step-3"))
+
+
+def test_a_pack_removed_from_the_destination_behind_its_index_is_sent_again(src, tmp_path):
+    """A pack of the destination deleted outside deltackpt (a bucket lifecycle rule) while its Store object
+    still located chunks there: the next copy deduplicated against it and failed at commit with a missing
+    chunk, permanently for an Uploader. It now sends what the pack held and commits."""
+    from deltackpt.store.pack import pack_key
+
+    store, saved = src
+    dst = Store.init(tmp_path / "dst", **SMALL)
+    copy(store, dst, ["step-2"])
+    frozen = store.read_manifest("step-2").items[0].chunks[0].id
+    lost = dst.index.lookup(frozen).pack
+    dst.backend.delete(pack_key(lost))
+    report = copy(store, dst, ["step-3"])
+    assert report.copied == ["step-3"]
+    assert_items_equal(saved["step-3"], Store.open(tmp_path / "dst").load("step-3"))

@@ -458,3 +458,47 @@ def test_a_400_on_a_get_is_retried_not_read_as_an_empty_object(s3_server, s3_url
     proxy.set_faults(1.0, ("400",), methods={"GET"}, path="/manifests/step-2", limit=1)
     assert store.resolve("latest", fallback=True) == "step-2"
     assert proxy.injected["400"] == before + 1
+
+
+@pytest.mark.parametrize("size", [1000, 3 * 1024 * 1024, 20 * 1024 * 1024], ids=["small", "one-part", "multipart"])
+def test_a_put_to_a_server_that_stops_answering_is_a_bounded_backend_error(s3_server, s3_url, proxy, size):
+    """botocore sent every PUT with ``Expect: 100-continue`` and aiohttp waits for the 100 with no timeout: a
+    server that accepted the connection and then never answered hung a save (and a close waiting on its
+    upload) for good. Now the read timeout bounds each attempt, as for a GET."""
+    import threading
+
+    backend = _backend(s3_server, s3_url, proxy.endpoint, read_timeout_s=0.5, max_attempts=2)
+    backend.put("x/warm", b"payload")  # (the client's connection and credentials, before the stall)
+    proxy.set_faults(1.0, ("stall",), methods={"PUT", "POST"})
+    for op in ("put", "put_new"):
+        outcome = {}
+
+        def attempt():
+            try:
+                getattr(backend, op)(f"x/{op}", b"x" * size)
+                outcome["result"] = "returned"
+            except BaseException as e:  # noqa: BLE001 - the test looks at it
+                outcome["result"] = e
+
+        start = time.monotonic()
+        t = threading.Thread(target=attempt, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), f"{op} of {size} bytes still blocked after 30 s"
+        assert isinstance(outcome["result"], BackendError), outcome["result"]
+        assert time.monotonic() - start < 20
+    assert proxy.injected["stall"] >= 4
+
+
+def test_a_conditional_put_refused_without_naming_its_condition_is_an_existing_key(s3_server, s3_url, proxy):
+    """A 412 whose body does not name If-None-Match (MinIO and other S3-compatible servers) was retried as a
+    transient error: a second save of a name failed with BackendError instead of FileExistsError, and one
+    whose first response was lost failed although the server had its manifest."""
+    backend = _backend(s3_server, s3_url, proxy.endpoint, max_attempts=4)
+    proxy.set_faults(1.0, ("bare412",), methods={"PUT"})
+    backend.put_new("x/once", b"mine")
+    with pytest.raises(FileExistsError):
+        backend.put_new("x/once", b"someone else's")
+    backend.put_new("x/once", b"mine")  # a resend of our own (its response lost): done
+    statuses = [r.status for r in proxy.log if r.method == "PUT" and r.target.endswith("/x/once")]
+    assert statuses == [200, 412, 412]  # each refusal answered once, not retried

@@ -10,6 +10,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <sched.h>
+#include <time.h>
+
 #include "dc_kernels.h"
 
 #define DC_GIL_THRESHOLD ((Py_ssize_t)64 * 1024)
@@ -1031,6 +1034,143 @@ static PyObject *py_sort_ids(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* -- hash_spans / wait_hashed: chunk ids computed by a thread ahead of the writer that needs them --------- */
+
+PyDoc_STRVAR(hash_spans_doc,
+"hash_spans(bufs, spans, out, state) -> int\n\n"
+"For each span i of spans (an int64 array of (buffer, start, end) triples): out[16 * i:16 * i + 16] = the\n"
+"xxh3-128 digest, canonical as xxhash.xxh3_128_digest gives it, of bufs[buffer][start:end]; then state[0] =\n"
+"i + 1, stored with release order (wait_hashed reads it). Stops before a span once state[1] is nonzero (a\n"
+"cancel), and sets state[2] = 1 as it returns, hashed or not. The GIL is released while it hashes. state: 3\n"
+"aligned writable int64; out: 16 bytes per span, overlapping no buffer. Returns the spans hashed; ValueError\n"
+"(nothing hashed) when a span is out of its buffer's bounds or an argument has the wrong size.");
+static PyObject *py_hash_spans(PyObject *self, PyObject *args)
+{
+    PyObject *bufs_obj, *spans_obj, *out_obj, *state_obj;
+    Py_buffer spans, out, state, *bufs = NULL;
+    Py_ssize_t nbufs = 0, n = 0, i, hashed = 0;
+    int64_t *st = NULL;
+    int have = 0;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOO:hash_spans", &bufs_obj, &spans_obj, &out_obj, &state_obj))
+        return NULL;
+    if (get_out(state_obj, &state) < 0)
+        return NULL;
+    have = 1;
+    if (state.len != 3 * (Py_ssize_t)sizeof(int64_t) || (uintptr_t)state.buf % sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "state must be 3 aligned int64 values");
+        goto done;
+    }
+    st = (int64_t *)state.buf;
+    if (get_in(spans_obj, &spans, "spans") < 0)
+        goto done;
+    have = 2;
+    if (spans.len % (3 * (Py_ssize_t)sizeof(int64_t))) {
+        PyErr_Format(PyExc_ValueError, "spans must hold int64 triples, got %zd bytes", spans.len);
+        goto done;
+    }
+    n = spans.len / (3 * (Py_ssize_t)sizeof(int64_t));
+    if (get_out(out_obj, &out) < 0)
+        goto done;
+    have = 3;
+    if (out.len != 16 * n) {
+        PyErr_Format(PyExc_ValueError, "out must hold %zd bytes (16 per span), got %zd", 16 * n, out.len);
+        goto done;
+    }
+    if (get_all(bufs_obj, 0, &bufs, &nbufs, "bufs") < 0)
+        goto done;
+    have = 4;
+    for (i = 0; i < nbufs; i++) {
+        const char *b = (const char *)bufs[i].buf, *o = (const char *)out.buf;
+        if (out.len && bufs[i].len && o < b + bufs[i].len && b < o + out.len) {
+            PyErr_Format(PyExc_ValueError, "out overlaps bufs[%zd]", i);
+            goto done;
+        }
+    }
+    for (i = 0; i < n; i++) {
+        int64_t t[3];
+        memcpy(t, (const uint8_t *)spans.buf + 24 * i, sizeof(t));
+        if (t[0] < 0 || t[0] >= nbufs || t[1] < 0 || t[2] < t[1] || t[2] > bufs[t[0]].len) {
+            PyErr_Format(PyExc_ValueError, "span %zd is out of bounds", i);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++) {
+        int64_t t[3];
+        if (__atomic_load_n(&st[1], __ATOMIC_ACQUIRE))
+            break;
+        memcpy(t, (const uint8_t *)spans.buf + 24 * i, sizeof(t));
+        dc_xxh3_128((const uint8_t *)bufs[t[0]].buf + t[1], (size_t)(t[2] - t[1]), (uint8_t *)out.buf + 16 * i);
+        __atomic_store_n(&st[0], (int64_t)(i + 1), __ATOMIC_RELEASE);
+    }
+    hashed = i;
+    Py_END_ALLOW_THREADS
+done:
+    if (st != NULL)
+        __atomic_store_n(&st[2], (int64_t)1, __ATOMIC_RELEASE);
+    if (have >= 4)
+        release_all(bufs, nbufs);
+    if (have >= 3)
+        PyBuffer_Release(&out);
+    if (have >= 2)
+        PyBuffer_Release(&spans);
+    PyBuffer_Release(&state);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyLong_FromSsize_t(hashed);
+}
+
+PyDoc_STRVAR(wait_hashed_doc,
+"wait_hashed(state, n, timeout_us) -> int\n\n"
+"Wait, without the GIL, until hash_spans has hashed n spans (state[0] >= n) or has returned (state[2] != 0),\n"
+"at most about timeout_us microseconds; returns state[0] (read with acquire order: the digests it counts are\n"
+"in out).");
+static PyObject *py_wait_hashed(PyObject *self, PyObject *args)
+{
+    PyObject *state_obj;
+    Py_buffer state;
+    Py_ssize_t n, timeout_us;
+    int64_t got = 0;
+    int64_t *st;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Onn:wait_hashed", &state_obj, &n, &timeout_us))
+        return NULL;
+    if (get_out(state_obj, &state) < 0)
+        return NULL;
+    if (state.len != 3 * (Py_ssize_t)sizeof(int64_t) || (uintptr_t)state.buf % sizeof(int64_t)) {
+        PyBuffer_Release(&state);
+        PyErr_SetString(PyExc_ValueError, "state must be 3 aligned int64 values");
+        return NULL;
+    }
+    st = (int64_t *)state.buf;
+    got = __atomic_load_n(&st[0], __ATOMIC_ACQUIRE);
+    if (got < n && !__atomic_load_n(&st[2], __ATOMIC_ACQUIRE)) {
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec start, now, pause = {0, 20000};
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        for (long spins = 0;; spins++) {
+            got = __atomic_load_n(&st[0], __ATOMIC_ACQUIRE);
+            if (got >= n || __atomic_load_n(&st[2], __ATOMIC_ACQUIRE))
+                break;
+            if (spins < 64) {
+                sched_yield();
+                continue;
+            }
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            if ((now.tv_sec - start.tv_sec) * 1000000L + (now.tv_nsec - start.tv_nsec) / 1000 >= timeout_us)
+                break;
+            nanosleep(&pause, NULL);
+        }
+        got = __atomic_load_n(&st[0], __ATOMIC_ACQUIRE);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&state);
+    return PyLong_FromLongLong((long long)got);
+}
+
 static PyMethodDef native_methods[] = {
     {"find_sorted", py_find_sorted, METH_VARARGS, find_sorted_doc},
     {"find_bucketed", py_find_bucketed, METH_VARARGS, find_bucketed_doc},
@@ -1051,6 +1191,8 @@ static PyMethodDef native_methods[] = {
     {"walk_refs", py_walk_refs, METH_VARARGS, walk_refs_doc},
     {"unshuffle_check", py_unshuffle_check, METH_VARARGS, unshuffle_check_doc},
     {"xxh3_64_rows", py_xxh3_64_rows, METH_VARARGS, xxh3_64_rows_doc},
+    {"hash_spans", py_hash_spans, METH_VARARGS, hash_spans_doc},
+    {"wait_hashed", py_wait_hashed, METH_VARARGS, wait_hashed_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -859,6 +859,80 @@ def test_xxh3_64_rows_native_and_twin_agree_with_xxhash():
             fn(rows, 2**62, 8, np.empty(9, np.uint64))
 
 
+# -- hash_spans / wait_hashed: a save's chunk ids hashed by a thread ahead of the writer ----------------------
+
+_HASHERS = [(twins.hash_spans, twins.wait_hashed)] + (
+    [(kernels._native.hash_spans, kernels._native.wait_hashed)]
+    if kernels._native is not None and hasattr(kernels._native, "hash_spans") else [])
+
+
+@pytest.mark.parametrize("hasher", _HASHERS, ids=lambda h: h[0].__module__)
+def test_hash_spans_gives_xxhash_digests_and_counts_its_progress(hasher):
+    import xxhash
+    hash_spans, wait_hashed = hasher
+    rng = np.random.default_rng(7)
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 255, 4096, 1 << 20)] + [memoryview(b"abc")]
+    spans = [(b, s, e) for b, buf in enumerate(bufs) for s, e in ((0, len(buf)), (0, 0), (len(buf) // 3, len(buf)))]
+    out, state = np.full(16 * len(spans), 0xEE, np.uint8), np.zeros(3, np.int64)
+    assert hash_spans(bufs, np.array(spans, np.int64), out, state) == len(spans)
+    assert state.tolist() == [len(spans), 0, 1]
+    assert [out[16 * i:16 * i + 16].tobytes() for i in range(len(spans))] == [
+        xxhash.xxh3_128_digest(memoryview(bufs[b])[s:e]) for b, s, e in spans]
+    assert wait_hashed(state, len(spans), 1000) == len(spans)
+    assert wait_hashed(state, len(spans) + 5, 1000) == len(spans)  # returned: no wait for more
+    out[:] = 0xEE
+    state[:] = [0, 1, 0]  # cancelled before it starts: nothing hashed, and it says it returned
+    assert hash_spans(bufs, np.array(spans, np.int64), out, state) == 0
+    assert state.tolist() == [0, 1, 1] and (out == 0xEE).all()
+
+
+@pytest.mark.parametrize("hasher", _HASHERS, ids=lambda h: h[0].__module__)
+def test_hash_spans_refuses_what_the_other_implementation_refuses(hasher):
+    hash_spans, wait_hashed = hasher
+    bufs = [np.arange(64, dtype=np.uint8)]
+    good = np.array([[0, 0, 64]], np.int64)
+    cases = [
+        (bufs, np.array([[0, 0, 65]], np.int64), np.zeros(16, np.uint8), np.zeros(3, np.int64)),  # past the end
+        (bufs, np.array([[1, 0, 1]], np.int64), np.zeros(16, np.uint8), np.zeros(3, np.int64)),  # no buffer 1
+        (bufs, np.array([[0, 5, 4]], np.int64), np.zeros(16, np.uint8), np.zeros(3, np.int64)),  # end before start
+        (bufs, np.array([[0, -1, 4]], np.int64), np.zeros(16, np.uint8), np.zeros(3, np.int64)),
+        (bufs, good, np.zeros(15, np.uint8), np.zeros(3, np.int64)),  # out too small
+        (bufs, np.zeros(4, np.int64), np.zeros(16, np.uint8), np.zeros(3, np.int64)),  # not triples
+        (bufs, good, np.zeros(16, np.uint8), np.zeros(2, np.int64)),  # state too small
+        (bufs, good, bytes(16), np.zeros(3, np.int64)),  # out read-only
+        (bufs, good, bufs[0][:16], np.zeros(3, np.int64)),  # out overlaps a buffer
+    ]
+    for args in cases:
+        out = args[2]
+        before = bytes(out)
+        with pytest.raises((ValueError, TypeError)):
+            hash_spans(*args)
+        assert bytes(out) == before
+    with pytest.raises(ValueError):
+        wait_hashed(np.zeros(2, np.int64), 1, 10)
+
+
+@pytest.mark.skipif(kernels._native is None or not hasattr(kernels._native, "hash_spans"),
+                    reason="the native extension is not built")
+def test_hash_spans_runs_without_the_gil_and_its_progress_is_seen_while_it_runs():
+    """Another thread hashes 64 MiB in 1 MiB spans while this one waits for each span in turn: the waits see
+    the digests as they come (the last span's progress only after it is written) and return in order."""
+    import threading
+    import xxhash
+    data = np.random.default_rng(1).integers(0, 256, 64 << 20, dtype=np.uint8)
+    spans = np.array([(0, s, s + (1 << 20)) for s in range(0, 64 << 20, 1 << 20)], np.int64)
+    out, state = np.zeros(16 * len(spans), np.uint8), np.zeros(3, np.int64)
+    t = threading.Thread(target=kernels._native.hash_spans, args=([data], spans, out, state))
+    t.start()
+    seen = []
+    for i in range(1, len(spans) + 1):
+        got = kernels._native.wait_hashed(state, i, 10_000_000)
+        assert got >= i
+        seen.append(out[16 * (i - 1):16 * i].tobytes() == xxhash.xxh3_128_digest(data[(i - 1) << 20:i << 20]))
+    t.join()
+    assert all(seen) and state.tolist() == [len(spans), 0, 1]
+
+
 _STATS = [twins.plane_stats] + (
     [kernels._native.plane_stats] if kernels._native is not None and hasattr(kernels._native, "plane_stats") else [])
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -89,10 +89,21 @@ def tensor_bytes(value) -> tuple[torch.Tensor, "object", int]:
 _NOT_NUMPY: set = set()  # torch dtypes that Tensor.numpy() refuses
 
 
-def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: Sequence[int],
-              global_size: Sequence[int]) -> None:
-    """Add one shard of a tensor (``offsets``/``sizes`` within ``global_size``) to a store ChunkWriter at its
-    place in the whole tensor, so its chunks line up with any other sharding of the same tensor."""
+class Shard(NamedTuple):
+    """One shard of a tensor as a store ChunkWriter takes it: ``add_array(key, raw, dtype=..., ...)``."""
+
+    raw: object  # its bytes (a uint8 array over the tensor's memory, or b"")
+    dtype: str
+    elem_size: int
+    shape: tuple
+    group: str
+    offset: int  # its byte offset in the global tensor
+
+
+def prepare_shard(key: str, fqn: str, value, offsets: Sequence[int], sizes: Sequence[int],
+                  global_size: Sequence[int]) -> Shard:
+    """One shard of a tensor (``offsets``/``sizes`` within ``global_size``) placed in the whole tensor, so its
+    chunks line up with any other sharding of the same tensor."""
     try:
         tensor, raw, elem_size = tensor_bytes(value)  # (it checks the layout: once per item, not twice)
     except TypeError as e:
@@ -101,8 +112,23 @@ def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: 
     dtype = _DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
         dtype = _DTYPE_NAMES[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
-    writer.add_array(key, raw, dtype=dtype, elem_size=elem_size, shape=tensor.shape, group=group,
-                     global_offset=offset)
+    return Shard(raw, dtype, elem_size, tensor.shape, group, offset)
+
+
+def bytes_in_place(value) -> bool:
+    """Whether :func:`tensor_bytes` of ``value`` is a view of its memory (a CPU tensor as it is), not a copy:
+    such bytes can be hashed ahead of the writer (a GPU tensor's copy is made only when it is written)."""
+    return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
+            and not value.is_quantized and value.is_contiguous() and not value.is_conj() and not value.is_neg())
+
+
+def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: Sequence[int],
+              global_size: Sequence[int], shard: Shard | None = None) -> None:
+    """Add one shard of a tensor to a store ChunkWriter at its place in the whole tensor (``shard``: the
+    :func:`prepare_shard` of these arguments, when made already)."""
+    s = shard or prepare_shard(key, fqn, value, offsets, sizes, global_size)
+    writer.add_array(key, s.raw, dtype=s.dtype, elem_size=s.elem_size, shape=s.shape, group=s.group,
+                     global_offset=s.offset)
 
 
 _DTYPE_NAMES: dict = {}  # torch dtype -> its name in the store ("float32")

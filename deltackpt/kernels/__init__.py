@@ -58,6 +58,7 @@ __all__ = [
     "fastcdc_cuts",
     "find_bucketed",
     "find_sorted",
+    "hash_spans",
     "native_impl",
     "numpy_impl",
     "plane_stats",
@@ -72,6 +73,7 @@ __all__ = [
     "unshuffle_xor",
     "unshuffle_zigzag",
     "xor_shuffle",
+    "wait_hashed",
     "xxh3_64_rows",
     "zigzag_shuffle",
 ]
@@ -147,6 +149,11 @@ def _batch_kernel(name: str, twin):
 # xxh3_64_rows(rows, stride, nbytes, out): the digests of many entry headers.
 unshuffle_check = _batch_kernel("unshuffle_check", twins.unshuffle_check)
 xxh3_64_rows = _batch_kernel("xxh3_64_rows", twins.xxh3_64_rows)
+# hash_spans(bufs, spans, out, state) -> hashed: the chunk ids of many spans, hashed without the GIL by a thread
+# ahead of the writer, progress published span by span; wait_hashed(state, n, timeout_us) -> hashed so far
+# (store/hashahead.py; docstrings in native/binding.c).
+hash_spans = _batch_kernel("hash_spans", twins.hash_spans)
+wait_hashed = _batch_kernel("wait_hashed", twins.wait_hashed)
 # find_sorted(ids, keys, out): where each key is in a sorted set of 16-byte ids (store/idset.py).
 find_sorted = _batch_kernel("find_sorted", twins.find_sorted)
 # find_bucketed(ids, starts, bits, keys, out): the same, keys in any order, through a bucket table (idset).

@@ -105,3 +105,52 @@ def sort_ids(ids, pay=None) -> None:
     pays = np.frombuffer(pay, dtype=np.uint32)
     pays[:] = pays[order]
 
+
+
+def hash_spans(bufs, spans, out, state) -> int:
+    """The twin of the native ``hash_spans``: ``out[16 * i:16 * i + 16]`` = xxh3-128 of span i of ``bufs``
+    ((buffer, start, end) int64 triples), progress in ``state[0]``, a cancel in ``state[1]``, done in
+    ``state[2]``; the same checks (it holds the GIL between spans)."""
+    st = np.frombuffer(state, dtype=np.int64) if memoryview(state).nbytes == 24 else None
+    if st is None:
+        raise ValueError("state must be 3 aligned int64 values")
+    hashed = 0
+    try:
+        sp = as_u8(spans, "spans")
+        if sp.nbytes % 24:
+            raise ValueError(f"spans must hold int64 triples, got {sp.nbytes} bytes")
+        triples = sp.view(np.int64).reshape(-1, 3).tolist() if sp.nbytes else []
+        dest = memoryview(out).cast("B")
+        if dest.readonly or len(dest) != 16 * len(triples):
+            raise ValueError(f"out must hold {16 * len(triples)} bytes (16 per span), got {len(dest)}")
+        views = [memoryview(b).cast("B") for b in bufs]
+        o = np.frombuffer(dest, dtype=np.uint8) if len(dest) else None
+        for k, v in enumerate(views):
+            b = np.frombuffer(v, dtype=np.uint8) if len(v) else None
+            if o is not None and b is not None and np.shares_memory(o, b):
+                raise ValueError(f"out overlaps bufs[{k}]")
+        for i, (b, s, e) in enumerate(triples):
+            if not (0 <= b < len(views) and 0 <= s <= e <= len(views[b])):
+                raise ValueError(f"span {i} is out of bounds")
+        for i, (b, s, e) in enumerate(triples):
+            if st[1]:
+                break
+            dest[16 * i:16 * i + 16] = xxhash.xxh3_128_digest(views[b][s:e])
+            st[0] = hashed = i + 1
+        return hashed
+    finally:
+        st[2] = 1
+
+
+def wait_hashed(state, n: int, timeout_us: int) -> int:
+    """The twin of the native ``wait_hashed``: ``state[0]`` once it reaches ``n`` or ``hash_spans`` returned,
+    waiting at most about ``timeout_us``."""
+    import time
+
+    st = np.frombuffer(state, dtype=np.int64) if memoryview(state).nbytes == 24 else None
+    if st is None:
+        raise ValueError("state must be 3 aligned int64 values")
+    deadline = time.monotonic() + timeout_us / 1e6
+    while st[0] < n and not st[2] and time.monotonic() < deadline:
+        time.sleep(20e-6)
+    return int(st[0])

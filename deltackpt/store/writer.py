@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import DeltackptError
 from . import codec
+from . import hashahead
 from .chunking import as_byte_view, cdc_spans, chunk_ids_of, grid_spans
 from .config import CHAINS_FEATURE, chain_limit
 from .deltapolicy import DeltaBase, DeltaPolicy
@@ -118,12 +119,33 @@ class ChunkWriter:
         self._pending: list[tuple[Item, list[list]]] = []
         # Spans are submitted in batches of about BATCH_BYTES: a large span alone, a model's many small ones
         # (biases, norms) together rather than one pool hand-off each.
-        self._batch: list[tuple[memoryview, list[tuple[int, int]], int, str | None, int]] = []
+        # (view, spans, elem_size, group, global offset, (array, first span, end span) in the HashAhead or None)
+        self._batch: list[tuple[memoryview, list[tuple[int, int]], int, str | None, int, tuple | None]] = []
         self._batch_bytes = 0
         self._batch_slots: list[list] = []
         self._finished = False
+        self._ahead: hashahead.HashAhead | None = None  # see hash_ahead
+        self._ahead_arrays: list[tuple[object, int, memoryview, list]] = []
+        self._ahead_next = 0
 
     # -- public ------------------------------------------------------------------------------------------
+    def hash_ahead(self, arrays) -> None:
+        """Start hashing, on another core, the chunks of the arrays :meth:`add_array` is given next, in this
+        order: (data, global_offset) pairs; their bytes must not change until this writer finishes. A call
+        of ``add_array`` with the next one's data (the same object) and offset takes its ids from there; any
+        other array is hashed as it comes. Does nothing without the native kernel, for a few MiB, or twice."""
+        if not hashahead.AVAILABLE or self._ahead is not None or self._finished:
+            return
+        chunk = self.config.chunk_size_bytes
+        planned = []
+        for data, offset in arrays:
+            view = as_byte_view(data)
+            planned.append((data, offset, view, grid_spans(offset, len(view), chunk)))
+        if not planned or sum(len(view) for _d, _o, view, _s in planned) < hashahead.MIN_AHEAD_BYTES:
+            return
+        self._ahead = hashahead.HashAhead([(view, spans) for _d, _o, view, spans in planned])
+        self._ahead_arrays = planned
+
     def add_array(self, key: str, data, *, dtype: str, elem_size: int, shape=(), group: str = "",
                   global_offset: int = 0) -> None:
         """Queue an array item. ``global_offset`` is its byte offset inside ``group`` (a global tensor)."""
@@ -131,19 +153,25 @@ class ChunkWriter:
             raise ValueError(f"elem_size must be one of {codec.VALID_ELEM_SIZES}, got {elem_size}")
         if global_offset < 0 or global_offset % elem_size:
             raise ValueError(f"global_offset must be a non-negative multiple of elem_size, got {global_offset}")
-        view = as_byte_view(data)
-        spans = grid_spans(global_offset, len(view), self.config.chunk_size_bytes)
+        ahead = None
+        k = self._ahead_next
+        if k < len(self._ahead_arrays) and self._ahead_arrays[k][0] is data and self._ahead_arrays[k][1] == global_offset:
+            _data, _offset, view, spans = self._ahead_arrays[k]  # hashed ahead: the same bytes, the same spans
+            self._ahead_next, ahead = k + 1, k
+        else:
+            view = as_byte_view(data)
+            spans = grid_spans(global_offset, len(view), self.config.chunk_size_bytes)
         item = Item(key=key, kind="array", nbytes=len(view), chunks=[], dtype=dtype, elem_size=elem_size,
                     shape=[int(d) for d in shape], group=group if group != key else "",
                     global_offset=global_offset)
-        self._queue(item, view, spans, elem_size, item.group_name, global_offset)
+        self._queue(item, view, spans, elem_size, item.group_name, global_offset, ahead)
 
     def add_bytes(self, key: str, data) -> None:
         """Queue an opaque byte item (cut with FastCDC)."""
         view = as_byte_view(data)
         c = self.config
         spans = cdc_spans(view, c.cdc_min_bytes, c.cdc_avg_bytes, c.cdc_max_bytes)
-        self._queue(Item(key=key, kind="bytes", nbytes=len(view), chunks=[]), view, spans, 1, None, 0)
+        self._queue(Item(key=key, kind="bytes", nbytes=len(view), chunks=[]), view, spans, 1, None, 0, None)
 
     def finish(self) -> WriteSummary:
         """Wait for every chunk, seal the last pack, and return the items and new pack entries.
@@ -171,6 +199,7 @@ class ChunkWriter:
                                 reused_packs=self._reused_packs - self._sink.packs.keys())
         finally:
             self._pending.clear()
+            self._stop_hashing()
             self._pool.shutdown(wait=True, cancel_futures=True)
             if done:
                 self._sink.close()
@@ -182,10 +211,17 @@ class ChunkWriter:
         """Stop, drop everything queued, and remove this writer's spool files (also right after :meth:`finish`
         when the commit failed). Published packs are left to ``gc`` (see :mod:`.packsink`)."""
         self._finished = True
+        self._stop_hashing()
         self._pool.shutdown(wait=True, cancel_futures=True)  # running jobs may still publish a pack
         self._pending.clear()
         self._sink.abort()
         self._index_published()
+
+    def _stop_hashing(self) -> None:
+        """Stop the HashAhead thread (done by now, unless this writer failed) and let go of its views."""
+        if self._ahead is not None:
+            self._ahead.close()
+        self._ahead_arrays = []
 
     def _index_published(self) -> None:
         """Index the packs this failed writer published (they stay, for gc): a retry deduplicates against them
@@ -199,7 +235,9 @@ class ChunkWriter:
             pass
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset) -> None:
+    def _queue(self, item: Item, view: memoryview, spans, elem_size: int, group, global_offset,
+               ahead: int | None) -> None:
+        """``ahead``: the array's index in the HashAhead, None when it was not hashed ahead."""
         if self._finished:
             raise RuntimeError("ChunkWriter is finished")
         if len(spans) == 1:  # one span (most items: biases, norms, adapters), a piece of the open batch as is
@@ -207,7 +245,7 @@ class ChunkWriter:
                 raise self._failed
             slot = [None, len(self._batch)]
             self._pending.append((item, [slot]))
-            self._batch.append((view, spans, elem_size, group, global_offset))
+            self._batch.append((view, spans, elem_size, group, global_offset, None if ahead is None else (ahead, 0, 1)))
             self._batch_slots.append(slot)
             self._batch_bytes += spans[0][1] - spans[0][0]
             if self._batch_bytes >= BATCH_BYTES:
@@ -224,7 +262,8 @@ class ChunkWriter:
             # The spans that fill this batch up to BATCH_BYTES (a large span alone), or the rest of the item.
             j = bisect_left(ends, start + BATCH_BYTES - self._batch_bytes, i) + 1
             slot = [None, len(self._batch)]  # [the batch's future, this piece's index in it]
-            self._batch.append((view, spans[i:j], elem_size, group, global_offset))
+            self._batch.append((view, spans[i:j], elem_size, group, global_offset,
+                                None if ahead is None else (ahead, i, min(j, len(spans)))))
             self._batch_slots.append(slot)
             slots.append(slot)
             self._batch_bytes += ends[min(j, len(spans)) - 1] - start
@@ -241,7 +280,8 @@ class ChunkWriter:
             return
         batch, slots = self._batch, self._batch_slots
         self._batch, self._batch_slots, self._batch_bytes = [], [], 0
-        ids = [chunk_ids_of(view, spans) for view, spans, *_ in batch]
+        ids = [chunk_ids_of(view, spans) if ahead is None else self._ahead.ids(*ahead)
+               for view, spans, _es, _group, _goff, ahead in batch]
         wanted = {cid for piece in ids for cid in piece}
         known = self._parent_ids(batch, wanted)
         rest = wanted - known if known else wanted
@@ -295,7 +335,7 @@ class ChunkWriter:
     def _write_pieces(self, batch, ids, reusable: set[bytes], out: list, todo: list[int]) -> list[list[ChunkRef]]:
         """Fill ``out`` (refs per piece of a batch) at the pieces ``todo``, which hold chunks to write."""
         for k in todo:
-            view, spans, elem_size, group, goff = batch[k]
+            view, spans, elem_size, group, goff, _ahead = batch[k]
             refs = []
             for (s, e), cid in zip(spans, ids[k]):
                 if cid in reusable:
@@ -342,7 +382,7 @@ class ChunkWriter:
         if not self._parent_packs:
             return set()
         near = set()
-        for _view, spans, _es, group, goff in batch:
+        for _view, spans, _es, group, goff, _ahead in batch:
             if group is not None:
                 near.update(self.parent.ids_near(group, goff + spans[0][0], goff + spans[-1][1]))
         known = wanted & near

@@ -901,6 +901,8 @@ def test_hash_spans_refuses_what_the_other_implementation_refuses(hasher):
         (bufs, good, np.zeros(16, np.uint8), np.zeros(2, np.int64)),  # state too small
         (bufs, good, bytes(16), np.zeros(3, np.int64)),  # out read-only
         (bufs, good, bufs[0][:16], np.zeros(3, np.int64)),  # out overlaps a buffer
+        (bufs, good, np.zeros(16, np.uint8), np.zeros(33, np.uint8)[1:25]),  # state not aligned
+        (bufs, good, np.zeros(16, np.uint8), bytes(24)),  # state read-only
     ]
     for args in cases:
         out = args[2]
@@ -908,8 +910,12 @@ def test_hash_spans_refuses_what_the_other_implementation_refuses(hasher):
         with pytest.raises((ValueError, TypeError)):
             hash_spans(*args)
         assert bytes(out) == before
-    with pytest.raises(ValueError):
-        wait_hashed(np.zeros(2, np.int64), 1, 10)
+    for state, n in ((np.zeros(2, np.int64), 1), (np.zeros(33, np.uint8)[1:25], 1), (bytes(24), 1)):
+        with pytest.raises(ValueError):
+            wait_hashed(state, n, 10)
+    with pytest.raises(TypeError):
+        wait_hashed(np.zeros(3, np.int64), 1.5, 10)
+    assert hash_spans(None, np.zeros((0, 3), np.int64), np.zeros(0, np.uint8), np.zeros(3, np.int64)) == 0
 
 
 @pytest.mark.skipif(kernels._native is None or not hasattr(kernels._native, "hash_spans"),

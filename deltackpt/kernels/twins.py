@@ -111,9 +111,7 @@ def hash_spans(bufs, spans, out, state) -> int:
     """The twin of the native ``hash_spans``: ``out[16 * i:16 * i + 16]`` = xxh3-128 of span i of ``bufs``
     ((buffer, start, end) int64 triples), progress in ``state[0]``, a cancel in ``state[1]``, done in
     ``state[2]``; the same checks (it holds the GIL between spans)."""
-    st = np.frombuffer(state, dtype=np.int64) if memoryview(state).nbytes == 24 else None
-    if st is None:
-        raise ValueError("state must be 3 aligned int64 values")
+    st = _state(state)
     hashed = 0
     try:
         sp = as_u8(spans, "spans")
@@ -121,9 +119,11 @@ def hash_spans(bufs, spans, out, state) -> int:
             raise ValueError(f"spans must hold int64 triples, got {sp.nbytes} bytes")
         triples = sp.view(np.int64).reshape(-1, 3).tolist() if sp.nbytes else []
         dest = memoryview(out).cast("B")
-        if dest.readonly or len(dest) != 16 * len(triples):
+        if dest.readonly:
+            raise ValueError("out must be a writable C-contiguous buffer")
+        if len(dest) != 16 * len(triples):
             raise ValueError(f"out must hold {16 * len(triples)} bytes (16 per span), got {len(dest)}")
-        views = [memoryview(b).cast("B") for b in bufs]
+        views = [memoryview(b).cast("B") for b in (() if bufs is None else bufs)]
         o = np.frombuffer(dest, dtype=np.uint8) if len(dest) else None
         for k, v in enumerate(views):
             b = np.frombuffer(v, dtype=np.uint8) if len(v) else None
@@ -145,12 +145,21 @@ def hash_spans(bufs, spans, out, state) -> int:
 def wait_hashed(state, n: int, timeout_us: int) -> int:
     """The twin of the native ``wait_hashed``: ``state[0]`` once it reaches ``n`` or ``hash_spans`` returned,
     waiting at most about ``timeout_us``."""
+    import operator
     import time
 
-    st = np.frombuffer(state, dtype=np.int64) if memoryview(state).nbytes == 24 else None
-    if st is None:
-        raise ValueError("state must be 3 aligned int64 values")
+    st = _state(state)
+    n, timeout_us = operator.index(n), operator.index(timeout_us)
     deadline = time.monotonic() + timeout_us / 1e6
     while st[0] < n and not st[2] and time.monotonic() < deadline:
         time.sleep(20e-6)
     return int(st[0])
+
+
+def _state(state) -> np.ndarray:
+    """``hash_spans``' state as the native kernels take it: 3 aligned, writable int64 values."""
+    mv = memoryview(state)
+    st = np.frombuffer(mv, dtype=np.uint8) if mv.nbytes == 24 and mv.c_contiguous and not mv.readonly else None
+    if st is None or st.ctypes.data % 8:
+        raise ValueError("state must be 3 aligned int64 values")
+    return st.view(np.int64)

@@ -94,19 +94,32 @@ _EXPECT_OPERATIONS = ("PutObject", "UploadPart", "CompleteMultipartUpload", "Cre
 
 
 def _without_expect_continue(fs) -> None:
-    """Drop ``Expect: 100-continue`` from the S3 writes of ``fs`` (an S3FileSystem), on the client it has and
-    on those its session makes later."""
+    """Drop ``Expect: 100-continue`` from the S3 writes of ``fs`` (an S3FileSystem). s3fs makes (and remakes,
+    on a refresh or once its connections closed) its session and client in ``set_session``, which it awaits
+    before every request: wrapped, each new client is fixed before its first request, and so is a session s3fs
+    made itself (the clients it makes later per region). A session the caller passed in is left as it is: its
+    other clients keep their header."""
     if getattr(fs, "_deltackpt_no_expect", False):
         return
-    import aiobotocore.session
+    set_session = fs.set_session
 
-    if fs.session is None:  # as s3fs makes it on first use (it keeps a session it has)
-        fs.session = aiobotocore.session.AioSession(**fs.kwargs)
-    clients = [fs.session] + ([fs._s3.meta.events] if getattr(fs, "_s3", None) is not None else [])
-    for target in clients:
-        for op in _EXPECT_OPERATIONS:
-            target.register(f"before-sign.s3.{op}", _drop_expect)
+    async def set_session_without_expect(*args, **kwargs):
+        client = await set_session(*args, **kwargs)
+        if getattr(fs, "_session_is_owned", False):
+            _register_once(fs.session, fs.session)
+        _register_once(fs._s3, getattr(fs._s3, "meta", None) and fs._s3.meta.events)
+        return client
+
+    fs.set_session = set_session_without_expect
     fs._deltackpt_no_expect = True
+
+
+def _register_once(owner, events) -> None:
+    if owner is None or events is None or getattr(owner, "_deltackpt_no_expect", False):
+        return
+    for op in _EXPECT_OPERATIONS:
+        events.register(f"before-sign.s3.{op}", _drop_expect)
+    owner._deltackpt_no_expect = True
 
 
 def _put_once(fn: Callable[[], None]) -> None:
@@ -161,11 +174,8 @@ class FsspecBackend(Backend, UnfinishedUploads):
         self.fs = _shared_filesystem(self.fs, options)
         self._s3 = protocol in ("s3", "s3a")
         if self._s3:
-            def no_expect() -> None:
-                with _FILESYSTEMS_LOCK:
-                    _without_expect_continue(self.fs)
-
-            self._retry("CONNECT", "", no_expect)  # (its session takes the options: a wrong one is named)
+            with _FILESYSTEMS_LOCK:
+                _without_expect_continue(self.fs)
         self._put_kwargs = {"chunksize": MULTIPART_PART_BYTES} if self._s3 else {}
         self._rand = random.Random()
         self._rand_lock = threading.Lock()

@@ -89,3 +89,37 @@ def test_a_dcp_save_of_cpu_tensors_hashes_ahead_and_loads_bit_exact(tmp_path, mo
     from deltackpt import DeltaStorageReader
     dcp.load(got, storage_reader=DeltaStorageReader(Store.open(tmp_path / "s"), "c"), no_dist=True)
     assert got["step"] == 7 and all(torch.equal(got[k], state[k]) for k in ("w", "b", "t", "h"))
+
+
+def test_a_planner_that_copies_tensors_has_one_copy_alive_and_resolves_each_item_once(tmp_path, monkeypatch):
+    """Hashing ahead resolved every item first: a planner whose transform_object returns new tensors (a cast)
+    had all its copies alive at once, and an item not hashed ahead was resolved twice. Such a planner is now
+    resolved as the items are added, once each."""
+    import weakref
+
+    from deltackpt.store import writer as writer_mod
+
+    alive, resolved = weakref.WeakSet(), []
+
+    class CastPlanner(DeltaSavePlanner):
+        def transform_object(self, write_item, obj):
+            resolved.append(write_item.index.fqn)
+            obj = super().transform_object(write_item, obj)
+            if isinstance(obj, torch.Tensor):
+                obj = obj.to(torch.float16)
+                alive.add(obj)
+            return obj
+
+    peak = []
+    real = writer_mod.ChunkWriter.add_array
+
+    def spy(self, *args, **kwargs):
+        peak.append(len(alive))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer_mod.ChunkWriter, "add_array", spy)
+    state = {f"w{i}": torch.randn(512, 1024) for i in range(12)}
+    store = Store.init(tmp_path / "s")
+    dcp.save(state, storage_writer=DeltaStorageWriter(store, "c"), planner=CastPlanner(), no_dist=True)
+    assert len(peak) == 12 and max(peak) <= 2
+    assert sorted(resolved) == sorted(state)

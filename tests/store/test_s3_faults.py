@@ -460,15 +460,20 @@ def test_a_400_on_a_get_is_retried_not_read_as_an_empty_object(s3_server, s3_url
     assert proxy.injected["400"] == before + 1
 
 
-@pytest.mark.parametrize("size", [1000, 3 * 1024 * 1024, 20 * 1024 * 1024], ids=["small", "one-part", "multipart"])
+@pytest.mark.parametrize("size", [1000, 3 * 1024 * 1024, 20 * 1024 * 1024, "refreshed"],
+                         ids=["small", "one-part", "multipart", "after-a-client-refresh"])
 def test_a_put_to_a_server_that_stops_answering_is_a_bounded_backend_error(s3_server, s3_url, proxy, size):
     """botocore sent every PUT with ``Expect: 100-continue`` and aiohttp waits for the 100 with no timeout: a
     server that accepted the connection and then never answered hung a save (and a close waiting on its
-    upload) for good. Now the read timeout bounds each attempt, as for a GET."""
+    upload) for good. Now the read timeout bounds each attempt, as for a GET, also once s3fs has made its
+    session and client again (a refresh for new credentials)."""
     import threading
 
     backend = _backend(s3_server, s3_url, proxy.endpoint, read_timeout_s=0.5, max_attempts=2)
     backend.put("x/warm", b"payload")  # (the client's connection and credentials, before the stall)
+    if size == "refreshed":
+        backend.fs.connect(refresh=True)
+        size = 1000
     proxy.set_faults(1.0, ("stall",), methods={"PUT", "POST"})
     for op in ("put", "put_new"):
         outcome = {}
@@ -502,3 +507,28 @@ def test_a_conditional_put_refused_without_naming_its_condition_is_an_existing_k
     backend.put_new("x/once", b"mine")  # a resend of our own (its response lost): done
     statuses = [r.status for r in proxy.log if r.method == "PUT" and r.target.endswith("/x/once")]
     assert statuses == [200, 412, 412]  # each refusal answered once, not retried
+
+
+def test_a_session_the_caller_passes_in_keeps_its_other_clients_as_they_were(s3_server, s3_url):
+    """Dropping ``Expect`` is deltackpt's business: it was registered on a session passed in storage options,
+    and every S3 client the application then made from it lost the header too."""
+    import asyncio
+    import io
+
+    import aiobotocore.session
+
+    async def expect_header_of_an_app_put(session) -> list:
+        seen = []
+        async with session.create_client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1",
+                                          aws_access_key_id="testing", aws_secret_access_key="testing") as c:
+            c.meta.events.register("before-send.s3.PutObject",
+                                   lambda request, **_: seen.append(request.headers.get("Expect")))
+            await c.put_object(Bucket=s3_url.split("/")[2], Key="app/x", Body=io.BytesIO(b"z" * 1000))
+        return seen
+
+    session = aiobotocore.session.AioSession()
+    assert asyncio.run(expect_header_of_an_app_put(session)) == [b"100-continue"]
+    backend = FsspecBackend(s3_url, {**s3_server.storage_options, "session": session})
+    backend.put("x/obj", b"payload")
+    assert backend.get("x/obj") == b"payload"
+    assert asyncio.run(expect_header_of_an_app_put(session)) == [b"100-continue"]

@@ -6,6 +6,8 @@ not catch; these wrappers raise the typed error instead (see :func:`unwrap`).
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import traceback
 import warnings
 from concurrent.futures import Future
@@ -140,13 +142,33 @@ def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
                                 storage_options=storage_options, staging=staging, replica_check=replica_check)
     planner = planner or default_planner(state_dict, replica_check)
     with quiet_single_process(), aborted_on_failure(writer):
-        fut = typed_call(lambda: dcp.async_save(state_dict, storage_writer=writer, planner=planner,
-                                                process_group=process_group,
-                                                async_checkpointer_type=async_checkpointer_type))
+        fut = one_process_save_at_a_time(async_checkpointer_type, lambda: typed_call(lambda: dcp.async_save(
+            state_dict, storage_writer=writer, planner=planner, process_group=process_group,
+            async_checkpointer_type=async_checkpointer_type)))
     abort_on_failure(writer, fut)
     if staging is not None:
         staging.hold_until(fut)
     return typed_future(fut)
+
+
+_PROCESS_SAVES = threading.Lock()
+_last_process_save: list = [None]  # the future of this process's newest PROCESS-mode save
+
+
+def one_process_save_at_a_time(kind: AsyncCheckpointerType, start):
+    """``start()`` (a ``dcp.async_save``), after this process's previous PROCESS-mode save has finished when
+    ``kind`` is PROCESS. DCP runs every PROCESS-mode save of a process through one checkpoint process and one
+    pipe, which it does not guard: two at once (a second CheckpointManager for an EMA copy) read each other's
+    replies, and both failed. Its checkpoint process serves one save at a time anyway."""
+    if kind != AsyncCheckpointerType.PROCESS:
+        return start()
+    with _PROCESS_SAVES:
+        previous = _last_process_save[0]
+        if previous is not None:
+            concurrent.futures.wait([previous])  # (its outcome is its caller's to collect)
+        fut = start()
+        _last_process_save[0] = fut
+        return fut
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from collections import Counter
 from typing import Any
 
 import msgspec
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -41,7 +42,7 @@ from torch.futures import Future
 from ..errors import (CheckpointExistsError, CheckpointNotFoundError, CorruptManifestError,
                       SilentDataCorruptionError)
 from ..store import (AUTO_CAP_BYTES, SHARED, CheckpointInfo, Item, Manifest, ParentMap, Store, StoreLock,
-                     WriteSummary, decode_entries, default_write_threads, encode_entries, paused_gc)
+                     WriteSummary, decode_entries, default_write_threads, encode_entries, paused_gc, remove_lock)
 from .names import LAYER_KEY, checkpoint_name
 from .metadata_schema import metadata_to_record
 from .placement import add_shard, bytes_in_place, item_key, prepare_shard, shard_placement
@@ -106,10 +107,16 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         self._parent_map: ParentMap | None = None  # the parent's whole map, when this process is the only rank
         self._local_summary: WriteSummary | None = None  # this rank's summary, when it is the only rank
         self._lock: StoreLock | None = None
+        # The id of the coordinator's store lock, chosen here: a copy of this writer that runs the save in
+        # another process (DCP's PROCESS mode) takes its lock under this id, which abort() can then remove.
+        self._lock_id = uuid.uuid4().hex[:16]
+        self._sent = False  # pickled: a copy may hold the lock elsewhere
         self._staging = staging
 
     def __getstate__(self):
+        self._sent = True  # (the copy may take the store lock in another process)
         state = self.__dict__.copy()
+        state["_sent"] = False
         state["_store"] = None  # reopened lazily where the save runs
         state["_lock"] = None
         state["_parent_map"] = None
@@ -122,6 +129,7 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         """Copy ``state_dict`` into the staging buffers; the background save reads that copy."""
         if self._staging is None:
             self._staging = StagingBuffers()
+        self._lock_id, self._sent = uuid.uuid4().hex[:16], False  # each save's lock its own id
         return self._staging.stage(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -256,18 +264,22 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
         CheckpointManager call this on failure; a caller of ``dcp.save`` itself may too (harmless after a
         commit)."""
         lock, self._lock = self._lock, None
-        if lock is not None:
-            try:
+        try:
+            if lock is not None:
                 lock.release()
-            except Exception as e:  # noqa: BLE001 - the save's own error (raised by the caller) matters more
-                log.warning("save %s: could not release the store lock (%s); it goes stale on its own",
-                            self.checkpoint_id, e)
+            elif self._sent:
+                # A copy of this writer ran the save elsewhere (DCP's checkpoint process), maybe as the
+                # coordinator, whose lock there nothing releases when another rank failed: remove it by its id.
+                remove_lock(self.store.backend, SHARED, self._lock_id)
+        except Exception as e:  # noqa: BLE001 - the save's own error (raised by the caller) matters more
+            log.warning("save %s: could not release the store lock (%s); it goes stale on its own",
+                        self.checkpoint_id, e)
 
     def _acquire_lock(self, store: Store) -> None:
         """The coordinator's shared store lock, held until the commit; released if this writer is dropped
         after another rank failed."""
         if self._lock is None:
-            self._lock = store.lock(SHARED).acquire()
+            self._lock = store.lock(SHARED, lock_id=self._lock_id).acquire()
             weakref.finalize(self, self._lock.release)
 
     def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -305,8 +317,10 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             # The shards whose bytes are views of CPU tensors are hashed on another core first
             # (ChunkWriter.hash_ahead), while this thread places, looks up and codes the chunks. Other items are
             # resolved as they are added: a GPU tensor's copy (or a planner's) lives only until it is written.
+            # Only a planner that resolves a tensor as DCP's default does (the state dict's own tensor, no copy)
+            # is asked first: another one's copies would all be alive at once, or made twice.
             shards = {}
-            for n, item in enumerate(plan.items):
+            for n, item in enumerate(plan.items if _resolves_in_place(planner) else ()):
                 if item.type != WriteItemType.BYTE_IO:
                     data = planner.resolve_data(item)
                     if bytes_in_place(data):
@@ -385,6 +399,15 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
                           layer_data={LAYER_KEY: metadata_to_record(metadata)}, parent=self._parent_name,
                           overwrite=self.overwrite, lock=self._lock, checked_packs=reused,
                           after_ns=self._after_ns)
+
+
+def _resolves_in_place(planner: SavePlanner) -> bool:
+    """Whether ``planner`` resolves a tensor item to the state dict's own tensor, as DCP's default planner
+    does (its ``resolve_data`` and ``transform_object``, which changes only byte items)."""
+    kind = type(planner)
+    return (isinstance(planner, DefaultSavePlanner) and kind.resolve_data is DefaultSavePlanner.resolve_data
+            and kind.transform_object is DefaultSavePlanner.transform_object
+            and kind.lookup_object is DefaultSavePlanner.lookup_object)
 
 
 def _gather_results(results: list[list[WriteResult]]):

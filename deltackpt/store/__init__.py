@@ -46,7 +46,7 @@ from .backend import Backend, LocalFiles, MemoryBackend, ObjectInfo
 from .basecache import AUTO_CAP_BYTES, BaseCache
 from .config import FORMAT_VERSION, StoreConfig
 from .localbackend import LocalBackend
-from .lock import SHARED, StoreLock
+from .lock import SHARED, StoreLock, remove_lock
 from .manifest import LATEST, ChunkRef, Item, Manifest, Stats, validate_name
 from .progress import NULL_PROGRESS, Progress, phase
 from .parentmap import ParentMap
@@ -117,6 +117,7 @@ __all__ = [
     "paused_gc",
     "phase",
     "plan_forget",
+    "remove_lock",
     "validate_name",
     "verify_store",
 ]

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -46,6 +47,7 @@ EXCLUSIVE = "exclusive"
 STALE_AFTER_S = 300.0
 DEFAULT_WAIT_S = 600.0  # how long a save waits for gc (and gc for running saves) before giving up
 _POLL_S = (0.02, 1.0)  # first and longest pause between two looks while waiting
+_LOCK_ID = re.compile(r"[0-9a-f]{16}")
 _JOIN_S = 5.0  # how long release() waits for the refresh thread to end (its put in flight is waited for anyway)
 
 log = logging.getLogger("deltackpt")
@@ -114,15 +116,18 @@ class StoreLock:
     ``wait_s``: how long :meth:`acquire` waits for a conflicting lock to go away (0: not at all)."""
 
     def __init__(self, backend, kind: str, *, stale_after_s: float = STALE_AFTER_S, refresh: bool = True,
-                 wait_s: float = DEFAULT_WAIT_S):
+                 wait_s: float = DEFAULT_WAIT_S, lock_id: str | None = None):
+        """``lock_id``: 16 hex digits chosen by the caller (see :func:`remove_lock`), else a random one."""
         if kind not in (SHARED, EXCLUSIVE):
             raise ValueError(f"lock kind must be {SHARED!r} or {EXCLUSIVE!r}")
+        if lock_id is not None and not _LOCK_ID.fullmatch(lock_id):
+            raise ValueError(f"lock_id must be 16 hex digits, got {lock_id!r}")
         if not wait_s >= 0:
             raise ValueError(f"wait_s must be >= 0 seconds, got {wait_s!r}")
         self.wait_s = float(wait_s)
         self.backend = backend
         self.kind = kind
-        self.id = uuid.uuid4().hex[:16]
+        self.id = lock_id or uuid.uuid4().hex[:16]
         self.key = f"locks/{kind}-{self.id}"
         self.stale_after_s = stale_after_s
         self._refresh = refresh
@@ -288,6 +293,15 @@ class StoreLock:
 
     def __getstate__(self):
         raise TypeError("a held StoreLock cannot be pickled")
+
+
+def remove_lock(backend, kind: str, lock_id: str) -> None:
+    """Delete the lock object ``lock_id`` of ``kind`` if it is there: a lock another process took for this one
+    and holds no more use for (DCP's checkpoint process, whose save failed on another rank, is told nothing).
+    Its holder's refreshes see it gone and never write it back."""
+    if kind not in (SHARED, EXCLUSIVE) or not _LOCK_ID.fullmatch(lock_id):
+        raise ValueError(f"not a lock: {kind!r} {lock_id!r}")
+    backend.delete(f"locks/{kind}-{lock_id}")
 
 
 def list_locks(backend) -> list[dict]:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
-from ..dcp.api import abort_on_failure, aborted_on_failure
+from ..dcp.api import abort_on_failure, aborted_on_failure, one_process_save_at_a_time
 from ..dcp.planner import PlainLoadPlanner
 from ..dcp import (
     DeltaStorageReader,
@@ -222,10 +222,11 @@ class CheckpointManager:
                     typed_call(lambda: dcp.save(payload, storage_writer=writer, planner=planner,
                                                 process_group=self.process_group))
             else:
+                kind = _ASYNC_TYPES[self.async_mode]
                 with quiet_single_process(), aborted_on_failure(writer):
-                    fut = typed_call(lambda: dcp.async_save(payload, storage_writer=writer, planner=planner,
-                                                            process_group=self.process_group,
-                                                            async_checkpointer_type=_ASYNC_TYPES[self.async_mode]))
+                    fut = one_process_save_at_a_time(kind, lambda: typed_call(lambda: dcp.async_save(
+                        payload, storage_writer=writer, planner=planner, process_group=self.process_group,
+                        async_checkpointer_type=kind)))
                 abort_on_failure(writer, fut)
         finally:
             self.state.prepare_save(False)

@@ -184,3 +184,95 @@ def test_async_process_two_ranks(store_path):
                      env={"MASTER_ADDR": "127.0.0.1"}) == [True, True]
     names = [c.name for c in Store.open(store_path).list_checkpoints()]
     assert names == ["p-1", "p-2"]
+
+
+class _FailsElsewhere:
+    """Pickles in the process that made it; anywhere else (DCP's checkpoint process) it fails as a full disk."""
+
+    def __init__(self, owner: int | None = None):
+        import os
+
+        self.owner = owner or os.getpid()
+
+    def __reduce__(self):
+        import os
+
+        if os.getpid() != self.owner:
+            raise OSError(28, "No space left on device (injected)")
+        return (_FailsElsewhere, (self.owner,))
+
+
+def _process_save_failing_on_rank_1(rank: int, world: int, path: str) -> dict:
+    import deltackpt
+    from deltackpt.store import Store
+    from deltackpt.store.lock import EXCLUSIVE
+
+    warnings.filterwarnings("ignore")
+    state = {"w": torch.randn(64, 64)}
+    if rank == 1:
+        state["r1"] = _FailsElsewhere()
+    fut = deltackpt.async_save(state, path, "step-1", async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                               replica_check="off")
+    try:
+        fut.result()
+        failed = False
+    except BaseException:  # noqa: BLE001 - the injected failure, on every rank
+        failed = True
+    dist.barrier()
+    out = {"failed": failed}
+    if rank == 0:
+        try:
+            with Store.open(path).lock(EXCLUSIVE, wait_s=20):
+                out["gc"] = "got the store alone"
+        except Exception as e:  # noqa: BLE001 - what the test reports
+            out["gc"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    state.pop("r1", None)
+    deltackpt.async_save(state, path, "step-2", async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                         replica_check="off").result()
+    return out
+
+
+def test_a_process_mode_save_that_fails_on_another_rank_leaves_no_store_lock(store_path):
+    """In PROCESS mode the coordinator's store lock is taken in DCP's checkpoint process, and DCP tells no
+    writer there that another rank failed: the lock stayed (refreshed) for as long as training ran, and gc
+    gave up waiting for it. The writer's copy now takes the lock under an id chosen before it was sent, and
+    the failed save's abort removes it."""
+    from deltackpt.store import Store
+
+    got = run_ranks(_process_save_failing_on_rank_1, 2, store_path, timeout=240, env={"MASTER_ADDR": "127.0.0.1"})
+    assert [r["failed"] for r in got] == [True, True]
+    assert got[0]["gc"] == "got the store alone"
+    assert [c.name for c in Store.open(store_path).list_checkpoints()] == ["step-2"]
+
+
+def _two_process_savers(rank: int, world: int, path: str) -> list:
+    import deltackpt
+
+    warnings.filterwarnings("ignore")
+    big = {"w": torch.randn(4096, 4096)}  # 64 MiB: its save still runs when the next one starts
+    small = {"ema": torch.randn(256)}
+    errors = []
+    for step in range(1, 4):
+        big["w"].add_(1.0)
+        small["ema"].add_(1.0)
+        futures = [deltackpt.async_save(big, path, f"step-{step}", async_checkpointer_type=AsyncCheckpointerType.PROCESS),
+                   deltackpt.async_save(small, path + "-ema", f"ema-{step}",
+                                        async_checkpointer_type=AsyncCheckpointerType.PROCESS)]
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - what the test reports
+                errors.append(f"step {step}: {type(e).__name__}: {e}")
+    return errors
+
+
+def test_two_process_mode_savers_in_one_process_take_turns(store_path):
+    """Two PROCESS-mode saves at once in one process (a second CheckpointManager for an EMA copy) went through
+    DCP's one checkpoint process and one pipe together, read each other's replies and both failed. They now
+    take turns."""
+    from deltackpt.store import Store
+
+    assert run_ranks(_two_process_savers, 1, store_path, timeout=300, env={"MASTER_ADDR": "127.0.0.1"}) == [[]]
+    assert [c.name for c in Store.open(store_path).list_checkpoints()] == ["step-1", "step-2", "step-3"]
+    assert [c.name for c in Store.open(store_path + "-ema").list_checkpoints()] == ["ema-1", "ema-2", "ema-3"]

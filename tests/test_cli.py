@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import shutil
 import subprocess
@@ -169,13 +170,17 @@ def test_json_output_is_strict_when_metadata_holds_nan_or_inf(tmp_path, capsys):
         assert meta == {"loss": None, "grad": ["-inf", 1.0]}
 
 
-@pytest.mark.parametrize("meta", [{"a": b"\x00\x01"}, {"a": {1: 2, "b": 3}}])
+_WHEN = datetime.datetime(2026, 12, 3, 14, 0, tzinfo=datetime.timezone.utc)
+
+
+@pytest.mark.parametrize("meta, shown", [({"a": b"\x00\x01"}, "0001"), ({"a": {1: 2, "b": 3}}, '"1": 2'),
+                                         ({"saved_at": _WHEN}, "2026-12-03T14:00:00+00:00")],
+                         ids=["bytes", "int-keys", "datetime"])
 @pytest.mark.parametrize("argv", [["show", "{s}", "c"], ["show", "--json", "{s}", "c"], ["ls", "--json", "{s}"]])
-def test_show_and_ls_print_metadata_json_has_no_words_for(tmp_path, capsys, meta, argv):
-    """Metadata the writer accepts (bytes, int keys: msgpack holds both) made show and ls --json fail with a
-    TypeError."""
+def test_show_and_ls_print_metadata_json_has_no_words_for(tmp_path, capsys, meta, shown, argv):
+    """Metadata the writer accepts (bytes, int keys, a timezone-aware datetime: msgpack holds them all) made
+    show and ls --json fail with a TypeError."""
     store = Store.init(tmp_path / "s")
     store.save("c", {"x": np.arange(10)}, metadata=meta)
     assert main([a.format(s=tmp_path / "s") for a in argv]) == 0
-    out = capsys.readouterr().out
-    assert ("0001" if "a" in meta and isinstance(meta["a"], bytes) else '"1": 2') in out
+    assert shown in capsys.readouterr().out

@@ -316,3 +316,18 @@ def test_a_storage_option_that_looks_like_a_number_is_a_string_or_a_one_line_err
     argv = ["--json", "ls", "s3://bucket/run"] + [x for o in opts for x in ("--storage-option", o)]
     code, out, _ = run(capsys, *argv)
     assert code in (2, 3) and "error" in json.loads(out)
+
+
+def test_version_with_a_bad_kernel_setting_is_one_line_and_a_usage_exit():
+    """``--version`` imported the kernels outside the error handling: a bad DELTACKPT_KERNELS printed a
+    traceback and exited 1 (``problems found``), and --json was ignored."""
+    cmd = [sys.executable, "-m", "deltackpt", "--version"]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), DELTACKPT_KERNELS="bogus")
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.strip().splitlines() == [
+        "deltackpt: error: DELTACKPT_KERNELS='bogus' is not valid; allowed values: auto, native, numpy"]
+    p = subprocess.run(cmd + ["--json"], capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120)
+    assert p.returncode == 2 and json.loads(p.stdout)["error"]["type"] == "ValueError"
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, DELTACKPT_KERNELS="numpy"),
+                       cwd=REPO_ROOT, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip().endswith("(kernels: numpy)")

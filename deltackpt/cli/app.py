@@ -66,6 +66,13 @@ def _version_text() -> str:
     return f"deltackpt {__version__} (kernels: {kernels.BACKEND})"
 
 
+def _cmd_version(args) -> int:
+    from .. import kernels
+
+    emit(args, {"version": __version__, "kernels": kernels.BACKEND}, _version_text)
+    return EXIT_OK
+
+
 def _report_error(exc: BaseException, code: int, as_json: bool) -> None:
     msg = "interrupted" if isinstance(exc, KeyboardInterrupt) and not str(exc) else str(exc) or type(exc).__name__
     if isinstance(exc, KeyError) and msg.startswith("'"):
@@ -92,10 +99,7 @@ def _run(argv: list[str] | None) -> int:
             print(f"{e.parser.prog}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.version:
-        from .. import kernels
-
-        emit(args, {"version": __version__, "kernels": kernels.BACKEND}, _version_text)
-        return EXIT_OK
+        args.func = _cmd_version  # (the kernels' import may fail: a bad DELTACKPT_KERNELS, no native build)
     if not getattr(args, "func", None):
         if args.json:
             _report_error(UsageError("a command is required", parser), EXIT_USAGE, True)

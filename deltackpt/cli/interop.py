@@ -17,7 +17,8 @@ def register(add) -> None:
     sp.add_argument("--only", nargs="+", action="extend", metavar="PREFIX",
                     help="keep only keys starting with one of these (e.g. model.)")
     sp.add_argument("--dtype", choices=["bf16", "fp32"],
-                    help="cast every float16/bfloat16/float32/float64 tensor to this dtype (float8 stays)")
+                    help="cast every float16/bfloat16/float32/float64 tensor to this dtype (float8 stays; a dcp "
+                         "export copies a pickled value, such as a tuple of tensors, as it is)")
     sp = add("import", cmd_import, "import a DCP checkpoint directory (stock FileSystemWriter), a torch.save file "
                                    "(weights_only) or a safetensors file as a checkpoint, stored incrementally")
     sp.add_argument("store", help="the store (created if absent)")

@@ -76,7 +76,9 @@ def cmd_ls(args) -> int:
     store = open_store(args)
     infos = store.list_checkpoints(include_damaged=True)
     tags = read_all_tags(store)
-    where, infos = _tiers(args, store, infos)
+    where, infos, remote_tags = _tiers(args, store, infos)
+    for name, pinned in remote_tags.items():  # a checkpoint pinned on the remote (its retention keeps it)
+        tags[name] = sorted(set(tags.get(name, [])) | set(pinned))
     data = []
     for i in infos:
         d = {**checkpoint_dict(i, tags.get(i.name, [])), "location": where.get(i.name, "local"),
@@ -106,15 +108,18 @@ def cmd_ls(args) -> int:
 
 
 def _tiers(args, store, infos):
-    """(name -> local/uploading/remote/both, infos with the remote-only checkpoints) for a store whose
-    CheckpointManager uploads to a remote; ({}, infos) otherwise. An unreachable remote shows as '?'."""
+    """(name -> local/uploading/remote/both, infos with the remote-only checkpoints, the remote's tags) for a
+    store whose CheckpointManager uploads to a remote; ({}, infos, {}) otherwise. An unreachable remote shows
+    as '?'."""
     from ..errors import DeltackptError
     from ..store import Store
+    from ..store.retention import read_all_tags
     from ..store.tier import read_tier, tier_states
 
     record = read_tier(store)
+    remote_tags: dict = {}
     if record is None:
-        return {}, infos
+        return {}, infos, remote_tags
     url = record["remote"]
     try:
         remote = Store.open(url, storage_options=options_for(args, url, "remote"))
@@ -126,10 +131,11 @@ def _tiers(args, store, infos):
         local = {i.name for i in infos}
         infos = sorted(infos + [i for i in remote_infos if i.name not in local and not i.damaged],
                        key=lambda i: (i.created_ns, i.name))
+        remote_tags = {n: t for n, t in read_all_tags(remote).items() if where.get(n) in ("remote", "both")}
     except (DeltackptError, OSError) as e:
         print(f"deltackpt: warning: remote {url} not reachable ({e}); locations unknown", file=sys.stderr)
         where = {i.name: "?" for i in infos}
-    return where, infos
+    return where, infos, remote_tags
 
 
 def cmd_show(args) -> int:
@@ -166,10 +172,12 @@ def cmd_du(args) -> int:
     settings = store_settings(cfg)
     data = {"num_checkpoints": u.num_checkpoints, "logical_bytes": u.logical_bytes,
             "physical_bytes": u.physical_bytes, "pack_bytes": u.pack_bytes, "manifest_bytes": u.manifest_bytes,
-            "num_packs": u.num_packs, "num_chunks": u.num_chunks, "ratio": u.ratio, "settings": settings}
+            "other_bytes": u.other_bytes, "num_packs": u.num_packs, "num_chunks": u.num_chunks, "ratio": u.ratio,
+            "settings": settings}
     emit(args, data, lambda: (
         f"checkpoints {u.num_checkpoints}\nlogical     {fmt_bytes(u.logical_bytes)}\n"
-        f"physical    {fmt_bytes(u.physical_bytes)} ({u.num_packs} packs, {u.num_chunks} chunks)\n"
+        f"physical    {fmt_bytes(u.physical_bytes)} ({u.num_packs} packs, {u.num_chunks} chunks; "
+        f"{fmt_bytes(u.other_bytes)} more in commit records and tags)\n"
         f"ratio       {fmt_ratio(u.ratio)}\n"
         f"settings    chunks {fmt_bytes(cfg.chunk_size_bytes)}, packs {fmt_bytes(cfg.pack_target_bytes)}, "
         f"max_chain {cfg.max_chain}, chain_links {cfg.chain_links}, format {cfg.format_version}"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -38,16 +39,20 @@ def emit(args, data, text: Callable[[], str]) -> None:
 
 def jsonable(value):
     """``value`` as strict JSON can hold it: non-finite floats as null / "inf" / "-inf", bytes as hex, keys as
-    strings."""
+    strings, times (msgpack's timestamps, which metadata may hold) in ISO 8601, anything else as its text."""
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if value is None or isinstance(value, (str, int, float)):  # (bool is an int)
+        return value
     if isinstance(value, dict):  # (metadata may have int keys, which JSON names by their text)
         return {k if isinstance(k, str) else str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (bytes, bytearray)):
         return value.hex()
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
-    return value
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    return str(value)
 
 
 def fmt_bytes(n: int | float) -> str:

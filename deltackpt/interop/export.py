@@ -54,7 +54,7 @@ def export(store, checkpoint: str, out, *, format: str = "dcp", only=None, dtype
     ``torch.save`` file, the structure ``dcp_to_torch_save`` gives, loadable with ``weights_only=True``) or
     ``safetensors`` (tensors only, named by their flattened keys). ``only``: key prefixes to keep (e.g.
     ``"model."``). ``dtype``: ``bf16`` or ``fp32`` casts every float16, bfloat16, float32 and float64
-    tensor (float8 stays as it is).
+    tensor (float8 stays as it is; ``dcp`` copies a value DCP pickled, a tuple of tensors say, as it is).
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
@@ -156,7 +156,8 @@ def _exists(out: Path) -> TargetExistsError:
 def _publishing(out: Path, *, directory: bool):
     """A temporary path next to ``out`` to build the export in, renamed to ``out`` when the block succeeds
     and removed when it fails."""
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:12]}")
+    stem = os.fsencode(out.name)[:200].decode(errors="ignore")  # a name near the 255-byte limit has room too
+    tmp = out.with_name(f".{stem}.tmp-{uuid.uuid4().hex[:12]}")
     if directory:
         tmp.mkdir()
     try:

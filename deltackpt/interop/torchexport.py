@@ -206,6 +206,12 @@ def _cast_tree(obj, dst: torch.dtype) -> int:
             if str(value.dtype).removeprefix("torch.") in FLOATS and value.dtype != dst:
                 obj[key] = canonical_nan(value.to(dst))
                 n += 1
+        elif type(value) is tuple:  # (DCP keeps a tuple whole, as one value): made again with its casts
+            inner = list(value)
+            cast = _cast_tree(inner, dst)
+            if cast:
+                obj[key] = tuple(inner)
+                n += cast
         else:
             n += _cast_tree(value, dst)
     return n

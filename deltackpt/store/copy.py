@@ -197,7 +197,8 @@ class _PackGone(Exception):
 
 
 def _exists_error(name: str) -> CheckpointExistsError:
-    return CheckpointExistsError(name, "in the destination, with other data")
+    return CheckpointExistsError(name, "in the destination, with other data",
+                                 hint="copy with overwrite=True (--overwrite) to replace it")
 
 
 def _send_chunks(src, dst, name: str, manifest: Manifest, packs: dict[str, int], entries: list[PackEntry],

@@ -406,16 +406,25 @@ class Store(Catalog):
 
     # -- accounting ------------------------------------------------------------------------------------------
     def usage(self) -> StoreUsage:
+        from .tier import TIER_KEY
+
         infos = self.list_checkpoints()
         packs = [i for i in self.backend.list("packs/")]
         manifests = [i for i in self.backend.list("manifests/")]
         pack_bytes = sum(i.size_bytes for i in packs)
         manifest_bytes = sum(i.size_bytes for i in manifests)
         config_bytes = self.backend.size(CONFIG_KEY)
+        # The store's other objects: commit records, tags, a tier's record (locks and temp files come and go).
+        other_bytes = sum(i.size_bytes for prefix in ("commits/", "tags/") for i in self.backend.list(prefix))
+        try:
+            other_bytes += self.backend.size(TIER_KEY)
+        except FileNotFoundError:
+            pass  # not a tiered store
         return StoreUsage(
             num_checkpoints=len(infos),
             logical_bytes=sum(i.logical_bytes for i in infos),
             physical_bytes=pack_bytes + manifest_bytes + config_bytes,
+            other_bytes=other_bytes,
             pack_bytes=pack_bytes,
             manifest_bytes=manifest_bytes,
             num_packs=len(packs),

@@ -45,11 +45,14 @@ class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
 class StoreUsage:
     num_checkpoints: int
     logical_bytes: int  # sum over checkpoints of their items' bytes
-    physical_bytes: int  # packs + manifests + config as stored
+    physical_bytes: int  # what the checkpoints need, as stored: packs, manifests, config
     pack_bytes: int
     manifest_bytes: int
     num_packs: int
     num_chunks: int
+    # The store's other objects (commit records, tags, a tier's record): physical + other is all it holds,
+    # less locks and temp files, which come and go.
+    other_bytes: int = 0
 
     @property
     def ratio(self) -> float:

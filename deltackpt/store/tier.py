@@ -237,6 +237,16 @@ class Uploader:
         except CheckpointNotFoundError:
             return  # forgotten locally before its turn (a `deltackpt forget` of the local store): nothing to send
         write_tier(self.local, self.remote_url, self.remote.config.store_id, uploading=name, uploaded=self._uploaded)
+        try:
+            self._send(name, created_ns)
+        except BaseException:
+            try:  # not uploading any more: `ls` showed it as uploading for good
+                write_tier(self.local, self.remote_url, self.remote.config.store_id, uploaded=self._uploaded)
+            except Exception:  # noqa: BLE001 - the upload's own error is the one to report
+                pass
+            raise
+
+    def _send(self, name: str, created_ns: int) -> None:
         with self._lock:
             replace = name in self._damaged_remote
         try:

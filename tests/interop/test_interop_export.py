@@ -58,14 +58,14 @@ def test_a_float64_past_float32s_range_casts_to_inf_quietly_as_torch_does():
             assert ours.tobytes() == ref.view(torch.uint8).numpy().tobytes(), dst
 
 
-def _peak_exporting(tmp_path: Path, fmt: str, n: int, mib: int = 8) -> int:
+def _peak_exporting(tmp_path: Path, fmt: str, n: int, mib: int = 8, dtype: str | None = None) -> int:
     """Peak traced bytes exporting ``n`` float32 tensors of ``mib`` MiB each (saved through DCP)."""
     root = tmp_path / f"{fmt}-{n}"
     deltackpt.save({f"layer{i}": torch.randn(mib * MiB // 4 // 256, 256) for i in range(n)}, root / "store", "big")
     store = Store.open(root / "store")
     tracemalloc.start()
     try:
-        deltackpt.export(store, "big", root / "out", format=fmt)
+        deltackpt.export(store, "big", root / "out", format=fmt, dtype=dtype)
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -80,6 +80,16 @@ def test_export_peak_memory_is_one_tensor_plus_the_readers_scratch(tmp_path, fmt
     # one 8 MiB slab, plus the stored-bytes and byte-plane scratch (a 4 MiB chunk each) of every thread that
     # decodes (the read pool and the caller): fixed, whatever the number of tensors
     assert peak < 8 * MiB + (default_read_threads() + 1) * 2 * 4 * MiB + 2 * MiB, peak
+
+
+def test_a_safetensors_export_cast_to_bf16_holds_about_two_slabs(tmp_path):
+    """The bf16 rounding worked on uint64 copies of the whole slab: 6.5x the slab at its peak."""
+    from deltackpt.store import default_read_threads
+
+    peak = _peak_exporting(tmp_path, "safetensors", 4, dtype="bf16")
+    scratch = (default_read_threads() + 1) * 2 * 4 * MiB
+    # the 8 MiB slab, one uint32 array as large, the bf16 result (half of it) and the NaN mask (a quarter)
+    assert peak < 8 * MiB * 2 + 4 * MiB + 2 * MiB + scratch + 2 * MiB, peak
 
 
 def test_an_existing_target_is_refused_and_left_alone(tmp_path, capsys):
@@ -333,3 +343,23 @@ def test_a_cast_export_writes_one_quiet_nan_in_every_format(tmp_path):
     want = [0x7FC00000, 0x7FC00000, 0x3F800000, 0xC0000000]
     for got in (load_file(tmp_path / "o.st")["h"], torch.load(tmp_path / "o.pt", weights_only=True)["h"]):
         assert [v & 0xFFFFFFFF for v in got.view(torch.int32).tolist()] == want
+
+
+def test_a_target_name_near_the_file_systems_limit_is_exported(tmp_path):
+    """The temporary name was the target's plus 18 bytes: a valid name of 238-255 bytes failed with "File name
+    too long", naming the hidden temporary."""
+    deltackpt.save({"w": torch.ones(4)}, tmp_path / "store", "c")
+    out = tmp_path / ("m" * 240 + ".safetensors")
+    deltackpt.export(tmp_path / "store", "c", out, format="safetensors")
+    assert out.is_file() and sorted(p.name for p in tmp_path.iterdir()) == sorted(["store", out.name])
+
+
+def test_a_torch_export_casts_the_tensors_of_a_tuple_value(tmp_path):
+    """``--dtype`` walked dicts and lists only: the float tensors of a tuple (kept whole by DCP) stayed float32."""
+    state = {"w": torch.randn(3), "pair": (torch.randn(2), torch.randn(2, dtype=torch.float64), torch.arange(2))}
+    deltackpt.save(state, tmp_path / "store", "c")
+    report = deltackpt.export(tmp_path / "store", "c", tmp_path / "o.pt", format="torch", dtype="bf16")
+    got = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert isinstance(got["pair"], tuple) and [t.dtype for t in got["pair"]] == [torch.bfloat16, torch.bfloat16,
+                                                                                 torch.int64]
+    assert torch.equal(got["pair"][0], state["pair"][0].to(torch.bfloat16)) and report.converted == 3

@@ -224,3 +224,32 @@ def test_a_manifest_rewritten_within_a_second_is_summarized_again(tmp_path, rng)
             break
     assert store.backend.size("manifests/c") == size
     assert [i.metadata["run"] for i in store.list_checkpoints()] == ["b"]
+
+
+def test_metadata_that_compresses_a_thousandfold_reads_back(tmp_path):
+    """A save whose metadata compressed more than 1024:1 (a million equal flags) committed, and every reader
+    then refused its manifest as implausible: load, show and verify called the checkpoint damaged. Such a
+    frame is now decoded a piece at a time; one whose header claims more than it holds is still damage."""
+    import zstandard
+
+    from deltackpt.errors import CorruptManifestError
+    from deltackpt.store.manifest import manifest_body
+
+    store = Store.init(tmp_path / "s")
+    w = np.arange(3000, dtype=np.float32)
+    store.save("c", {"w": w}, metadata={"step": 100, "seen": [False] * 1_500_000})
+    fresh = Store.open(tmp_path / "s", cache_dir=tmp_path / "other-cache")
+    np.testing.assert_array_equal(fresh.load("c")["w"], w)
+    assert fresh.read_manifest("c").metadata["seen"] == [False] * 1_500_000
+    assert [i.name for i in fresh.list_checkpoints(include_damaged=True) if i.damage is None] == ["c"]
+    data = (tmp_path / "s" / "manifests" / "c").read_bytes()
+    frame = data[5:-8]
+    assert zstandard.frame_content_size(frame) > 1024 * len(frame) + (1 << 20)  # the case at hand
+    # The same frame cut short (its checksum made good again): it holds less than its header says.
+    import struct
+    import xxhash
+
+    forged = data[:5] + frame[:-3]
+    forged += struct.pack("<Q", xxhash.xxh3_64_intdigest(forged))
+    with pytest.raises(CorruptManifestError):
+        manifest_body(forged)

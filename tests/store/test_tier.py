@@ -348,3 +348,62 @@ def test_checkpoints_saved_after_a_resume_on_a_node_whose_clock_is_behind_stay_t
     assert [i.name for i in remote.list_checkpoints()] == ["step-5", "step-6"]
     assert [i.name for i in b.list_checkpoints()] == ["step-6"]
     assert remote.load("latest")["w"][0] == 6
+
+
+def test_a_failed_upload_is_not_shown_as_uploading_once_it_failed(tmp_path, rng, monkeypatch):
+    """The tier record said ``uploading`` from an upload's start and was cleared only when it succeeded: after
+    a failure (and the run's end) ``ls`` showed the checkpoint as uploading for good."""
+    from deltackpt.store.tier import tier_states
+
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"))
+    _save(local, rng, "a")
+    up.submit("a")
+    up.wait()
+    _copies_failing(monkeypatch, lambda names, calls: True, OSError("network down"))
+    _save(local, rng, "b")
+    up.submit("b")
+    with pytest.raises(DeltackptError, match="background upload of checkpoint 'b'"):
+        up.close()
+    assert read_tier(local)["uploading"] is None
+    remote = Store.open(tmp_path / "cold")
+    states = tier_states(local, remote)
+    assert states["a"] == "both" and states["b"] == "local"
+
+
+def test_ls_shows_the_remotes_tags_of_checkpoints_the_remote_holds(tmp_path, rng, capsys):
+    """Tags came from the local store only: a checkpoint pinned on the remote (its retention keeps it) was
+    listed with no tags once it lived there alone."""
+    from deltackpt import cli
+
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"), keep_local_last=1)
+    for name in ("a", "b", "c"):
+        _save(local, rng, name)
+        up.submit(name)
+        up.wait()
+    up.close()
+    set_tags(Store.open(tmp_path / "cold"), "a", ["release"])
+    set_tags(Store.open(tmp_path / "cold"), "c", ["best"])
+    set_tags(local, "c", ["mine"])
+    assert cli.main(["ls", str(tmp_path / "hot"), "--json"]) == 0
+    rows = {r["name"]: (r["location"], r["tags"]) for r in json.loads(capsys.readouterr().out)}
+    assert rows == {"a": ("remote", ["release"]), "b": ("remote", []), "c": ("both", ["best", "mine"])}
+
+
+def test_du_counts_every_object_of_the_store(tmp_path, rng):
+    """du's totals left out commit records, tags and the tier record (physical counts what the checkpoints
+    need, as the benchmarks do; other the rest)."""
+    import os
+
+    local = Store.init(tmp_path / "hot", **SMALL)
+    up = Uploader(local, str(tmp_path / "cold"))
+    for name in ("a", "b"):
+        _save(local, rng, name)
+        up.submit(name)
+    up.close()
+    set_tags(local, "a", ["keep"])
+    on_disk = sum(os.path.getsize(os.path.join(d, f)) for d, _dirs, files in os.walk(tmp_path / "hot")
+                  for f in files if not os.path.relpath(d, tmp_path / "hot").startswith(("cache", "locks")))
+    usage = local.usage()
+    assert usage.physical_bytes + usage.other_bytes == on_disk and usage.other_bytes > 0

@@ -6,7 +6,6 @@ not catch; these wrappers raise the typed error instead (see :func:`unwrap`).
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import traceback
 import warnings
@@ -152,7 +151,9 @@ def async_save(state_dict: dict[str, Any], store, checkpoint_id: str, *,
 
 
 _PROCESS_SAVES = threading.Lock()
-_last_process_save: list = [None]  # the future of this process's newest PROCESS-mode save
+# Set when this process's newest PROCESS-mode save has finished (an event, not its future: a failed future's
+# traceback holds the staged copy of the state until the next save).
+_last_process_save: list = [None]
 
 
 def one_process_save_at_a_time(kind: AsyncCheckpointerType, start):
@@ -165,9 +166,11 @@ def one_process_save_at_a_time(kind: AsyncCheckpointerType, start):
     with _PROCESS_SAVES:
         previous = _last_process_save[0]
         if previous is not None:
-            concurrent.futures.wait([previous])  # (its outcome is its caller's to collect)
+            previous.wait()  # (its outcome is its caller's to collect)
         fut = start()
-        _last_process_save[0] = fut
+        done = threading.Event()
+        fut.add_done_callback(lambda _f: done.set())
+        _last_process_save[0] = done
         return fut
 
 

@@ -298,7 +298,9 @@ class StoreLock:
 def remove_lock(backend, kind: str, lock_id: str) -> None:
     """Delete the lock object ``lock_id`` of ``kind`` if it is there: a lock another process took for this one
     and holds no more use for (DCP's checkpoint process, whose save failed on another rank, is told nothing).
-    Its holder's refreshes see it gone and never write it back."""
+    Its holder's refreshes look before they write, so they do not write it back, unless the removal falls
+    between a refresh's look and its write (one round trip in each quarter of the stale limit): then the lock
+    lives on until its holder is collected, at the latest until it goes stale once that process ends."""
     if kind not in (SHARED, EXCLUSIVE) or not _LOCK_ID.fullmatch(lock_id):
         raise ValueError(f"not a lock: {kind!r} {lock_id!r}")
     backend.delete(f"locks/{kind}-{lock_id}")

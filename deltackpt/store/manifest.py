@@ -234,16 +234,17 @@ def manifest_body(data: bytes, where: str = "manifest", *, checkpoint: str | Non
 
 
 def _decoded_in_pieces(frame: bytes, declared: int, corrupt) -> bytes:
-    out = bytearray()
+    """The frame's bytes once a pass that keeps none of them found it holds exactly what its header says."""
+    held = 0
     with zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False) as reader:
-        while len(out) <= declared:
+        while held <= declared:
             piece = reader.read(16 << 20)
             if not piece:
                 break
-            out += piece
-    if len(out) != declared:
-        raise corrupt(f"manifest frame holds {len(out)} bytes, its header says {declared}")
-    return bytes(out)
+            held += len(piece)
+    if held != declared:
+        raise corrupt(f"manifest frame holds {held} bytes, its header says {declared}")
+    return zstandard.ZstdDecompressor().decompress(frame, max_output_size=declared)
 
 
 def _decode(body: bytes, schema, corrupt):

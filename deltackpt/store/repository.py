@@ -34,7 +34,7 @@ from .commit import build_manifest, check_chunks, index_new_packs
 from .location import create_store_config, describe, open_backend, read_store_config
 from .config import CONFIG_KEY, StoreConfig, decode_config, encode_config, writer_features
 from .commitlog import Commit, record_commit
-from .index import ChunkIndex
+from .index import GC_EPOCH_KEY, ChunkIndex
 from .manifest import LATEST, Item, Manifest, encode_manifest, manifest_key, validate_name
 from .crashpoints import crash_point
 from .lock import DEFAULT_WAIT_S, SHARED, StoreLock
@@ -414,12 +414,14 @@ class Store(Catalog):
         pack_bytes = sum(i.size_bytes for i in packs)
         manifest_bytes = sum(i.size_bytes for i in manifests)
         config_bytes = self.backend.size(CONFIG_KEY)
-        # The store's other objects: commit records, tags, a tier's record (locks and temp files come and go).
+        # The store's other objects: commit records, tags, a tier's record, the gc epoch (locks and temp files
+        # come and go; a local store's index cache, its cache/ folder, is a cache, not the store's).
         other_bytes = sum(i.size_bytes for prefix in ("commits/", "tags/") for i in self.backend.list(prefix))
-        try:
-            other_bytes += self.backend.size(TIER_KEY)
-        except FileNotFoundError:
-            pass  # not a tiered store
+        for key in (TIER_KEY, GC_EPOCH_KEY):
+            try:
+                other_bytes += self.backend.size(key)
+            except FileNotFoundError:
+                pass  # not a tiered store, never gc'd
         return StoreUsage(
             num_checkpoints=len(infos),
             logical_bytes=sum(i.logical_bytes for i in infos),

@@ -50,8 +50,8 @@ class StoreUsage:
     manifest_bytes: int
     num_packs: int
     num_chunks: int
-    # The store's other objects (commit records, tags, a tier's record): physical + other is all it holds,
-    # less locks and temp files, which come and go.
+    # The store's other objects (commit records, tags, a tier's record, the gc epoch): physical + other is all
+    # it holds, less locks and temp files, which come and go, and a local store's index cache (cache/).
     other_bytes: int = 0
 
     @property

@@ -276,3 +276,34 @@ def test_two_process_mode_savers_in_one_process_take_turns(store_path):
     assert run_ranks(_two_process_savers, 1, store_path, timeout=300, env={"MASTER_ADDR": "127.0.0.1"}) == [[]]
     assert [c.name for c in Store.open(store_path).list_checkpoints()] == ["step-1", "step-2", "step-3"]
     assert [c.name for c in Store.open(store_path + "-ema").list_checkpoints()] == ["ema-1", "ema-2", "ema-3"]
+
+
+def _failed_process_save_is_let_go(rank: int, world: int, path: str) -> bool:
+    import gc
+    import weakref
+
+    import deltackpt
+    from deltackpt.dcp.api import one_process_save_at_a_time
+
+    warnings.filterwarnings("ignore")
+    state = {"w": torch.randn(512, 512)}
+    deltackpt.async_save(state, path, "step-1", async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    writer = deltackpt.DeltaStorageWriter(path, "step-1")  # exists: this save fails
+    fut = one_process_save_at_a_time(AsyncCheckpointerType.PROCESS, lambda: dcp.async_save(
+        state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS))
+    try:
+        fut.result()
+        return False
+    except BaseException:  # noqa: BLE001 - expected: the name exists
+        pass
+    ref = weakref.ref(writer)
+    del writer, fut
+    gc.collect()
+    return ref() is None
+
+
+def test_a_failed_process_mode_save_is_not_kept_for_the_next_one(store_path):
+    """The turn-taking kept the newest save's future, whose failure's traceback held the staged copy of the
+    state and the writer until the next PROCESS-mode save, which might never come."""
+    assert run_ranks(_failed_process_save_is_let_go, 1, store_path, timeout=180,
+                     env={"MASTER_ADDR": "127.0.0.1"}) == [True]

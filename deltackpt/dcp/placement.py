@@ -123,10 +123,13 @@ def bytes_in_place(value) -> bool:
 
 
 def add_shard(writer, key: str, fqn: str, value, offsets: Sequence[int], sizes: Sequence[int],
-              global_size: Sequence[int], shard: Shard | None = None) -> None:
-    """Add one shard of a tensor to a store ChunkWriter at its place in the whole tensor (``shard``: the
-    :func:`prepare_shard` of these arguments, when made already)."""
-    s = shard or prepare_shard(key, fqn, value, offsets, sizes, global_size)
+              global_size: Sequence[int]) -> None:
+    """Add one shard of a tensor to a store ChunkWriter at its place in the whole tensor."""
+    add_prepared(writer, key, prepare_shard(key, fqn, value, offsets, sizes, global_size))
+
+
+def add_prepared(writer, key: str, s: Shard) -> None:
+    """Add a shard :func:`prepare_shard` made to a store ChunkWriter."""
     writer.add_array(key, s.raw, dtype=s.dtype, elem_size=s.elem_size, shape=s.shape, group=s.group,
                      global_offset=s.offset)
 

@@ -45,7 +45,7 @@ from ..store import (AUTO_CAP_BYTES, SHARED, CheckpointInfo, Item, Manifest, Par
                      WriteSummary, decode_entries, default_write_threads, encode_entries, paused_gc, remove_lock)
 from .names import LAYER_KEY, checkpoint_name
 from .metadata_schema import metadata_to_record
-from .placement import add_shard, bytes_in_place, item_key, prepare_shard, shard_placement
+from .placement import Shard, add_prepared, bytes_in_place, item_key, prepare_shard, shard_placement
 from .staging import StagingBuffers
 
 log = logging.getLogger("deltackpt.dcp")
@@ -319,24 +319,26 @@ class DeltaStorageWriter(StorageWriter, AsyncStager):
             # resolved as they are added: a GPU tensor's copy (or a planner's) lives only until it is written.
             # Only a planner that resolves a tensor as DCP's default does (the state dict's own tensor, no copy)
             # is asked first: another one's copies would all be alive at once, or made twice.
-            shards = {}
+            resolved = {}  # item -> its prepared Shard (bytes in place), or its data (resolved once)
             for n, item in enumerate(plan.items if _resolves_in_place(planner) else ()):
                 if item.type != WriteItemType.BYTE_IO:
                     data = planner.resolve_data(item)
-                    if bytes_in_place(data):
-                        td = item.tensor_data
-                        shards[n] = (data, prepare_shard(item_key(item.index), item.index.fqn, data,
-                                                         td.chunk.offsets, td.chunk.sizes, td.size))
-            writer.hash_ahead([(shard.raw, shard.offset) for _data, shard in shards.values()])
+                    td = item.tensor_data
+                    resolved[n] = prepare_shard(item_key(item.index), item.index.fqn, data, td.chunk.offsets,
+                                                td.chunk.sizes, td.size) if bytes_in_place(data) else data
+            writer.hash_ahead([(s.raw, s.offset) for s in resolved.values() if isinstance(s, Shard)])
             for n, item in enumerate(plan.items):
                 key = item_key(item.index)
                 keys.append((item, key))
-                data, shard = shards.pop(n, None) or (planner.resolve_data(item), None)
+                data = resolved.pop(n) if n in resolved else planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     writer.add_bytes(key, data.getbuffer())
-                    continue
-                td = item.tensor_data
-                add_shard(writer, key, item.index.fqn, data, td.chunk.offsets, td.chunk.sizes, td.size, shard)
+                elif isinstance(data, Shard):
+                    add_prepared(writer, key, data)
+                else:
+                    td = item.tensor_data
+                    add_prepared(writer, key, prepare_shard(key, item.index.fqn, data, td.chunk.offsets,
+                                                            td.chunk.sizes, td.size))
             summary = writer.finish()
         except BaseException:
             writer.abort()  # its spool files (finish cleans up the same way)

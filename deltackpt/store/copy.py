@@ -160,15 +160,15 @@ def _send_all(src, dst, name: str, manifest: Manifest, packs: dict[str, int], en
     throttling past the retries), the packs it did put are indexed in ``dst`` first: a retry (the next
     save's upload, say) finds them there instead of sending them all again."""
     try:
-        for attempt in range(2):
-            try:
-                return _send_chunks(src, dst, name, manifest, packs, entries, report, progress)
-            except _PackGone as gone:
-                if attempt:
-                    raise CorruptChunkError(f"pack {gone.pack} of the source is missing; run `deltackpt verify` "
-                                            "on the source", pack=gone.pack, checkpoint=name) from None
-                src.refresh_index()  # a gc of the source moved the chunks since its index was read: find them
-        raise AssertionError("unreachable")
+        try:
+            return _send_chunks(src, dst, name, manifest, packs, entries, report, progress)
+        except _PackGone:
+            src.refresh_index()  # a gc of the source moved the chunks since its index was read: find them
+        try:
+            return _send_chunks(src, dst, name, manifest, packs, entries, report, progress)
+        except _PackGone as gone:
+            raise CorruptChunkError(f"pack {gone.pack} of the source is missing; run `deltackpt verify` on the "
+                                    "source", pack=gone.pack, checkpoint=name) from None
     except BaseException:
         if packs:
             try:

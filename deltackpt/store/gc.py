@@ -166,7 +166,8 @@ class GcPlan:
             for name in sorted(old_repacked):
                 lock.check_in_a_while()
                 store.backend.delete(pack_key(name))
-            gone = (set(plan.delete_packs) - kept - published) | old_repacked
+            deleted = set(plan.delete_packs) - kept - published
+            gone = deleted | old_repacked
             if epoch is not None:
                 # Another epoch once every pack is gone: a cache that caught up half way through (a read
                 # that found a pack gone) took the first one for seen, and would take a pack deleted after
@@ -192,7 +193,6 @@ class GcPlan:
             _drop_orphan_records(store, (set(plan.packs) - gone) | published)
         # What was done, not what was planned: a damaged pack stays, and a pack a repack wrote again under its
         # own name (or a dead one's) neither went nor came.
-        deleted = set(plan.delete_packs) - kept - published
         before = plan.delete_packs.keys() | plan.repack_sizes.keys()
         reclaimed = (sum(plan.delete_packs[n] for n in deleted) + sum(plan.repack_sizes[n] for n in old_repacked)
                      - sum(size for n, (size, _entries) in written.items() if n not in before))

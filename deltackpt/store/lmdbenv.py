@@ -94,6 +94,12 @@ def inherited(path: Path) -> bool:
     return hit is not None and hit[0] != os.getpid() and hit[3] == _identity(path)
 
 
+def in_use(path: Path) -> bool:
+    """Whether the files at ``path`` are an environment this process, or the one it was forked from, has open:
+    readable, and never to be deleted as damage."""
+    return opened_here(path) is not None or inherited(path)
+
+
 def _identity(path: Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path / "data.mdb")

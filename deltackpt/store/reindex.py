@@ -16,7 +16,7 @@ import shutil
 from ..errors import ManifestFormatError
 from .backend import local_root
 from .commitlog import logged_tables
-from .lmdbenv import guarded, opened_here
+from .lmdbenv import guarded, in_use
 from .pack import PackEntry, PackTable, entries_from_rows, list_packs, pack_key, pack_stamps, read_pack_entries, \
     read_pack_table, walk_entries
 from .progress import Progress, phase
@@ -90,7 +90,7 @@ class Reindexing:
             # Never opened here: delete the files unread (LMDB has no page checksums, and a damaged page
             # pointer can crash the process before any error is raised).
             for path in self._candidates:
-                if opened_here(path) is None:  # one this process has open is readable
+                if not in_use(path):  # one this process (or its parent, before a fork) has open is readable
                     shutil.rmtree(path, ignore_errors=True)
         return self._rebuild(present, progress)
 
